@@ -1,0 +1,18 @@
+"""pyg_pipe: pipelined full-graph training of unchanged PyTorch Geometric models across many devices.
+
+``import pyg_pipe`` registers the Lightning strategies, so ``Trainer(strategy="gnnpipe")`` works.
+"""
+from lightning.pytorch.strategies import StrategyRegistry
+
+try:
+    from .data import FullGraphDataModule
+except ImportError:  # TEMP until helper lands
+    pass
+from .engine import GNNPipeEngine, PipelineConfig
+from .model import UnsupportedModelError
+from .strategies import GNNPipeStrategy
+
+GNNPipeStrategy.register_strategies(StrategyRegistry)
+
+__version__ = "0.1.0"
+__all__ = ["GNNPipeStrategy", "FullGraphDataModule", "GNNPipeEngine", "PipelineConfig", "UnsupportedModelError"]

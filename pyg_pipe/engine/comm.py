@@ -1,0 +1,191 @@
+"""Point-to-point communication between stages, with every byte counted and failures propagated.
+
+Every tensor goes through ``torch.distributed`` ``isend``/``irecv`` (NCCL on GPUs, gloo on CPU).
+Bytes sent while :attr:`Comm.counting` is on are added to a category:
+
+==================== ===============================================================
+``stage_activations`` forward rows of the value that feeds the next stage's first layer
+``stage_gradients``   their gradients, sent backwards
+``carried``           any other tensor crossing a cut (GCNII's ``x0``), both directions
+``output``            the last stage's output rows, sent to every other rank
+``other``             anything else
+==================== ===============================================================
+
+No wait can hang: a rank that fails posts its error in the process group's store
+(:meth:`Comm.post_error`); a peer that dies closes its connections, and a watchdog thread aborts
+the communication of ranks still blocked once an error is posted. The others then raise
+:class:`RemoteRankError` carrying the original message, and a wait longer than ``timeout`` seconds
+fails naming the peer.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from datetime import timedelta
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+CATEGORIES = ("stage_activations", "stage_gradients", "carried", "output", "other")
+_ERROR_KEY = "pyg_pipe/error"
+
+
+class RemoteRankError(RuntimeError):
+    """Another rank failed; the message carries its original error."""
+
+
+class Comm:
+    """Counted, failure-aware point-to-point messaging for one rank.
+
+    Args:
+        device: where received tensors are allocated.
+        timeout: seconds one wait may take before :class:`TimeoutError`.
+        group: process group (default: world).
+    """
+
+    def __init__(self, device: torch.device, timeout: float = 600.0, group=None):
+        initialized = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if initialized else 0
+        self.world_size = dist.get_world_size(group) if initialized else 1
+        self.device = device
+        self.timeout = timeout
+        self.group = group
+        self.counting = False
+        self.bytes: Dict[str, int] = defaultdict(int)
+        self._pending: List[Tuple[object, Tensor]] = []
+        self._remote_error: Optional[str] = None
+        self._closed = False
+        try:
+            self._store = dist.distributed_c10d._get_default_store() if initialized else None
+        except Exception:  # noqa: BLE001 - no store: waits still time out
+            self._store = None
+
+    # -- sending -----------------------------------------------------------------------------
+    def send(self, tensor: Tensor, dst: int, category: str = "other") -> None:
+        """Posts an asynchronous send; the tensor is kept alive until :meth:`flush`."""
+        tensor = tensor.detach().contiguous()
+        if self.counting:
+            self.bytes[category] += tensor.numel() * tensor.element_size()
+        work = dist.isend(tensor, dst, group=self.group)
+        self._pending.append((work, tensor))
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> Tensor:
+        """Receives one tensor of known shape and dtype from ``src``."""
+        buf = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        self.wait(dist.irecv(buf, src, group=self.group), f"receive from rank {src}")
+        return buf
+
+    def send_with_header(self, tensor: Tensor, dst: int) -> None:
+        """Sends shape and dtype first, then the tensor (uncounted; used when shapes are unknown)."""
+        header = torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape], dtype=torch.long)
+        self.send(torch.tensor([header.numel()], dtype=torch.long, device=self.device), dst)
+        self.send(header.to(self.device), dst)
+        self.send(tensor, dst)
+
+    def recv_with_header(self, src: int) -> Tensor:
+        n = int(self.recv([1], torch.long, src))
+        header = self.recv([n], torch.long, src).tolist()
+        return self.recv(header[2:], _DTYPES[header[0]], src)
+
+    def flush(self) -> None:
+        """Waits for every posted send."""
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            self.wait(work, "send")
+
+    # -- waiting and failures ------------------------------------------------------------------
+    def wait(self, work, what: str) -> None:
+        """Blocks on ``work``; a failure of the peer surfaces as :class:`RemoteRankError` with its cause.
+
+        A peer that dies closes its connections, which ends the wait with an error; a peer that fails
+        but lingers posts its error, and the watchdog thread then aborts the process group, which also
+        ends the wait. Either way this rank raises the original error instead of hanging.
+        """
+        try:
+            work.wait(timedelta(seconds=self.timeout))
+        except Exception as exc:  # noqa: BLE001 - translated below
+            self.check_remote_error()
+            raise RuntimeError(
+                f"pyg_pipe rank {self.rank}: {what} failed ({exc}). Another rank is stuck or died; if stages are "
+                f"just slow, raise `comm_timeout` (now {self.timeout:.0f} s).") from exc
+        self.check_remote_error()
+
+    def check_remote_error(self) -> None:
+        msg = self._remote_error
+        if msg is None and self._store is not None:
+            try:
+                if self._store.check([_ERROR_KEY]):
+                    msg = self._store.get(_ERROR_KEY).decode(errors="replace")
+            except Exception:  # noqa: BLE001 - store gone: the process group is going down anyway
+                msg = None
+        if msg is not None and not msg.startswith(f"rank {self.rank} "):
+            raise RemoteRankError(msg)
+
+    def post_error(self, exc: BaseException) -> None:
+        """Tells every other rank that this one failed, and why."""
+        if self._store is None or isinstance(exc, RemoteRankError):
+            return
+        try:
+            if not self._store.check([_ERROR_KEY]):
+                self._store.set(_ERROR_KEY, f"rank {self.rank} failed with {type(exc).__name__}: {exc}")
+        except Exception:  # noqa: BLE001 - the store itself may be gone
+            pass
+
+    def start_watchdog(self, poll: float = 0.5, grace: float = 2.0) -> None:
+        """Clears any stale error flag (collectively) and starts the thread that aborts this rank's
+        blocked communication once another rank has posted an error and had ``grace`` seconds to exit."""
+        if self._store is None or self.world_size == 1:
+            return
+        dist.barrier(group=self.group)
+        if self.rank == 0:
+            try:
+                self._store.delete_key(_ERROR_KEY)
+            except Exception:  # noqa: BLE001
+                pass
+        dist.barrier(group=self.group)
+
+        def watch():
+            while not self._closed:
+                time.sleep(poll)
+                try:
+                    if not self._store.check([_ERROR_KEY]):
+                        continue
+                    msg = self._store.get(_ERROR_KEY).decode(errors="replace")
+                except Exception:  # noqa: BLE001
+                    return
+                if msg.startswith(f"rank {self.rank} "):
+                    return
+                self._remote_error = msg
+                time.sleep(grace)
+                if not self._closed:
+                    try:
+                        dist.distributed_c10d._abort_process_group()
+                    except Exception:  # noqa: BLE001
+                        pass
+                return
+
+        threading.Thread(target=watch, name="pyg_pipe-watchdog", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+
+    # -- accounting ------------------------------------------------------------------------------
+    def reset_counters(self) -> None:
+        self.bytes = defaultdict(int)
+
+    def totals(self, reduce: bool = True) -> Dict[str, int]:
+        """Bytes per category (and ``total``), summed over all ranks when ``reduce``."""
+        vals = torch.tensor([self.bytes.get(c, 0) for c in CATEGORIES], dtype=torch.float64)
+        if reduce and self.world_size > 1:
+            vals = vals.to(self.device)
+            dist.all_reduce(vals, group=self.group)
+        out = {c: int(v) for c, v in zip(CATEGORIES, vals.tolist())}
+        out["total"] = sum(out[c] for c in CATEGORIES)
+        return out
+
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
+           torch.uint8, torch.int8, torch.int16]

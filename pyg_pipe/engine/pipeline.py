@@ -1,0 +1,786 @@
+"""The GNNPipe engine: chunked fill/drain schedule over pipeline stages with historical embeddings.
+
+One :class:`GNNPipeEngine` lives on every rank and replaces the ``forward`` of the user's PyG model
+(the smallest module holding all its ``MessagePassing`` layers). Rank ``s`` runs stage ``s`` of the
+traced program (:mod:`pyg_pipe.model`). Every rank returns the full output, so the user's loss and
+metrics code runs unchanged and identically everywhere.
+
+Schedule of one training step (S stages, chunk order ``o = order(t)``, ``C`` chunks)::
+
+    clock     0      1      2     ...   C-1      C     ...  C+S-2
+    stage 0  o[0]   o[1]   o[2]   ...  o[C-1]
+    stage 1         o[0]   o[1]   ...  o[C-2]  o[C-1]
+    ...
+    stage S-1                     ...                       o[C-1]     (fill, forward)
+
+then the same in reverse chunk order from stage S-1 down to stage 0 (drain, backward), started by
+the gradient of the user's loss. At clock ``k`` stage ``s`` runs all its layers for chunk ``o[k-s]``;
+the bubble is ``S-1`` clocks per phase.
+
+Historical embeddings. For every value ``v`` that a layer of the stage reads (its input ``h``, GCNII's
+``x0``), the stage keeps a |V|-row buffer ``B_v``. A chunk's layer reads its own rows live and its
+halo rows from ``B_v``; after computing ``v`` for a chunk it writes those rows into ``B_v``. So halo
+rows of chunks earlier in ``o`` are *fresh* (this step) and the others *historical* (an earlier step).
+
+Gradients. Drain visits chunks in reverse order, so every fresh read of chunk ``c``'s rows is
+back-propagated before ``c`` itself: those cross-chunk gradients are accumulated in ``G_v`` and
+injected into ``c``'s backward. Gradients of historical reads have no producer this step and are
+dropped. Staleness controls (design.md §3):
+
+* ``shuffle_chunks`` (T1): ``o`` is a fresh permutation every step, the same on all ranks
+  (``torch.randperm`` seeded with ``seed + t``).
+* ``snapshot_period = R`` (T2): at the start of step ``t`` the buffers are copied to a snapshot when
+  ``t % R == 0`` and restored from it otherwise, so historical rows are an anchor refreshed every R steps.
+* ``unbiased_gradients`` (T3): cross-chunk gradients are scaled by 2 (on average half of a vertex's
+  consumers run after it), stale ones zeroed every step.
+
+Before the first step the buffers are filled by one exact layer-wise pass, so history starts exact.
+Inference (``model.eval()`` or no grad) is always exact: each stage runs its layers on the whole graph.
+
+Communication per step (fp32, ``d`` = width of the activation at each cut, ``d0`` of carried tensors)::
+
+    stage_activations = stage_gradients = (S-1)·|V|·d·4 bytes
+    carried           = 2·(S-1)·|V|·d0·4 bytes          (only when a tensor such as x0 crosses a cut)
+    output            = (S-1)·|V|·d_out·4 bytes         (last stage -> every other rank)
+
+independent of the number of layers.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import Tensor
+from torch_geometric.nn import MessagePassing
+
+from ..model.program import (CONST, EDGE, GRAPH, NODE, Program, UnsupportedModelError, bind_inputs,
+                             forward_function, trace)
+from ..model.split import Stage, balance, layer_groups, parameter_owner, split
+from .chunks import Chunk, ChunkedGraph
+from .comm import Comm
+
+
+@dataclass
+class PipelineConfig:
+    """Knobs of the GNNPipe schedule (see :class:`pyg_pipe.GNNPipeStrategy` for their docs)."""
+
+    num_chunks: Optional[int] = None
+    shuffle_chunks: bool = True
+    snapshot_period: Optional[int] = 23
+    unbiased_gradients: bool = True
+    balance: Union[str, Sequence[int]] = "time"
+    partition: Union[str, Callable] = "auto"
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.num_chunks is not None and (not isinstance(self.num_chunks, int) or self.num_chunks < 1):
+            raise ValueError(f"num_chunks={self.num_chunks!r} must be a positive integer (or None for 4 per stage).")
+        if self.snapshot_period is not None and (not isinstance(self.snapshot_period, int) or self.snapshot_period < 1):
+            raise ValueError(f"snapshot_period={self.snapshot_period!r} must be a positive integer, or None to "
+                             f"turn periodic snapshots off.")
+        if isinstance(self.balance, str) and self.balance not in ("time", "layers"):
+            raise ValueError(f"balance={self.balance!r} must be 'time', 'layers' or a list of layers per stage.")
+
+
+@dataclass
+class _ChunkRecord:
+    """What the fill keeps of one chunk for the drain."""
+
+    in_leaves: Dict[str, Tensor] = field(default_factory=dict)
+    out_roots: Dict[str, Tensor] = field(default_factory=dict)
+    produced: Dict[str, Tensor] = field(default_factory=dict)
+    halo_leaves: List[Tuple[str, Tensor]] = field(default_factory=list)
+    local: Dict[str, Tensor] = field(default_factory=dict)
+
+
+class _Plan:
+    """Everything derived from one (graph, call signature): programs, stages, chunks."""
+
+    def __init__(self):
+        self.programs: Dict[bool, Program] = {}
+        self.stages: Dict[bool, List[Stage]] = {}
+        self.graph: Optional[ChunkedGraph] = None
+        self.graph_key: Optional[Tensor] = None
+        self.num_nodes = 0
+
+
+class _Fill(torch.autograd.Function):
+    """Runs the fill in ``forward`` and the drain in ``backward`` (design.md §6: Lightning zeroes
+    gradients between ``training_step`` and ``backward``, so the drain must happen in backward)."""
+
+    @staticmethod
+    def forward(ctx, engine: "GNNPipeEngine", anchor: Tensor) -> Tensor:
+        ctx.engine = engine
+        with torch.enable_grad():
+            return engine._fill()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ctx.engine._drain(grad)
+        return None, None
+
+
+class GNNPipeEngine:
+    """Pipelined execution of one PyG model on this rank's stage.
+
+    Args:
+        module: the user's model (its ``forward`` is replaced while the engine is installed).
+        config: schedule options.
+        comm: this rank's :class:`~pyg_pipe.engine.comm.Comm`.
+        num_stages: pipeline depth S (= world size for pure GNNPipe).
+        stage: this rank's stage index.
+        ranks: global rank of every stage (default ``range(S)``).
+    """
+
+    def __init__(self, module: torch.nn.Module, config: PipelineConfig, comm: Comm, num_stages: int, stage: int,
+                 ranks: Optional[Sequence[int]] = None):
+        config.validate()
+        self.module = module
+        self.config = config
+        self.comm = comm
+        self.num_stages = num_stages
+        self.stage_index = stage
+        self.ranks = list(ranks) if ranks is not None else list(range(num_stages))
+        self.step = 0
+        self.layers_per_stage: Optional[List[int]] = None
+        self.plan: Optional[_Plan] = None
+        self.buffers: Dict[str, Tensor] = {}
+        self.snapshot: Dict[str, Tensor] = {}
+        self.owners: Dict[str, int] = {}
+        self._pending_history: Optional[dict] = None
+        self._hooks: list = []
+        self._instance_forward = None
+        self._forward_fn = forward_function(module)
+        self._inside = False
+        self._state: dict = {}
+        self.last_epoch_time = 0.0
+
+    # ------------------------------------------------------------------ install / call
+    def install(self) -> None:
+        """Routes ``module(...)`` through the engine and guards its layers against direct calls."""
+        self._forward_fn = forward_function(self.module)
+        self._instance_forward = self.module.__dict__.get("forward")
+        self.module.forward = self.__call__
+        for name, m in self.module.named_modules():
+            if isinstance(m, MessagePassing):
+                self._hooks.append(m.register_forward_pre_hook(self._guard(name)))
+
+    def uninstall(self) -> None:
+        self.module.__dict__.pop("forward", None)
+        if self._instance_forward is not None:
+            self.module.forward = self._instance_forward
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _guard(self, name: str):
+        def hook(mod, args):
+            if not self._inside:
+                raise RuntimeError(
+                    f"Layer '{name}' was called directly, outside the forward of the model pyg_pipe pipelines "
+                    f"({type(self.module).__name__}). Call the whole model, e.g. `self.model(x, edge_index)`, "
+                    f"so its layers run on their pipeline stages.")
+        return hook
+
+    def __call__(self, *args, **kwargs):
+        bound = bind_inputs(self.module, args, kwargs, self._forward_fn)
+        training = self.module.training and torch.is_grad_enabled()
+        plan = self._get_plan(bound, training)
+        self._state = {"bound": bound, "plan": plan}
+        if not training:
+            with torch.no_grad():
+                out, _ = self._run_full(plan.programs[False], plan.stages[False], bound, record=False)
+            return out
+        for name in plan.programs[True].inputs:
+            v = bound[name]
+            if isinstance(v, Tensor) and v.requires_grad:
+                raise ValueError(
+                    f"Input '{name}' of the pipelined model requires grad; pyg_pipe does not back-propagate into "
+                    f"the model's inputs. Move the layers that produce '{name}' into the model.")
+        anchor = torch.zeros((), device=self.comm.device, requires_grad=True)
+        return _Fill.apply(self, anchor)
+
+    # ------------------------------------------------------------------ planning
+    def _graph_of(self, program_inputs: Sequence[str], bound: Dict[str, Any]):
+        for name in program_inputs:
+            v = bound[name]
+            from ..model.program import is_graph_tensor
+            if is_graph_tensor(v):
+                return name, v
+        raise UnsupportedModelError("The model's forward received no edge_index or sparse adjacency.")
+
+    def _get_plan(self, bound: Dict[str, Any], training: bool) -> _Plan:
+        from ..model.program import is_graph_tensor
+        graph = next((v for v in bound.values() if is_graph_tensor(v)), None)
+        if graph is None:
+            raise UnsupportedModelError(
+                f"{type(self.module).__name__} was called without an edge_index (or sparse adj_t) argument; "
+                f"pyg_pipe needs the graph to cut it into chunks.")
+        if type(graph).__name__ == "SparseTensor":
+            raise UnsupportedModelError(
+                "torch_sparse.SparseTensor adjacencies are not supported by pyg_pipe yet; pass edge_index or a "
+                "torch.sparse CSR/COO adj_t (torch_geometric.transforms.ToSparseTensor(layout=torch.sparse_csr)).")
+        num_nodes = self._num_nodes(bound, graph)
+        plan = self.plan
+        if plan is None or not _same_graph(plan.graph_key, graph):
+            plan = _Plan()
+            plan.graph_key = graph
+            plan.num_nodes = num_nodes
+            self.plan = plan
+            self.buffers, self.snapshot = {}, {}
+        num_edges = graph.size(1) if graph.layout == torch.strided else graph._nnz()
+        for mode in ([training] if training else [False]):
+            if mode not in plan.programs:
+                was = self.module.training
+                self.module.train(mode)
+                try:
+                    prog = trace(self.module, bound, num_nodes, num_edges, self._forward_fn)
+                finally:
+                    self.module.train(was)
+                if self.layers_per_stage is None:
+                    self.layers_per_stage = self._choose_split(prog, bound)
+                groups = layer_groups(prog)
+                if len(groups) != sum(self.layers_per_stage):
+                    raise UnsupportedModelError(
+                        f"{type(self.module).__name__} runs {len(groups)} message-passing layers in "
+                        f"{'training' if mode else 'eval'} mode but {sum(self.layers_per_stage)} in the other mode; "
+                        f"pyg_pipe needs the same layers in both.")
+                plan.programs[mode] = prog
+                plan.stages[mode] = split(prog, self.layers_per_stage)
+                if mode:
+                    self.owners = parameter_owner(self.module, plan.stages[True])
+        if training and plan.graph is None:
+            self._build_chunks(plan, bound, graph)
+        return plan
+
+    def _num_nodes(self, bound, graph) -> int:
+        if graph.layout != torch.strided:
+            return graph.size(0)
+        for name, v in bound.items():
+            if isinstance(v, Tensor) and v.dim() > 0 and v.layout == torch.strided and v is not graph \
+                    and name not in ("edge_weight", "edge_attr", "edge_type"):
+                return v.size(0)
+        return int(graph.max()) + 1 if graph.numel() else 0
+
+    def _choose_split(self, prog: Program, bound) -> List[int]:
+        groups = layer_groups(prog)
+        S, L = self.num_stages, len(groups)
+        if S > L:
+            raise UnsupportedModelError(
+                f"The model has {L} message-passing layers but the pipeline has {S} stages (devices); every stage "
+                f"needs at least one layer. Use at most {L} devices, or a deeper model.")
+        bal = self.config.balance
+        if not isinstance(bal, str):
+            sizes = [int(b) for b in bal]
+            if len(sizes) != S or sum(sizes) != L or min(sizes) < 1:
+                raise ValueError(f"balance={list(bal)} must give {S} positive layer counts summing to {L}.")
+            return sizes
+        if bal == "layers" or S == 1:
+            return [L // S + (1 if s < L % S else 0) for s in range(S)]
+        costs = torch.zeros(L, dtype=torch.float64)
+        if self.comm.rank == self.ranks[0]:
+            costs = torch.tensor(self._profile(prog, groups, bound), dtype=torch.float64)
+        costs = self._broadcast(costs, self.ranks[0])
+        return balance(costs.tolist(), S)
+
+    def _profile(self, prog: Program, groups, bound) -> List[float]:
+        """Seconds each layer group takes in one no-grad full-graph forward (the balance cost model)."""
+        env = self._inputs_env(prog, bound)
+        costs = []
+        self._inside = True
+        try:
+            with torch.no_grad():
+                for grp in groups:
+                    t0 = time.perf_counter()
+                    for node in grp:
+                        env[node.name] = self._eval(prog, node, env)
+                    costs.append(time.perf_counter() - t0)
+        finally:
+            self._inside = False
+        return costs
+
+    def _broadcast(self, t: Tensor, src: int) -> Tensor:
+        if self.comm.world_size > 1:
+            t = t.to(self.comm.device)
+            dist.broadcast(t, src, group=self.comm.group)
+        return t.cpu()
+
+    def _build_chunks(self, plan: _Plan, bound, graph: Tensor) -> None:
+        from ..graph.partition import make_chunks
+        N = plan.num_nodes
+        C = self.config.num_chunks if self.config.num_chunks is not None else min(4 * self.num_stages, N)
+        if C > N:
+            raise ValueError(f"num_chunks={C} is larger than the number of vertices ({N}); use at most {N} chunks.")
+        if graph.layout == torch.strided:
+            src, dst = graph[0], graph[1]
+            weight = bound.get("edge_weight") if isinstance(bound.get("edge_weight"), Tensor) else None
+            layout = None
+        else:
+            coo = graph.to_sparse_coo().coalesce() if graph.layout != torch.sparse_coo else graph.coalesce()
+            dst, src = coo.indices()
+            weight, layout = coo.values(), graph.layout
+        if self.comm.rank == self.ranks[0]:
+            part = self.config.partition
+            if callable(part):
+                perm, ptr = part(torch.stack([src, dst]).cpu(), N, C)
+                perm, ptr = torch.as_tensor(perm, dtype=torch.long), torch.as_tensor(ptr, dtype=torch.long)
+                if ptr.numel() != C + 1 or not torch.equal(torch.sort(perm).values, torch.arange(N)):
+                    raise ValueError(f"partition callable must return (perm, ptr): a permutation of {N} vertices "
+                                     f"and {C + 1} chunk boundaries.")
+            else:
+                perm, ptr = make_chunks(torch.stack([src, dst]).cpu(), N, C, method=part, seed=self.config.seed)
+        else:
+            perm, ptr = torch.empty(N, dtype=torch.long), torch.empty(C + 1, dtype=torch.long)
+        perm = self._broadcast(perm, self.ranks[0])
+        ptr = self._broadcast(ptr, self.ranks[0])
+        dev = self.comm.device
+        plan.graph = ChunkedGraph(src.to(dev), dst.to(dev), None if weight is None else weight.to(dev), N,
+                                  perm.to(dev), ptr.to(dev), sparse_layout=layout)
+        plan.sparse_coo = (src, dst, weight)
+        # exact layer-wise pass: fills the history buffers and tells every stage the message shapes
+        with torch.no_grad():
+            self._run_full(plan.programs[True], plan.stages[True], bound, record=True)
+        if self._pending_history is not None:
+            self._load_history(self._pending_history)
+            self._pending_history = None
+
+    # ------------------------------------------------------------------ evaluation helpers
+    def _inputs_env(self, prog: Program, bound) -> Dict[str, Any]:
+        env = {}
+        for node in prog.graph.nodes:
+            if node.op == "placeholder":
+                env[node.name] = bound.get(node.target.lstrip("*"))
+        return env
+
+    def _eval(self, prog: Program, node: fx.Node, env: Dict[str, Any], args=None, kwargs=None):
+        if args is None:
+            args = fx.node.map_arg(node.args, lambda n: env[n.name])
+            kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n.name])
+        if node.op == "call_module":
+            return prog.modules[node.target](*args, **kwargs)
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        if node.op == "get_attr":
+            obj = prog.root
+            for part in node.target.split("."):
+                obj = getattr(obj, part)
+            return obj
+        raise RuntimeError(f"unexpected fx node {node.op}")
+
+    def _buffered(self, prog: Program, stage: Stage) -> List[str]:
+        """Values this stage's layers read with halos, other than graph inputs: they get history buffers."""
+        names = []
+        for node in stage.mp_steps:
+            for a in node.all_input_nodes:
+                if prog.kinds[a.name] == NODE and a.op != "placeholder" and a.name not in names:
+                    names.append(a.name)
+        return names
+
+    # ------------------------------------------------------------------ exact full-graph pass
+    def _run_full(self, prog: Program, stages: List[Stage], bound, record: bool):
+        """Exact layer-wise pass: stage after stage, each over the whole graph.
+
+        With ``record`` (training program) it fills the history buffers and records every message's
+        shape. Messages carry a small header, and none of it is counted as training traffic.
+        """
+        stage = stages[self.stage_index]
+        env = self._inputs_env(prog, bound)
+        prev = self.ranks[self.stage_index - 1] if self.stage_index > 0 else None
+        nxt = self.ranks[self.stage_index + 1] if self.stage_index + 1 < self.num_stages else None
+        last = self.ranks[-1]
+        specs = {}
+        for name in stage.inputs:
+            env[name] = self.comm.recv_with_header(prev)
+            specs[name] = (tuple(env[name].shape[1:]), env[name].dtype)
+        self._inside = True
+        try:
+            for node in stage.steps:
+                env[node.name] = self._eval(prog, node, env)
+        finally:
+            self._inside = False
+        if nxt is not None:
+            for name in stage.outputs:
+                self.comm.send_with_header(env[name], nxt)
+                specs[name] = (tuple(env[name].shape[1:]), env[name].dtype)
+        if record:
+            g = self.plan.graph
+            self.specs = specs
+            self.buffers = {} if g.num_chunks == 1 else {
+                v: env[v].detach()[g.perm].clone() for v in self._buffered(prog, stage)}
+            self.snapshot = {}
+        if self.comm.rank == last:
+            out = env[stage.outputs[0]]
+            for r in range(self.comm.world_size):
+                if r != last:
+                    self.comm.send_with_header(out, r)
+        else:
+            out = self.comm.recv_with_header(last)
+        if record:
+            self.out_spec = (tuple(out.shape[1:]), out.dtype)
+        self.comm.flush()
+        return out, env
+
+    # ------------------------------------------------------------------ chunked training step
+    def chunk_order(self, step: int) -> List[int]:
+        C = self.plan.graph.num_chunks
+        if not self.config.shuffle_chunks:
+            return list(range(C))
+        gen = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
+        return torch.randperm(C, generator=gen).tolist()
+
+    def _begin_history(self, step: int) -> None:
+        R = self.config.snapshot_period
+        if R is None or not self.buffers or self.plan.graph.num_chunks == 1:
+            return
+        if step % R == 0 or not self.snapshot:
+            self.snapshot = {k: v.clone() for k, v in self.buffers.items()}
+        else:
+            for k, v in self.buffers.items():
+                v.copy_(self.snapshot[k])
+
+    def _fill(self) -> Tensor:
+        plan: _Plan = self._state["plan"]
+        bound = self._state["bound"]
+        prog, stage, g = plan.programs[True], plan.stages[True][self.stage_index], plan.graph
+        t0 = time.perf_counter()
+        step = self.step
+        order = self.chunk_order(step)
+        self._begin_history(step)
+        perm = g.perm
+        node_in, edge_in = {}, {}
+        for node in prog.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            v = bound.get(node.target.lstrip("*"))
+            if prog.kinds[node.name] == NODE:
+                node_in[node.name] = v[perm]
+            elif prog.kinds[node.name] == EDGE:
+                edge_in[node.name] = v
+        prev = self.ranks[self.stage_index - 1] if self.stage_index > 0 else None
+        nxt = self.ranks[self.stage_index + 1] if self.stage_index + 1 < self.num_stages else None
+        last = self.ranks[-1]
+        is_last = nxt is None
+        out_new = None
+        if is_last:
+            shape, dtype = self.out_spec
+            out_new = torch.empty((plan.num_nodes, *shape), dtype=dtype, device=self.comm.device)
+        buffered = set(self.buffers)
+        records: Dict[int, _ChunkRecord] = {}
+        ctx = dict(prog=prog, stage=stage, g=g, node_in=node_in, edge_in=edge_in, bound=bound, buffered=buffered)
+        self.comm.counting = True
+        for c in order:
+            ch = g.chunks[c]
+            rec = _ChunkRecord()
+            env = {}
+            for node in prog.graph.nodes:
+                if node.op != "placeholder":
+                    continue
+                kind = prog.kinds[node.name]
+                if kind == NODE:
+                    env[node.name] = node_in[node.name][ch.start:ch.end]
+                elif kind == EDGE:
+                    env[node.name] = edge_in[node.name][ch.edge_ids]
+                else:
+                    env[node.name] = bound.get(node.target.lstrip("*"))
+            for name in stage.inputs:
+                shape, dtype = self.specs[name]
+                t = self.comm.recv((ch.rows, *shape), dtype, prev)
+                if t.is_floating_point():
+                    t.requires_grad_()
+                rec.in_leaves[name] = t
+                env[name] = t
+                if name in buffered:
+                    self.buffers[name][ch.start:ch.end] = t.detach()
+            self._inside = True
+            try:
+                for node in stage.steps:
+                    if prog.is_mp(node):
+                        out = self._call_mp(node, env, ch, rec, ctx)
+                    else:
+                        out = self._eval(prog, node, env)
+                    env[node.name] = out
+                    if node.name in buffered:
+                        self.buffers[node.name][ch.start:ch.end] = out.detach()
+                        rec.produced[node.name] = out
+            finally:
+                self._inside = False
+            for name in stage.outputs:
+                rec.out_roots[name] = env[name]
+            if is_last:
+                out_new[ch.start:ch.end] = env[stage.outputs[0]].detach()
+            else:
+                for name in stage.outputs:
+                    cat = "stage_activations" if name == self._next_activation(plan) else "carried"
+                    self.comm.send(env[name], nxt, cat)
+            rec.local = {}
+            records[c] = rec
+        if is_last:
+            for r in range(self.comm.world_size):
+                if r != last:
+                    self.comm.send(out_new, r, "output")
+        else:
+            shape, dtype = self.out_spec
+            out_new = self.comm.recv((plan.num_nodes, *shape), dtype, last)
+        self.comm.flush()
+        self.comm.counting = False
+        self._state.update(records=records, order=order, ctx=ctx)
+        self.last_epoch_time = time.perf_counter() - t0
+        return out_new[g.inv]
+
+    def _next_activation(self, plan: _Plan) -> Optional[str]:
+        stages = plan.stages[True]
+        return stages[self.stage_index + 1].activation if self.stage_index + 1 < len(stages) else None
+
+    def _call_mp(self, node: fx.Node, env, ch: Chunk, rec: _ChunkRecord, ctx) -> Tensor:
+        """Runs one message-passing layer for chunk ``ch`` on its local graph; returns the chunk's rows."""
+        prog: Program = ctx["prog"]
+        module = prog.modules[node.target]
+        sig = _forward_signature(module)
+        try:
+            ba = sig.bind(*node.args, **node.kwargs)
+        except TypeError:
+            ba = None
+        g: ChunkedGraph = ctx["g"]
+        takes_weight = "edge_weight" in sig.parameters
+        weight_arg = ba.arguments.get("edge_weight") if ba is not None else None
+        complete = takes_weight and (weight_arg is None or (isinstance(weight_arg, fx.Node)
+                                                            and weight_arg.op == "placeholder"))
+        complete = complete or g.sparse_layout is not None
+        if g.sparse_layout is not None:
+            user_weight = self.plan.sparse_coo[2]  # the adjacency's values, in the chunked edge order
+        elif isinstance(weight_arg, fx.Node):
+            user_weight = ctx["bound"].get(weight_arg.target.lstrip("*"))
+        else:
+            user_weight = None
+        dtype = _float_dtype(env, node, prog)
+        graph, local_w = g.local_graph(ch, complete, user_weight, dtype)
+        n_dummy = g.dummy_edges(ch, complete)
+
+        def local(n: fx.Node):
+            kind = prog.kinds[n.name]
+            if kind == GRAPH:
+                return graph
+            if kind == NODE:
+                return self._local_rows(n, env, ch, rec, ctx)
+            if kind == EDGE:
+                v = env[n.name]
+                if n_dummy:
+                    v = torch.cat([v, v.new_zeros((n_dummy, *v.shape[1:]))])
+                return v
+            return env[n.name]
+
+        args = fx.node.map_arg(node.args, local)
+        kwargs = dict(fx.node.map_arg(node.kwargs, local))
+        if complete and g.sparse_layout is None:
+            if ba is not None and "edge_weight" in ba.arguments and len(node.args) > list(sig.parameters).index("edge_weight"):
+                args = list(args)
+                args[list(sig.parameters).index("edge_weight")] = local_w
+            else:
+                kwargs["edge_weight"] = local_w
+        with _uncached(module):
+            out = module(*args, **kwargs)
+        if not isinstance(out, Tensor):
+            raise UnsupportedModelError(
+                f"Layer '{node.target}' returned {type(out).__name__}; pyg_pipe needs each MessagePassing layer to "
+                f"return one node tensor (e.g. do not request attention weights during training).")
+        return out[:ch.rows]
+
+    def _local_rows(self, n: fx.Node, env, ch: Chunk, rec: _ChunkRecord, ctx) -> Tensor:
+        """``[chunk rows | halo rows | dummy row]`` of a node value for the chunk's local graph."""
+        name = n.name
+        hit = rec.local.get(name)
+        if hit is not None and hit[0] is env[name]:
+            return hit[1]
+        rows = env[name]
+        parts = [rows]
+        if ch.halo.numel():
+            if n.op == "placeholder":
+                parts.append(ctx["node_in"][name][ch.halo])
+            else:
+                if name not in self.buffers:
+                    raise RuntimeError(f"no history buffer for '{name}'")
+                halo = self.buffers[name][ch.halo]
+                if halo.is_floating_point():
+                    halo.requires_grad_()
+                    rec.halo_leaves.append((name, halo))
+                parts.append(halo)
+        if ch.has_dummy:
+            parts.append(rows.new_zeros((1, *rows.shape[1:])))
+        out = torch.cat(parts) if len(parts) > 1 else rows
+        rec.local[name] = (rows, out)
+        return out
+
+    def _drain(self, grad_out: Tensor) -> None:
+        plan: _Plan = self._state["plan"]
+        records: Dict[int, _ChunkRecord] = self._state["records"]
+        order: List[int] = self._state["order"]
+        stage = plan.stages[True][self.stage_index]
+        g = plan.graph
+        prev = self.ranks[self.stage_index - 1] if self.stage_index > 0 else None
+        nxt = self.ranks[self.stage_index + 1] if self.stage_index + 1 < self.num_stages else None
+        pos = torch.empty(g.num_chunks, dtype=torch.long, device=self.comm.device)
+        pos[torch.tensor(order, device=self.comm.device)] = torch.arange(g.num_chunks, device=self.comm.device)
+        scale = 2.0 if (self.config.unbiased_gradients and g.num_chunks > 1) else 1.0
+        grads: Dict[str, Tensor] = {}
+        grad_new = grad_out[g.perm] if nxt is None else None
+        self.comm.counting = True
+        t0 = time.perf_counter()
+        for c in reversed(order):
+            ch = g.chunks[c]
+            rec = records.pop(c)
+            pairs: Dict[int, List] = {}
+
+            def add(t: Tensor, gr: Tensor):
+                if not t.requires_grad:
+                    return
+                if id(t) in pairs:
+                    pairs[id(t)][1] = pairs[id(t)][1] + gr
+                else:
+                    pairs[id(t)] = [t, gr]
+
+            if nxt is None:
+                add(rec.out_roots[stage.outputs[0]], grad_new[ch.start:ch.end])
+            else:
+                for name in stage.outputs:
+                    shape, dtype = self.specs[name]
+                    if dtype.is_floating_point:
+                        add(rec.out_roots[name], self.comm.recv((ch.rows, *shape), dtype, nxt))
+            for name, t in rec.produced.items():
+                if name in grads:
+                    add(t, grads[name][ch.start:ch.end])
+            if pairs:
+                roots, gs = zip(*pairs.values())
+                torch.autograd.backward(list(roots), list(gs))
+            if rec.halo_leaves:
+                fresh = pos[ch.halo_chunk] < pos[c]
+                idx = ch.halo[fresh]
+                for name, leaf in rec.halo_leaves:
+                    if leaf.grad is None or idx.numel() == 0:
+                        continue
+                    if name not in grads:
+                        grads[name] = torch.zeros_like(self.buffers[name])
+                    grads[name].index_add_(0, idx, leaf.grad[fresh] * scale)
+            if prev is not None:
+                for name in stage.inputs:
+                    leaf = rec.in_leaves[name]
+                    if not leaf.is_floating_point():
+                        continue
+                    gr = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                    if name in grads:
+                        gr = gr + grads[name][ch.start:ch.end]
+                    cat = "stage_gradients" if name == stage.activation else "carried"
+                    self.comm.send(gr, prev, cat)
+        self.comm.flush()
+        self.comm.counting = False
+        self.step += 1
+        self.last_epoch_time += time.perf_counter() - t0
+        self._state = {}
+
+    # ------------------------------------------------------------------ history state (checkpoints)
+    def history_state(self) -> dict:
+        """This stage's history buffers, snapshot and chunk permutation, for checkpoints."""
+        if self.plan is None or self.plan.graph is None:
+            return {}
+        return {"buffers": {k: v.cpu() for k, v in self.buffers.items()},
+                "snapshot": {k: v.cpu() for k, v in self.snapshot.items()},
+                "perm": self.plan.graph.perm.cpu(), "ptr": self.plan.graph.ptr.cpu()}
+
+    def set_history_state(self, state: dict) -> None:
+        """Restores :meth:`history_state` at the next plan (or now, if the graph is already chunked)."""
+        if not state:
+            return
+        if self.plan is not None and self.plan.graph is not None:
+            self._load_history(state)
+        else:
+            self._pending_history = state
+
+    def _load_history(self, state: dict) -> None:
+        g = self.plan.graph
+        if not torch.equal(state["perm"].to(g.perm.device), g.perm) or set(state["buffers"]) != set(self.buffers):
+            raise ValueError("The checkpoint's pipeline history was saved for a different graph, chunking or model "
+                             "split; resume with the same graph, num_chunks, partition, seed and devices.")
+        dev = self.comm.device
+        for k, v in state["buffers"].items():
+            self.buffers[k].copy_(v.to(dev))
+        self.snapshot = {k: v.to(dev).clone() for k, v in state["snapshot"].items()}
+
+
+def _same_graph(a: Optional[Tensor], b: Tensor) -> bool:
+    if a is None:
+        return False
+    if a is b:
+        return True
+    if a.layout != b.layout or a.shape != b.shape or a.device != b.device:
+        return False
+    if a.layout == torch.strided:
+        return torch.equal(a, b)
+    if a.layout == torch.sparse_csr:
+        return torch.equal(a.crow_indices(), b.crow_indices()) and torch.equal(a.col_indices(), b.col_indices())
+    return torch.equal(a.coalesce().indices(), b.coalesce().indices())
+
+
+_SIGNATURES: Dict[type, inspect.Signature] = {}
+
+
+def _forward_signature(module: torch.nn.Module) -> inspect.Signature:
+    cls = type(module)
+    if cls not in _SIGNATURES:
+        _SIGNATURES[cls] = inspect.signature(module.forward)
+    return _SIGNATURES[cls]
+
+
+def _float_dtype(env, node: fx.Node, prog: Program) -> torch.dtype:
+    for a in node.all_input_nodes:
+        v = env.get(a.name)
+        if isinstance(v, Tensor) and v.is_floating_point() and prog.kinds[a.name] == NODE:
+            return v.dtype
+    return torch.get_default_dtype()
+
+
+class _uncached:
+    """Turns a layer's ``cached`` normalisation off while it runs on a chunk (design.md §7: a cached
+    layer would reuse the first chunk's normalisation for every later chunk)."""
+
+    def __init__(self, module):
+        self.module = module
+        self.was = getattr(module, "cached", None)
+
+    def __enter__(self):
+        if self.was:
+            self.module.cached = False
+
+    def __exit__(self, *exc):
+        if self.was:
+            self.module.cached = True
+
+
+def sync_module_state(module: torch.nn.Module, owners: Dict[str, int], ranks: Sequence[int], group=None) -> None:
+    """Copies every parameter and buffer from the rank of the stage that owns it to all ranks.
+
+    Used before checkpoints and at the end of ``fit`` so that every rank (and so the user's model in
+    the main process, whichever launcher ran) holds the whole trained model.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    tensors = dict(module.named_parameters())
+    tensors.update(dict(module.named_buffers()))
+    by_stage: Dict[int, List[Tensor]] = {}
+    for name, t in tensors.items():
+        by_stage.setdefault(owners.get(name, 0), []).append(t)
+    with torch.no_grad():
+        for s, ts in sorted(by_stage.items()):
+            for dtype in sorted({t.dtype for t in ts}, key=str):
+                same = [t for t in ts if t.dtype == dtype]
+                flat = torch.cat([t.detach().reshape(-1) for t in same])
+                dist.broadcast(flat, ranks[s], group=group)
+                off = 0
+                for t in same:
+                    t.copy_(flat[off:off + t.numel()].view_as(t))
+                    off += t.numel()

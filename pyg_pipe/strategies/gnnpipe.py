@@ -1,0 +1,366 @@
+"""``strategy="gnnpipe"``: pipelined layer-level model parallelism for full-graph training in Lightning."""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Dict, List, Literal, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor
+from torch_geometric.data import Batch, Data, HeteroData
+from torch_geometric.nn import MessagePassing
+
+from ..engine import CATEGORIES, Comm, GNNPipeEngine, PipelineConfig, sync_module_state
+from ..model import UnsupportedModelError
+
+
+class GNNPipeStrategy(DDPStrategy):
+    """Trains an unchanged PyG model with GNNPipe: its layers split into one pipeline stage per
+    device, the graph cut into chunks that flow through the stages (design.md §2-3).
+
+    Every process loads the same whole graph (use :class:`pyg_pipe.FullGraphDataModule` or a
+    ``DataLoader([data], batch_size=None)``); the model's forward returns the full output on every
+    rank, so ``training_step``, ``validation_step``, metrics, ``ModelCheckpoint`` and
+    ``EarlyStopping`` work as on one device. One optimizer step per epoch.
+
+    .. code-block:: python
+
+        import lightning as L
+        import pyg_pipe
+
+        trainer = L.Trainer(strategy="gnnpipe", accelerator="cpu", devices=4, max_epochs=200)
+        # or configured:
+        trainer = L.Trainer(strategy=pyg_pipe.GNNPipeStrategy(num_chunks=16), devices=4)
+
+    Args:
+        num_chunks: chunks the graph is cut into (default ``4 × devices``, at most |V|). One chunk
+            gives exact model parallelism; more chunks shrink the pipeline bubble but read
+            neighbours from historical embeddings.
+        shuffle_chunks: a new chunk order every epoch (staleness control T1).
+        snapshot_period: historical embeddings are snapshotted every this many epochs and restored
+            in between (T2); ``None`` turns snapshots off.
+        unbiased_gradients: scale cross-chunk gradients by 2 and drop stale ones (T3).
+        balance: ``"time"`` (measure each layer once and split stages by cost), ``"layers"`` (equal
+            layer counts) or a list with the number of message-passing layers of every stage.
+        partition: vertex partitioner for chunks: ``"auto"`` (METIS via ``pymetis`` when installed,
+            else a locality-preserving greedy fallback), ``"metis"``, ``"greedy"``, ``"random"``,
+            ``"contiguous"``.
+        seed: seed of the partitioner and of the chunk shuffling.
+        model: attribute name of the module to pipeline inside the LightningModule; by default the
+            smallest sub-module that holds every ``MessagePassing`` layer.
+        comm_timeout: seconds a pipeline send/receive may wait before failing (a stuck peer never
+            hangs the run).
+        checkpoint_history: also store the historical embeddings in checkpoints, so resuming
+            continues exactly (they are as large as one copy of every stage's layer inputs).
+        start_method, timeout, process_group_backend, cluster_environment, ...: as for
+            :class:`~lightning.pytorch.strategies.DDPStrategy` (``"popen"`` by default, also under
+            ``torchrun`` and SLURM through Lightning's cluster environments).
+    """
+
+    strategy_name = "gnnpipe"
+
+    def __init__(
+        self,
+        num_chunks: Optional[int] = None,
+        shuffle_chunks: bool = True,
+        snapshot_period: Optional[int] = 23,
+        unbiased_gradients: bool = True,
+        balance: Union[str, Sequence[int]] = "time",
+        partition: str = "auto",
+        seed: int = 0,
+        model: Optional[str] = None,
+        comm_timeout: float = 600.0,
+        checkpoint_history: bool = True,
+        accelerator=None,
+        parallel_devices: Optional[List[torch.device]] = None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision_plugin=None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method)
+        self.config = PipelineConfig(num_chunks=num_chunks, shuffle_chunks=shuffle_chunks,
+                                     snapshot_period=snapshot_period, unbiased_gradients=unbiased_gradients,
+                                     balance=balance, partition=partition, seed=seed)
+        self.config.validate()
+        if comm_timeout <= 0:
+            raise ValueError(f"comm_timeout={comm_timeout} must be a positive number of seconds.")
+        self.model_attr = model
+        self.comm_timeout = float(comm_timeout)
+        self.checkpoint_history = checkpoint_history
+        self.engine: Optional[GNNPipeEngine] = None
+        self.comm: Optional[Comm] = None
+        self.comm_history: List[Dict[str, int]] = []
+        self._pending_history: Optional[dict] = None
+
+    # ----------------------------------------------------------------------- registration
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        for name, start_method in (("gnnpipe", "popen"), ("gnnpipe_spawn", "spawn"), ("gnnpipe_fork", "fork")):
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=f"GNNPipe pipelined full-graph training "
+                                           f"(start_method '{start_method}')", start_method=start_method)
+
+    # ----------------------------------------------------------------------- setup / teardown
+    @property
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        # every rank sees the whole graph: no sharding of the (one-graph) dataset
+        return {"num_replicas": 1, "rank": 0}
+
+    def configure_ddp(self) -> None:
+        """No DistributedDataParallel wrapper: each stage owns its own parameters."""
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        if self.engine is None:
+            self._setup_pipeline(trainer)
+
+    def _setup_pipeline(self, trainer) -> None:
+        target = self._find_model()
+        self.comm = Comm(self.root_device, timeout=self.comm_timeout)
+        # every rank starts from rank 0's weights (processes started by `popen` build their own model)
+        sync_module_state(self.lightning_module, {}, [0])
+        self.engine = GNNPipeEngine(target, self.config, self.comm, num_stages=self.world_size,
+                                    stage=self.global_rank)
+        self.engine.install()
+        if self._pending_history is not None:
+            self.engine.set_history_state(self._pending_history)
+            self._pending_history = None
+        if not any(isinstance(cb, _CommLogger) for cb in trainer.callbacks):
+            trainer.callbacks.append(_CommLogger(self))
+
+    def _find_model(self) -> torch.nn.Module:
+        lm = self.lightning_module
+        if self.model_attr is not None:
+            target = lm.get_submodule(self.model_attr)
+            if not any(isinstance(m, MessagePassing) for m in target.modules()):
+                raise UnsupportedModelError(f"GNNPipeStrategy(model='{self.model_attr}'): that module holds no "
+                                            f"MessagePassing layer.")
+            return target
+        mp = [name for name, m in lm.named_modules() if isinstance(m, MessagePassing)]
+        if not mp:
+            raise UnsupportedModelError(
+                f"{type(lm).__name__} holds no torch_geometric MessagePassing layer, so strategy='gnnpipe' has "
+                f"nothing to pipeline. Use strategy='ddp' for models without graph layers.")
+        parts = [n.split(".") for n in mp]
+        common = []
+        for level in zip(*parts):
+            if len(set(level)) != 1:
+                break
+            common.append(level[0])
+        if len(mp) == 1 and common == parts[0]:
+            common = common[:-1]  # a single layer: pipeline the module around it
+        return lm.get_submodule(".".join(common)) if common else lm
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.uninstall()
+            self.engine = None
+        super().teardown()
+
+    # ----------------------------------------------------------------------- steps
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        _check_batch(batch)
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        self._check_same_data(batch)
+        return batch
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.engine is not None:
+            self.engine.step = self.lightning_module.trainer.global_step
+            self.comm.reset_counters()
+
+    def _posting_errors(self, fn, *args, **kwargs):
+        """Runs ``fn``; if it raises, every other rank learns why before this one exits (the spawn and
+        fork launchers run the trainer without Lightning's exception hooks in the workers)."""
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as exc:
+            if self.comm is not None:
+                self.comm.post_error(exc)
+            raise
+
+    def validation_step(self, *args: Any, **kwargs: Any):
+        return self._posting_errors(super().validation_step, *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any):
+        return self._posting_errors(super().test_step, *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any):
+        return self._posting_errors(super().predict_step, *args, **kwargs)
+
+    def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
+        return self._posting_errors(super().backward, closure_loss, optimizer, *args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        return self._posting_errors(self._training_step, *args, **kwargs)
+
+    def _training_step(self, *args: Any, **kwargs: Any):
+        out = super().training_step(*args, **kwargs)
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if isinstance(loss, Tensor) and not bool(torch.isfinite(loss.detach()).all()):
+            trainer = self.lightning_module.trainer
+            raise FloatingPointError(
+                f"training_step returned a non-finite loss ({loss.detach().float().item()}) at epoch "
+                f"{trainer.current_epoch}. pyg_pipe stops every rank here instead of stepping on NaN gradients. "
+                f"Check the inputs for NaN/inf (torch.isfinite(data.x).all()), lower the learning rate, or clip "
+                f"gradients (Trainer(gradient_clip_val=1.0)).")
+        return out
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._sync_parameters()
+
+    def on_exception(self, exception: BaseException) -> None:
+        if self.comm is not None:
+            self.comm.post_error(exception)
+        super().on_exception(exception)
+
+    # ----------------------------------------------------------------------- checkpoints
+    def _sync_parameters(self) -> None:
+        if self.engine is not None and self.engine.owners:
+            owners = _prefixed(self.lightning_module, self.engine.module, self.engine.owners)
+            sync_module_state(self.lightning_module, owners, self.engine.ranks)
+
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        self._sync_parameters()
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer) -> Dict[str, Any]:
+        """The optimizer state with every parameter's entry taken from the stage that owns it."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        state = optimizer.state_dict()
+        if self.engine is None or not self.engine.owners or self.world_size == 1:
+            return state
+        owners = _prefixed(self.lightning_module, self.engine.module, self.engine.owners)
+        name_of = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        index_owner, i = {}, 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                index_owner[i] = owners.get(name_of.get(id(p)), 0)
+                i += 1
+        mine = {k: v for k, v in state["state"].items() if index_owner.get(k, 0) == self.global_rank}
+        gathered: List[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, {k: _to_cpu(v) for k, v in mine.items()})
+        merged = {}
+        for rank_states in gathered:
+            merged.update(rank_states)
+        state["state"] = {k: merged[k] for k in sorted(merged)}
+        return state
+
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        if self.engine is not None and self.checkpoint_history and self.world_size > 1:
+            gathered: List[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, self.engine.history_state())
+            checkpoint["pyg_pipe"] = {"history": gathered, "stages": self.world_size}
+        elif self.engine is not None and self.checkpoint_history:
+            checkpoint["pyg_pipe"] = {"history": [self.engine.history_state()], "stages": 1}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False if weights_only is None
+                                             else weights_only)
+        extra = checkpoint.get("pyg_pipe")
+        if extra and extra.get("stages") == self.world_size:
+            state = extra["history"][self.global_rank]
+            if self.engine is not None:
+                self.engine.set_history_state(state)
+            else:
+                self._pending_history = state
+        return checkpoint
+
+    # ----------------------------------------------------------------------- data checks
+    def _check_same_data(self, batch: Data) -> None:
+        if self.world_size == 1 or not dist.is_initialized():
+            return
+        mine = _fingerprint(batch)
+        gathered: List[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        bad = sorted({k for other in gathered for k in set(other) | set(mine)
+                      if other.get(k) != gathered[0].get(k)})
+        if bad:
+            raise ValueError(
+                f"The graph differs between ranks (attributes: {', '.join(bad)}). strategy='gnnpipe' needs the "
+                f"same whole graph on every process: build it deterministically (seed the generator, e.g. "
+                f"lightning.seed_everything(0) before creating it) or load it from the same file on every rank.")
+
+
+class _CommLogger(Callback):
+    """Logs the pipeline's communication of every training epoch: ``comm/bytes`` (summed over all
+    ranks) and ``comm/<category>`` for each category of :mod:`pyg_pipe.engine.comm`."""
+
+    def __init__(self, strategy: GNNPipeStrategy):
+        self.strategy = strategy
+        self._epoch: Dict[str, int] = {}
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._epoch = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.strategy.comm is None:
+            return
+        for k, v in self.strategy.comm.totals(reduce=True).items():
+            self._epoch[k] = self._epoch.get(k, 0) + v
+        self.strategy.comm.reset_counters()
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if not self._epoch:
+            return
+        self.strategy.comm_history.append(dict(self._epoch))
+        pl_module.log("comm/bytes", torch.tensor(float(self._epoch["total"]), dtype=torch.float64),
+                      on_step=False, on_epoch=True)
+        for cat in CATEGORIES:
+            pl_module.log(f"comm/{cat}", torch.tensor(float(self._epoch.get(cat, 0)), dtype=torch.float64),
+                          on_step=False, on_epoch=True)
+
+
+def _check_batch(batch: Any) -> None:
+    fix = ("pyg_pipe trains on one whole graph per step: the dataloader must yield a single "
+           "torch_geometric.data.Data, e.g. pyg_pipe.FullGraphDataModule(data) or DataLoader([data], batch_size=None).")
+    if isinstance(batch, HeteroData):
+        raise TypeError(f"The dataloader yielded a HeteroData; heterogeneous graphs are not supported yet. {fix}")
+    if isinstance(batch, Batch) and batch.num_graphs != 1:
+        raise ValueError(f"The dataloader yielded a Batch of {batch.num_graphs} graphs. {fix}")
+    if not isinstance(batch, Data):
+        raise TypeError(f"The dataloader yielded a {type(batch).__name__}, not a Data object. {fix}")
+
+
+def _fingerprint(data: Data) -> Dict[str, tuple]:
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, Tensor):
+            v = value.detach()
+            if v.layout != torch.strided:
+                v = v.to_dense() if v.numel() < 1e7 else v._values()
+            flat = v.reshape(-1).double()
+            weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device) % 997
+            out[key] = (tuple(value.shape), str(value.dtype), round(float(flat.sum()), 6),
+                        round(float((flat * weights).sum()), 4))
+        elif isinstance(value, (int, float, str, bool)):
+            out[key] = (value,)
+    return out
+
+
+def _prefixed(root: torch.nn.Module, sub: torch.nn.Module, owners: Dict[str, int]) -> Dict[str, int]:
+    """Owner map of ``sub``'s parameters, keyed by their names inside ``root``."""
+    prefix = next((n for n, m in root.named_modules() if m is sub), "")
+    return {(f"{prefix}.{k}" if prefix else k): v for k, v in owners.items()}
+
+
+def _to_cpu(obj):
+    if isinstance(obj, Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,45 @@
+"""Runs a function on several gloo processes for tests, with a hard timeout and error propagation."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+
+    The first process to fail makes the others terminate and its exception (with traceback) is
+    raised here; if the processes have not all finished after ``timeout`` seconds they are killed
+    and ``TimeoutError`` is raised, so a test can never hang.
+    """
+    ctx = mp.start_processes(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=0.5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"distributed test did not finish within {timeout} s")

@@ -51,10 +51,14 @@ class CustomNet(nn.Module):
         return x
 
 
+def _keep_x0(x):
+    return x, x
+
+
 def gcnii(c_in: int, hidden: int, c_out: int, num_layers: int = 4, dropout: float = 0.0):
     """GCNII as a torch_geometric.nn.Sequential: x0 is carried to every layer."""
     layers = [(nn.Dropout(dropout), "x -> x"), (nn.Linear(c_in, hidden), "x -> x"), nn.ReLU(),
-              (lambda x: (x, x), "x -> x, x0")]
+              (_keep_x0, "x -> x, x0")]
     for i in range(num_layers):
         layers += [(nn.Dropout(dropout), "x -> x"),
                    (GCN2Conv(hidden, alpha=0.1, theta=0.5, layer=i + 1), "x, x0, edge_index -> x"), nn.ReLU()]
@@ -71,9 +75,18 @@ def make_model(name: str, c_in: int = 8, hidden: int = 16, c_out: int = 3, num_l
         return GAT(c_in, hidden, num_layers, c_out, heads=2)
     if name == "gcnii":
         return gcnii(c_in, hidden, c_out, num_layers)
+    if name == "gcn_cached":
+        return GCN(c_in, hidden, num_layers, c_out, cached=True)
     if name == "custom":
         return CustomNet(c_in, hidden, c_out, num_layers)
     raise ValueError(name)
 
 
 MODELS = ["gcn", "sage", "gat", "gcnii", "custom"]
+
+
+def as_data(x, edge_index, y, mask):
+    from torch_geometric.data import Data
+    gen = torch.Generator().manual_seed(1)
+    val = (~mask) & (torch.rand(x.size(0), generator=gen) < 0.5)
+    return Data(x=x, edge_index=edge_index, y=y, train_mask=mask, val_mask=val, test_mask=~(mask | val))

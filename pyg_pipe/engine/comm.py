@@ -189,3 +189,23 @@ class Comm:
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
            torch.uint8, torch.int8, torch.int16]
+
+
+def gnnpipe_bytes(num_nodes: int, num_stages: int, width: int, out_width: int, carried_width: int = 0,
+                  num_ranks: Optional[int] = None, bytes_per_value: int = 4) -> Dict[str, int]:
+    """Per-step bytes of GNNPipe predicted by design.md §1, by category.
+
+    ``width`` is the activation width at every cut, ``carried_width`` the width of tensors carried
+    across cuts besides it (GCNII's x0; 0 for none), ``out_width`` the model output width, sent by
+    the last stage to the ``num_ranks - 1`` other ranks (default ``num_ranks = num_stages``)::
+
+        stage_activations = stage_gradients = (S-1)·|V|·d·b
+        carried = 2·(S-1)·|V|·d0·b          output = (P-1)·|V|·d_out·b
+    """
+    ranks = num_stages if num_ranks is None else num_ranks
+    act = (num_stages - 1) * num_nodes * width * bytes_per_value
+    out = {"stage_activations": act, "stage_gradients": act,
+           "carried": 2 * (num_stages - 1) * num_nodes * carried_width * bytes_per_value,
+           "output": (ranks - 1) * num_nodes * out_width * bytes_per_value, "other": 0}
+    out["total"] = sum(out[c] for c in CATEGORIES)
+    return out

@@ -159,6 +159,9 @@ class GNNPipeStrategy(DDPStrategy):
             common.append(level[0])
         if len(mp) == 1 and common == parts[0]:
             common = common[:-1]  # a single layer: pipeline the module around it
+        # containers (ModuleList, ModuleDict) have no forward: the module that calls the layers is above them
+        while common and isinstance(lm.get_submodule(".".join(common)), (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            common = common[:-1]
         return lm.get_submodule(".".join(common)) if common else lm
 
     def teardown(self) -> None:

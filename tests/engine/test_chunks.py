@@ -46,7 +46,7 @@ def _lr0_worker(rank, world, names, chunks):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_lr0_loss_equals_single_process(world):
-    run_distributed(_lr0_worker, world, MODELS, 8, timeout=240)
+    run_distributed(_lr0_worker, world, MODELS + ["gcn_cached"], 8, timeout=240)
 
 
 def _inference_worker(rank, world, names):

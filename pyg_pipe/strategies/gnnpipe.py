@@ -347,8 +347,10 @@ def _fingerprint(data: Data) -> Dict[str, tuple]:
             if v.layout != torch.strided:
                 v = v.to_dense() if v.numel() < 1e7 else v._values()
             flat = v.reshape(-1).double()
+            bad = int((~torch.isfinite(flat)).sum()) if flat.is_floating_point() else 0
+            flat = torch.nan_to_num(flat, nan=0.5, posinf=1.5, neginf=-1.5)
             weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device) % 997
-            out[key] = (tuple(value.shape), str(value.dtype), round(float(flat.sum()), 6),
+            out[key] = (tuple(value.shape), str(value.dtype), bad, round(float(flat.sum()), 6),
                         round(float((flat * weights).sum()), 4))
         elif isinstance(value, (int, float, str, bool)):
             out[key] = (value,)

@@ -1,0 +1,66 @@
+"""Bad input through a real Trainer: every rank stops with the original error, nothing hangs."""
+import time
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch_geometric.loader import DataLoader as PygDataLoader
+from torch_geometric.nn import GCN
+
+from pyg_pipe import GNNPipeStrategy
+from tests.lit import NodeClassifier, graph_loader
+from tests.models import as_data, make_model, small_graph
+
+
+def fit(lit, train, devices=2, **kw):
+    t = pl.Trainer(strategy=GNNPipeStrategy(start_method="spawn", comm_timeout=60, **kw), accelerator="cpu",
+                   devices=devices, max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, num_sanity_val_steps=0)
+    t.fit(lit, train_dataloaders=train)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return as_data(*small_graph())
+
+
+class PerRankData(pl.LightningDataModule):
+    """A data module that (wrongly) builds a different random graph on every rank."""
+
+    def setup(self, stage):
+        self.data = as_data(*small_graph(seed=self.trainer.global_rank))
+
+    def train_dataloader(self):
+        return graph_loader(self.data)
+
+
+def test_data_that_differs_between_ranks():
+    with pytest.raises(Exception, match=r"graph differs between ranks \(attributes: .*x.*seed"):
+        pl.Trainer(strategy=GNNPipeStrategy(start_method="spawn"), accelerator="cpu", devices=2, max_epochs=1,
+                   logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False).fit(NodeClassifier(make_model("gcn")), datamodule=PerRankData())
+
+
+def test_nan_loss(data):
+    bad = data.clone()
+    bad.x = bad.x.clone()
+    bad.x[3, 0] = float("nan")
+    with pytest.raises(Exception, match="non-finite loss.*gradient_clip_val"):
+        fit(NodeClassifier(make_model("gcn")), graph_loader(bad))
+
+
+def test_loader_with_several_graphs(data):
+    with pytest.raises(Exception, match="Batch of 2 graphs"):
+        fit(NodeClassifier(make_model("gcn")), PygDataLoader([data, data], batch_size=2))
+
+
+def test_jumping_knowledge_is_refused_on_every_rank(data):
+    with pytest.raises(Exception, match="JumpingKnowledge"):
+        fit(NodeClassifier(GCN(8, 16, 4, 3, jk="cat")), graph_loader(data))
+
+
+def test_a_failing_rank_stops_the_others_quickly(data):
+    start = time.monotonic()
+    with pytest.raises(Exception, match="boom on rank 1"):
+        fit(NodeClassifier(make_model("gcn"), fail_on_rank=1), graph_loader(data), num_chunks=4)
+    assert time.monotonic() - start < 60

@@ -78,6 +78,7 @@ class ChunkedGraph:
         self.ptr = ptr.to(device)
         self.sparse_layout = sparse_layout
         self.num_chunks = ptr.numel() - 1
+        self.layer_cache: Dict[Tuple[int, int], Dict] = {}  # (id(layer), chunk) -> cached normalisation
         src_n, dst_n = self.inv[src], self.inv[dst]
         w = torch.ones(src.numel(), dtype=torch.float64, device=device) if weight is None else weight.double()
         in_deg = torch.zeros(num_nodes, dtype=torch.float64, device=device).index_add_(0, dst_n, w)

@@ -154,6 +154,7 @@ class GNNPipeEngine:
         self.owners: Dict[str, int] = {}
         self._pending_history: Optional[dict] = None
         self._hooks: list = []
+        self._trim: Dict[int, bool] = {}
         self._instance_forward = None
         self._forward_fn = forward_function(module)
         self._inside = False
@@ -584,13 +585,74 @@ class GNNPipeEngine:
                 args[list(sig.parameters).index("edge_weight")] = local_w
             else:
                 kwargs["edge_weight"] = local_w
-        with _uncached(module):
-            out = module(*args, **kwargs)
+        out = self._run_layer(node, module, args, kwargs, ch, ctx["g"])
         if not isinstance(out, Tensor):
             raise UnsupportedModelError(
                 f"Layer '{node.target}' returned {type(out).__name__}; pyg_pipe needs each MessagePassing layer to "
                 f"return one node tensor (e.g. do not request attention weights during training).")
         return out[:ch.rows]
+
+    def _run_layer(self, node: fx.Node, module: MessagePassing, args, kwargs, ch: Chunk, g: ChunkedGraph):
+        """Calls one layer on a chunk's local graph, with its aggregation *trimmed* to the chunk's rows.
+
+        Only the first ``ch.rows`` local vertices (the chunk) need outputs, so a propagate hook
+        narrows the aggregated messages to those rows: everything the layer does after aggregating
+        (GCNII's residual and matmul, biases, head concatenation) then skips the halo rows. Layers
+        that combine the aggregate with full-size tensors (a root weight on ``x``) cannot be trimmed;
+        the first chunk call of every layer compares trimmed and untrimmed outputs (in eval mode,
+        no grad) and keeps trimming only where they agree. Layers that propagate more than once per
+        call (K-hop layers such as APPNP) would need K-hop halos, and are refused with several chunks.
+        """
+        rows, n_local = ch.rows, ch.num_local
+        state = {"trim": False, "calls": 0}
+
+        def pre(mod, inputs):
+            state["calls"] += 1
+
+        def post(mod, inputs, out):
+            dim = mod.node_dim if mod.node_dim >= 0 else out.dim() + mod.node_dim
+            if state["trim"] and isinstance(out, Tensor) and out.size(dim) == n_local:
+                return out.narrow(dim, 0, rows)
+            return None
+
+        handles = [module.register_propagate_forward_pre_hook(pre), module.register_propagate_forward_hook(post)]
+        try:
+            with _chunk_cache(module, g.layer_cache, ch.index):
+                mode = self._trim.get(id(module)) if rows < n_local else False
+                if mode is None:
+                    mode = self._check_trim(module, args, kwargs, rows, state)
+                    self._trim[id(module)] = mode
+                state["trim"], state["calls"] = mode, 0
+                out = module(*args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        if state["calls"] > 1 and g.num_chunks > 1:
+            raise UnsupportedModelError(
+                f"Layer '{node.target}' ({type(module).__name__}) propagates {state['calls']} times per call, so "
+                f"its output depends on {state['calls']}-hop neighbourhoods; pyg_pipe's chunks carry 1-hop halos. "
+                f"Use num_chunks=1, or stack single-hop layers instead.")
+        return out
+
+    @staticmethod
+    def _check_trim(module, args, kwargs, rows: int, state) -> bool:
+        was = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                state["trim"] = False
+                full = module(*args, **kwargs)
+                state["trim"] = True
+                try:
+                    trimmed = module(*args, **kwargs)
+                except Exception:  # noqa: BLE001 - shapes do not line up: the layer cannot be trimmed
+                    return False
+        finally:
+            module.train(was)
+            state["trim"] = False
+        return (isinstance(full, Tensor) and isinstance(trimmed, Tensor) and trimmed.size(0) >= rows
+                and full.shape[1:] == trimmed.shape[1:]
+                and torch.allclose(full[:rows], trimmed[:rows], atol=1e-5, rtol=1e-4))
 
     def _local_rows(self, n: fx.Node, env, ch: Chunk, rec: _ChunkRecord, ctx) -> Tensor:
         """``[chunk rows | halo rows | dummy row]`` of a node value for the chunk's local graph."""
@@ -744,21 +806,35 @@ def _float_dtype(env, node: fx.Node, prog: Program) -> torch.dtype:
     return torch.get_default_dtype()
 
 
-class _uncached:
-    """Turns a layer's ``cached`` normalisation off while it runs on a chunk (design.md §7: a cached
-    layer would reuse the first chunk's normalisation for every later chunk)."""
+class _chunk_cache:
+    """Gives a ``cached=True`` layer one cache per chunk while it runs on that chunk.
 
-    def __init__(self, module):
+    design.md §7: a cached layer (GCNConv, GCN2Conv, ...) would otherwise reuse the first chunk's
+    normalisation for every later chunk. The layer's ``_cached*`` attributes are swapped with the
+    chunk's own entry in ``store`` around the call and the layer's own cache is put back after, so
+    caching stays as fast as on one device and stays correct.
+    """
+
+    def __init__(self, module, store: Dict[Tuple[int, int], Dict[str, Any]], chunk: int):
         self.module = module
-        self.was = getattr(module, "cached", None)
+        self.enabled = bool(getattr(module, "cached", False))
+        self.key = (id(module), chunk)
+        self.store = store
+        self.saved: Dict[str, Any] = {}
 
     def __enter__(self):
-        if self.was:
-            self.module.cached = False
+        if self.enabled:
+            names = [k for k in vars(self.module) if k.startswith("_cached")]
+            mine = self.store.get(self.key, {})
+            for k in names:
+                self.saved[k] = getattr(self.module, k)
+                setattr(self.module, k, mine.get(k))
 
     def __exit__(self, *exc):
-        if self.was:
-            self.module.cached = True
+        if self.enabled:
+            self.store[self.key] = {k: getattr(self.module, k) for k in self.saved}
+            for k, v in self.saved.items():
+                setattr(self.module, k, v)
 
 
 def sync_module_state(module: torch.nn.Module, owners: Dict[str, int], ranks: Sequence[int], group=None) -> None:

@@ -4,10 +4,7 @@
 """
 from lightning.pytorch.strategies import StrategyRegistry
 
-try:
-    from .data import FullGraphDataModule
-except ImportError:  # TEMP until helper lands
-    pass
+from .data import FullGraphDataModule
 from .engine import GNNPipeEngine, PipelineConfig
 from .model import UnsupportedModelError
 from .strategies import GNNPipeStrategy

@@ -8,10 +8,12 @@ After :func:`pyg_pipe.graph.make_chunks` reorders the vertices, chunk ``c`` owns
 * local edges = every edge into the chunk, plus the self loops of halo vertices;
 * **degree-completing edges**: a halo vertex sees only part of its in-edges locally, so layers whose
   normalisation reads source degrees (GCN's ``D^-1/2 A D^-1/2``) would use a wrong degree. For every
-  local vertex ``v`` whose weighted in-degree (or out-degree) is incomplete, one edge ``dummy -> v``
-  (or ``v -> dummy``) carries the missing weight. Messages along these edges only reach halo and
-  dummy rows, whose outputs are discarded, so the chunk's rows equal the full-graph result, for any
-  layer whose output at a vertex depends on its in-edges and on weighted degrees.
+  halo vertex ``v`` whose weighted in-degree is incomplete, one edge ``dummy -> v`` carries the missing
+  weight. Messages along these edges only reach halo rows, whose outputs are discarded, so the chunk's
+  rows equal the full-graph result for any layer whose output at a vertex depends on its in-edges and
+  on weighted in-degrees. With ``complete_out=True`` edges ``v -> dummy`` also complete out-degrees
+  (for normalisations by source out-degree, such as ``get_laplacian``); off by default, since each
+  costs as much as a real edge.
 
 The completed variant is used for layers that take ``edge_weight`` (and for sparse adjacencies, whose
 values are the weights); other layers get the plain local edge list.
@@ -69,7 +71,7 @@ class ChunkedGraph:
     """
 
     def __init__(self, src: Tensor, dst: Tensor, weight: Optional[Tensor], num_nodes: int, perm: Tensor,
-                 ptr: Tensor, sparse_layout=None):
+                 ptr: Tensor, sparse_layout=None, complete_out: bool = False):
         device = src.device
         self.num_nodes = num_nodes
         self.perm = perm.to(device)
@@ -114,7 +116,8 @@ class ChunkedGraph:
             miss_in[:rows] = 0.0  # every in-edge of a chunk row is local
             tol = 1e-9 * (1.0 + in_deg[nodes].abs())
             need_in = torch.nonzero(miss_in > tol).view(-1)
-            need_out = torch.nonzero(miss_out > 1e-9 * (1.0 + out_deg[nodes].abs())).view(-1)
+            need_out = torch.nonzero(miss_out > 1e-9 * (1.0 + out_deg[nodes].abs())).view(-1) if complete_out \
+                else need_in[:0]
             dummy = torch.full((need_in.numel(),), n_loc, dtype=torch.long, device=device)
             dummy_o = torch.full((need_out.numel(),), n_loc, dtype=torch.long, device=device)
             self.chunks.append(Chunk(

@@ -617,8 +617,8 @@ class GNNPipeEngine:
 
         handles = [module.register_propagate_forward_pre_hook(pre), module.register_propagate_forward_hook(post)]
         try:
-            with _chunk_cache(module, g.layer_cache, ch.index):
-                mode = self._trim.get(id(module)) if rows < n_local else False
+            mode = self._trim.get(id(module)) if rows < n_local else False
+            with _chunk_cache(module, g.layer_cache, ch.index, rows if mode else None):
                 if mode is None:
                     mode = self._check_trim(module, args, kwargs, rows, state)
                     self._trim[id(module)] = mode
@@ -806,6 +806,32 @@ def _float_dtype(env, node: fx.Node, prog: Program) -> torch.dtype:
     return torch.get_default_dtype()
 
 
+def _keep_rows(cached: Any, rows: Optional[int]) -> Any:
+    """A cached normalised adjacency cut down to the chunk's destination rows.
+
+    The halo rows and the degree-completing edges are needed to *compute* the normalisation; once it
+    is cached only the edges into the chunk's rows matter. Used for layers whose aggregation was
+    verified to work on the chunk rows alone (trimmed), so later calls skip halo and dummy work.
+    """
+    if rows is None or cached is None:
+        return cached
+    if isinstance(cached, Tensor) and cached.layout == torch.sparse_csr and cached.size(0) > rows:
+        crow = cached.crow_indices()[:rows + 1]
+        nnz = int(crow[-1])
+        return torch.sparse_csr_tensor(crow, cached.col_indices()[:nnz], cached.values()[:nnz],
+                                       size=(rows, cached.size(1)))
+    if isinstance(cached, Tensor) and cached.layout == torch.sparse_coo and cached.size(0) > rows:
+        c = cached.coalesce()
+        keep = c.indices()[0] < rows
+        return torch.sparse_coo_tensor(c.indices()[:, keep], c.values()[keep], (rows, c.size(1))).coalesce()
+    if isinstance(cached, tuple) and len(cached) == 2 and isinstance(cached[0], Tensor) \
+            and cached[0].layout == torch.strided and cached[0].dim() == 2:
+        edge_index, weight = cached
+        keep = edge_index[1] < rows
+        return edge_index[:, keep], (weight[keep] if isinstance(weight, Tensor) else weight)
+    return cached
+
+
 class _chunk_cache:
     """Gives a ``cached=True`` layer one cache per chunk while it runs on that chunk.
 
@@ -815,11 +841,12 @@ class _chunk_cache:
     caching stays as fast as on one device and stays correct.
     """
 
-    def __init__(self, module, store: Dict[Tuple[int, int], Dict[str, Any]], chunk: int):
+    def __init__(self, module, store: Dict[Tuple[int, int], Dict[str, Any]], chunk: int, rows: Optional[int] = None):
         self.module = module
         self.enabled = bool(getattr(module, "cached", False))
         self.key = (id(module), chunk)
         self.store = store
+        self.rows = rows
         self.saved: Dict[str, Any] = {}
 
     def __enter__(self):
@@ -832,7 +859,7 @@ class _chunk_cache:
 
     def __exit__(self, *exc):
         if self.enabled:
-            self.store[self.key] = {k: getattr(self.module, k) for k in self.saved}
+            self.store[self.key] = {k: _keep_rows(getattr(self.module, k), self.rows) for k in self.saved}
             for k, v in self.saved.items():
                 setattr(self.module, k, v)
 

@@ -135,8 +135,28 @@ class GNNPipeStrategy(DDPStrategy):
         if self._pending_history is not None:
             self.engine.set_history_state(self._pending_history)
             self._pending_history = None
+        # gradient_clip_val with norm clipping must use the norm over all stages, not one stage's
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
         if not any(isinstance(cb, _CommLogger) for cb in trainer.callbacks):
             trainer.callbacks.append(_CommLogger(self))
+
+    def _clip_grad_by_global_norm(self, optimizer, clip_val) -> None:
+        """``clip_grad_norm_`` over the whole model: each stage adds the squared norms of the parameters
+        it owns (replicated parameters are counted once, on rank 0), one all-reduce sums them."""
+        owners = _prefixed(self.lightning_module, self.engine.module, self.engine.owners) if self.engine else {}
+        name_of = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        grads = [p.grad for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
+        mine = [p.grad for p in self.precision_plugin.main_params(optimizer)
+                if p.grad is not None and owners.get(name_of.get(id(p)), 0) == self.global_rank]
+        sq = torch.zeros((), dtype=torch.float64, device=self.root_device)
+        for g in mine:
+            sq += g.detach().double().pow(2).sum()
+        if self.world_size > 1:
+            dist.all_reduce(sq)
+        coef = float(clip_val) / (float(sq.sqrt()) + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.detach().mul_(coef)
 
     def _find_model(self) -> torch.nn.Module:
         lm = self.lightning_module
@@ -344,8 +364,10 @@ def _fingerprint(data: Data) -> Dict[str, tuple]:
     for key, value in data.items():
         if isinstance(value, Tensor):
             v = value.detach()
-            if v.layout != torch.strided:
-                v = v.to_dense() if v.numel() < 1e7 else v._values()
+            if v.layout == torch.sparse_coo:
+                v = torch.cat([v.coalesce().indices().reshape(-1).to(v.dtype), v.coalesce().values()])
+            elif v.layout == torch.sparse_csr:
+                v = torch.cat([v.crow_indices().to(v.dtype), v.col_indices().to(v.dtype), v.values()])
             flat = v.reshape(-1).double()
             bad = int((~torch.isfinite(flat)).sum()) if flat.is_floating_point() else 0
             flat = torch.nan_to_num(flat, nan=0.5, posinf=1.5, neginf=-1.5)

@@ -21,9 +21,10 @@ from tests.lit import NodeClassifier, graph_loader
 from tests.models import as_data, make_model, small_graph
 
 
-def trainer(devices=2, max_epochs=3, callbacks=(), **strategy_kw):
+def trainer(devices=2, max_epochs=3, callbacks=(), clip=None, **strategy_kw):
     strategy = GNNPipeStrategy(start_method="spawn", comm_timeout=60, **strategy_kw)
     return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=max_epochs, logger=False,
+                      gradient_clip_val=clip,
                       enable_checkpointing=bool(callbacks), callbacks=list(callbacks), enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0)
 
@@ -33,7 +34,7 @@ def data():
     return as_data(*small_graph())
 
 
-def reference_fit(model, data, epochs, lr=0.05):
+def reference_fit(model, data, epochs, lr=0.05, clip=None):
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
     for _ in range(epochs):
@@ -41,6 +42,8 @@ def reference_fit(model, data, epochs, lr=0.05):
         loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
         opt.zero_grad()
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         opt.step()
     return ref
 
@@ -51,13 +54,14 @@ def test_string_strategy_is_registered():
     assert t.strategy._start_method == "popen"
 
 
-@pytest.mark.parametrize("devices", [2, 4])
-def test_fit_matches_single_process_and_logs_bytes(data, devices):
+@pytest.mark.parametrize("devices,clip", [(2, None), (4, 0.05)])
+def test_fit_matches_single_process_and_logs_bytes(data, devices, clip):
+    """With clip: gradient-norm clipping uses the norm over all stages, as on one device."""
     torch.manual_seed(0)
     model = make_model("gcn")
-    ref = reference_fit(model, data, epochs=3)
+    ref = reference_fit(model, data, epochs=3, clip=clip)
     lit = NodeClassifier(model)
-    t = trainer(devices=devices, num_chunks=1)
+    t = trainer(devices=devices, num_chunks=1, clip=clip)
     t.fit(lit, train_dataloaders=graph_loader(data), val_dataloaders=graph_loader(data))
     # the user's model object in the main process holds every trained parameter
     for (name, p), q in zip(lit.model.named_parameters(), ref.parameters()):

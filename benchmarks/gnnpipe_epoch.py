@@ -1,0 +1,214 @@
+"""GNNPipe against single-process PyG: epoch time, peak memory and communication, side by side.
+
+Default setting (issue 2): a 32-layer GCNII, hidden 64, on a generated 50,000-vertex graph with about
+1,000,000 edges (``--graph community``: 400 communities with 90% of edges inside, or ``--graph random``:
+8 random blocks); gnnpipe on 2 processes with one thread each (``strategy="gnnpipe"`` through a real
+Lightning Trainer) against one process with two threads running plain PyG on its fastest path (a
+torch.sparse CSR adjacency, ``cached=True`` normalisation). Every configuration runs in fresh
+processes, one after the other, in one invocation, and the ratios are printed at the end.
+
+    python benchmarks/gnnpipe_epoch.py                       # the full setting (about 10 minutes)
+    python benchmarks/gnnpipe_epoch.py --nodes 5000 --degree 20 --layers 8 --epochs 3   # a quick look
+
+Epoch time = one optimizer step on the whole graph (forward, loss, backward, step), median over the
+epochs after the first (the first plans the pipeline, partitions the graph and fills the history).
+Memory = peak resident set size of each process; "net" subtracts the resident size measured after
+imports and graph generation, which both setups pay alike.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def build(args):
+    import torch
+    from torch_geometric.utils import to_torch_csr_tensor
+
+    from pyg_pipe.graph import sbm_graph
+    from pyg_pipe.models import gcnii
+
+    if args.graph == "community":
+        # many small communities (locality, as in real graphs): 90% of edges inside a community of ~125
+        data = sbm_graph(args.nodes, num_classes=max(args.nodes // 125, args.classes), avg_degree=args.degree,
+                         homophily=0.9, num_features=args.features, seed=0)
+        data.y = data.y % args.classes
+    else:
+        # 8 large random blocks: no locality beyond the classes (worst case for chunking)
+        data = sbm_graph(args.nodes, num_classes=args.classes, avg_degree=args.degree,
+                         num_features=args.features, seed=0)
+    data.adj_t = to_torch_csr_tensor(data.edge_index.flip(0), size=(data.num_nodes, data.num_nodes))
+    torch.manual_seed(0)
+    model = gcnii(args.features, args.hidden, args.classes, num_layers=args.layers, dropout=0.0, cached=True)
+    return data, model
+
+
+def run_single(args) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(args.threads_single)
+    data, model = build(args)
+    base = rss_mb()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    times = []
+    for _ in range(args.epochs):
+        t0 = time.perf_counter()
+        out = model(data.x, data.adj_t)
+        loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return {"times": times, "peak_mb": peak_mb(), "base_mb": base, "loss": loss.item()}
+
+
+def run_pipe(args) -> None:
+    import lightning.pytorch as pl
+    import torch
+    import torch.nn.functional as F
+
+    import pyg_pipe
+
+    torch.set_num_threads(1)
+    data, model = build(args)
+    base = rss_mb()
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            out = self.model(batch.x, batch.adj_t)
+            return F.cross_entropy(out[batch.train_mask], batch.y[batch.train_mask])
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    class Timer(pl.Callback):
+        times = []
+
+        def on_train_batch_start(self, trainer, *a):
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, *a):
+            self.times.append(time.perf_counter() - self.t0)
+
+    strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks)
+    timer = Timer()
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.procs, max_epochs=args.epochs,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer])
+    trainer.fit(Module(), datamodule=pyg_pipe.FullGraphDataModule(data))
+    rank = trainer.global_rank
+    out = {"rank": rank, "times": timer.times, "peak_mb": peak_mb(), "base_mb": base,
+           "comm": strategy.comm_history[-1] if strategy.comm_history else {}}
+    with open(f"{args.json}.rank{rank}", "w") as f:
+        json.dump(out, f)
+
+
+def launch(args, mode: str, **extra) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode]
+    for k in ("graph", "nodes", "degree", "features", "classes", "layers", "hidden", "epochs", "procs",
+              "threads_single"):
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    for k, v in extra.items():
+        cmd += [f"--{k}", str(v)]
+    env = dict(os.environ, OMP_NUM_THREADS="1" if mode == "pipe" else str(args.threads_single))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{mode} run failed:\n{out.stderr[-4000:]}")
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--graph", choices=["community", "random"], default="community",
+                   help="community: 400 communities, 90%% of edges inside (locality like real graphs); "
+                        "random: 8 random blocks, 80%% inside (no locality within a block)")
+    p.add_argument("--nodes", type=int, default=50_000)
+    p.add_argument("--degree", type=float, default=20.0)
+    p.add_argument("--features", type=int, default=64)
+    p.add_argument("--classes", type=int, default=8)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--threads-single", dest="threads_single", type=int, default=2)
+    p.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--worker", choices=["single", "pipe"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+
+    if args.worker == "single":
+        print(json.dumps(run_single(args)))
+        return
+    if args.worker == "pipe":
+        args.chunks = args.chunks[0]
+        run_pipe(args)
+        return
+
+    import statistics
+
+    from pyg_pipe.engine import gnnpipe_bytes
+
+    def med(ts):
+        return statistics.median(ts[1:] if len(ts) > 1 else ts)
+
+    results = {"setting": {k: getattr(args, k) for k in ("graph", "nodes", "degree", "features", "classes", "layers",
+                                                         "hidden", "epochs", "procs", "threads_single")}}
+    single = json.loads(launch(args, "single").stdout.strip().splitlines()[-1])
+    results["single"] = single
+    t_single, m_single = med(single["times"]), single["peak_mb"]
+    net_single = single["peak_mb"] - single["base_mb"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for c in args.chunks:
+            path = os.path.join(tmp, f"pipe{c}")
+            launch(args, "pipe", chunks=c, json=path)
+            ranks = [json.load(open(f"{path}.rank{r}")) for r in range(args.procs)]
+            results[f"gnnpipe_c{c}"] = ranks
+            t = med(ranks[0]["times"])
+            peak = max(r["peak_mb"] for r in ranks)
+            net = max(r["peak_mb"] - r["base_mb"] for r in ranks)
+            comm = ranks[0]["comm"]
+            want = gnnpipe_bytes(args.nodes, args.procs, width=args.hidden, out_width=args.classes,
+                                 carried_width=args.hidden)
+            rows.append((c, t, t / t_single, peak, peak / m_single, net, net / max(net_single, 1e-9),
+                         comm.get("total", 0), want["total"]))
+    print(f"\nsetting: {results['setting']}")
+    print(f"single process ({args.threads_single} threads, sparse CSR, cached): epoch {t_single:.3f} s, "
+          f"peak {m_single:.0f} MB (net {net_single:.0f} MB)")
+    print(f"{'chunks':>6} {'epoch s':>8} {'time ratio':>10} {'peak MB':>8} {'mem ratio':>9} {'net MB':>7} "
+          f"{'net ratio':>9} {'bytes/epoch':>12} {'formula':>12}")
+    for c, t, tr, pk, mr, net, nr, b, w in rows:
+        print(f"{c:>6} {t:>8.3f} {tr:>10.2f} {pk:>8.0f} {mr:>9.2f} {net:>7.0f} {nr:>9.2f} {b:>12,} {w:>12,}")
+    results["rows"] = [dict(zip(("chunks", "epoch_s", "time_ratio", "peak_mb", "mem_ratio", "net_mb", "net_ratio",
+                                 "bytes", "formula_bytes"), r)) for r in rows]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,499 @@
+"""Graph partitioning and chunking: reorder vertices so that every chunk is one contiguous id range.
+
+GNNPipe (design §2) processes a graph chunk by chunk. A chunk is a set of vertices that should have
+many edges inside it (those neighbours are fresh when the chunk is computed) and few to other chunks
+(those may be historical). Following the authors, the graph is cut into ``parts_per_chunk * C``
+parts (METIS, vertex weight ``50 + degree``), the parts are shuffled and grouped
+``parts_per_chunk`` per chunk, and the vertices are renumbered chunk after chunk::
+
+    old ids   0 1 2 3 4 5 6 7 8 9          part of each vertex   2 0 3 1 0 2 3 1 0 2
+    shuffled parts  [3, 0 | 1, 2]  ->  chunk 0 = parts {3, 0}, chunk 1 = parts {1, 2}
+    perm      [1 2 4 6 8 | 0 3 5 7 9]      chunk_ptr [0, 5, 10]
+    (new id i holds old vertex perm[i]; within a chunk old ids stay ascending)
+
+Methods: ``"metis"`` (pymetis, optional), ``"greedy"`` (pure torch: recursive bisection by
+size-constrained label propagation, then k-way label-propagation refinement), ``"random"`` and
+``"contiguous"`` (balanced baselines), ``"auto"`` (metis when pymetis imports, else greedy).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import numbers
+
+import torch
+from torch import Tensor
+
+__all__ = ["partition_nodes", "make_chunks", "cut_edges", "PARTITION_METHODS"]
+
+#: Accepted values of the ``method`` argument.
+PARTITION_METHODS = ("auto", "metis", "greedy", "random", "contiguous")
+
+#: Vertex weight used for METIS, as in the GNNPipe authors' code: a constant per vertex (its
+#: feature/activation rows) plus its degree (its aggregation work).
+METIS_BASE_WEIGHT = 50
+
+# Dense [N, k] neighbour-count matrices are used up to this many entries, sparse counting above.
+_DENSE_LIMIT = 1 << 24
+
+# Label propagation stops (or moves on to its next phase) when fewer than this fraction of the
+# vertices moved in a round.
+_CONVERGED = 0.002
+
+
+def _generator(seed: int) -> torch.Generator:
+    """Local generator for ``seed``, salted so that its stream differs from the graph generators'
+    (``sbm_graph(seed=0)`` draws its classes from ``manual_seed(0)``; a "random" partition drawn
+    from the same stream would line up with the classes)."""
+    return torch.Generator().manual_seed((seed * 0x9E3779B1 + 0x5EED) % (2 ** 63))
+
+
+def _has_pymetis() -> bool:
+    return importlib.util.find_spec("pymetis") is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# validation and graph preparation
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_int(value, name: str, minimum: int) -> int:
+    integral_tensor = (isinstance(value, Tensor) and value.numel() == 1
+                       and not value.is_floating_point() and value.dtype != torch.bool)
+    if isinstance(value, bool) or not (isinstance(value, numbers.Integral) or integral_tensor):
+        raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
+    value = int(value)
+    if value < minimum:
+        raise ValueError(f"`{name}` must be at least {minimum}, got {value}")
+    return value
+
+
+def _check_edge_index(edge_index: Tensor, num_nodes: int) -> Tensor:
+    if not isinstance(edge_index, Tensor):
+        raise TypeError(f"`edge_index` must be a LongTensor of shape [2, E], got {type(edge_index).__name__}")
+    if edge_index.dim() != 2 or edge_index.size(0) != 2:
+        raise ValueError(f"`edge_index` must have shape [2, E], got {tuple(edge_index.shape)}")
+    if edge_index.is_floating_point() or edge_index.dtype == torch.bool:
+        raise TypeError(f"`edge_index` must hold integer vertex ids, got dtype {edge_index.dtype}")
+    edge_index = edge_index.detach().to("cpu", torch.long)
+    if edge_index.numel() > 0:
+        lo, hi = int(edge_index.min()), int(edge_index.max())
+        if lo < 0 or hi >= num_nodes:
+            raise ValueError(
+                f"`edge_index` holds vertex ids in [{lo}, {hi}] but `num_nodes`={num_nodes}; "
+                "pass the true number of vertices (e.g. data.num_nodes)")
+    return edge_index
+
+
+def _symmetric_edges(edge_index: Tensor, num_nodes: int) -> tuple[Tensor, Tensor]:
+    """Both directions of every edge, self loops and duplicates dropped, sorted by (row, col).
+
+    Returns:
+        ``(row, col)``, two LongTensors [E'] of the symmetric simple graph.
+    """
+    src, dst = edge_index
+    keep = src != dst
+    src, dst = src[keep], dst[keep]
+    key = torch.unique(torch.cat([src * num_nodes + dst, dst * num_nodes + src]))
+    return key // num_nodes, key % num_nodes
+
+
+def _fill_empty_parts(part: Tensor, num_parts: int) -> Tensor:
+    """Make every part non-empty by moving single vertices out of the largest parts.
+
+    Args:
+        part: LongTensor [N] of part ids in ``[0, num_parts)``, with ``num_parts <= N``.
+        num_parts: number of parts k.
+
+    Returns:
+        A LongTensor [N] where every part id in ``[0, k)`` is used (the input when it already is).
+    """
+    size = torch.bincount(part, minlength=num_parts)
+    empty = (size == 0).nonzero().view(-1).tolist()
+    if not empty:
+        return part
+    part = part.clone()
+    for p in empty:
+        donor = int(torch.argmax(size))                      # the largest part, lowest id on ties
+        vertex = int((part == donor).nonzero()[-1])          # its vertex with the highest id
+        part[vertex] = p
+        size[donor] -= 1
+        size[p] += 1
+    return part
+
+
+# ---------------------------------------------------------------------------------------------
+# label propagation machinery (greedy method)
+# ---------------------------------------------------------------------------------------------
+
+
+def _keep_best(cand: Tensor, bucket: Tensor, gain: Tensor, room: Tensor, num_buckets: int,
+               gen: torch.Generator) -> Tensor:
+    """Per bucket, keep the ``room[bucket]`` candidates of highest gain (random tie-break).
+
+    Args:
+        cand: LongTensor [c], candidate vertices.
+        bucket: LongTensor [N], bucket of every vertex (only ``bucket[cand]`` is read).
+        gain: Tensor [N], gain of every vertex's move.
+        room: LongTensor [num_buckets], how many candidates each bucket may keep.
+
+    Returns:
+        LongTensor [c'] with c' <= c, the kept candidates.
+    """
+    if cand.numel() == 0:
+        return cand
+    b = bucket[cand]
+    key = -gain[cand].to(torch.float64) + 0.5 * torch.rand(cand.numel(), generator=gen, dtype=torch.float64)
+    order = torch.argsort(key)
+    order = order[torch.argsort(b[order], stable=True)]      # by bucket, then by decreasing gain
+    cand, b = cand[order], b[order]
+    count = torch.bincount(b, minlength=num_buckets)
+    first = torch.cumsum(count, 0) - count
+    rank = torch.arange(cand.numel()) - first[b]
+    return cand[rank < room[b]]
+
+
+def _bisection_gain(row: Tensor, col: Tensor, side: Tensor, num_nodes: int) -> Tensor:
+    """For each vertex: (#neighbours on the other side) - (#neighbours on its side): FloatTensor [N]."""
+    counts = torch.zeros(num_nodes * 2).index_add_(0, row * 2 + side[col], torch.ones(row.numel()))
+    counts = counts.view(num_nodes, 2)
+    diff = counts[:, 1] - counts[:, 0]
+    return torch.where(side == 0, diff, -diff)
+
+
+def _recursive_bisection(row: Tensor, col: Tensor, num_nodes: int, num_parts: int, gen: torch.Generator,
+                         *, loose_eps: float = 0.25, eps: float = 0.03, loose_rounds: int = 20,
+                         tight_rounds: int = 10) -> Tensor:
+    """k-way partition by recursive bisection, all groups of one level bisected at once.
+
+    A group that must end up as ``k_g`` parts is split into sides of ``k_g // 2`` and
+    ``k_g - k_g // 2`` parts, with target sizes proportional to that. Each bisection starts from a
+    random balanced split and runs label propagation restricted to edges inside the group: a vertex
+    switches side when more of its neighbours are on the other side, half of the vertices (at random)
+    are allowed to move per round to avoid oscillation, and moves are capped per side so that sizes
+    stay within ``target * (1 ± eps)``. The first ``loose_rounds`` rounds use the looser
+    ``loose_eps`` to let communities form, then over-full sides are trimmed (lowest-loss vertices
+    leave first) and ``tight_rounds`` more rounds run under ``eps``.
+
+    Returns:
+        LongTensor [N] of part ids in ``[0, num_parts)``.
+    """
+    group = torch.zeros(num_nodes, dtype=torch.long)
+    parts_of_group = torch.tensor([num_parts])
+    while bool((parts_of_group > 1).any()):
+        num_groups = parts_of_group.numel()
+        left = parts_of_group // 2
+        share = left.to(torch.float64) / parts_of_group.to(torch.float64)  # target share of side 0
+        size_g = torch.bincount(group, minlength=num_groups)
+
+        # random split of every group with exactly the target share on side 0
+        order = torch.argsort(torch.rand(num_nodes, generator=gen, dtype=torch.float64))
+        order = order[torch.argsort(group[order], stable=True)]
+        first = torch.cumsum(size_g, 0) - size_g
+        rank = torch.empty(num_nodes, dtype=torch.long)
+        rank[order] = torch.arange(num_nodes) - first[group[order]]
+        side = (rank >= torch.round(size_g.to(torch.float64) * share).long()[group]).long()
+
+        target = torch.stack([size_g * share, size_g * (1.0 - share)], 1).view(-1)
+        splitting = parts_of_group[group] > 1
+        inside = (group[row] == group[col]) & splitting[row]
+        row_g, col_g = row[inside], col[inside]
+
+        num_splitting = int(splitting.sum())
+        it = 0
+        while it < loose_rounds + tight_rounds:
+            e = loose_eps if it < loose_rounds else eps
+            cap = torch.ceil(target * (1.0 + e)).long()
+            low = torch.floor(target * (1.0 - e)).long()
+            bucket = group * 2 + side
+            size = torch.bincount(bucket, minlength=2 * num_groups)
+            gain = _bisection_gain(row_g, col_g, side, num_nodes)
+            if it == loose_rounds:                              # trim over-full sides to the tight cap
+                over = (size - cap).clamp(min=0)
+                if bool(over.any()):
+                    cand = (splitting & (over[bucket] > 0)).nonzero().view(-1)
+                    cand = _keep_best(cand, bucket, gain, over, 2 * num_groups, gen)
+                    side = side.clone()
+                    side[cand] = 1 - side[cand]
+                    bucket = group * 2 + side
+                    size = torch.bincount(bucket, minlength=2 * num_groups)
+                    gain = _bisection_gain(row_g, col_g, side, num_nodes)
+            active = torch.rand(num_nodes, generator=gen) < 0.5
+            cand = ((gain > 0) & active & splitting).nonzero().view(-1)
+            cand = _keep_best(cand, bucket, gain, (size - low).clamp(min=0), 2 * num_groups, gen)
+            cand = _keep_best(cand, group * 2 + 1 - side, gain, (cap - size).clamp(min=0),
+                              2 * num_groups, gen)
+            if cand.numel():
+                side = side.clone()
+                side[cand] = 1 - side[cand]
+            it += 1
+            if cand.numel() <= _CONVERGED * num_splitting:     # settled: tighten, or stop
+                if it > loose_rounds:
+                    break
+                it = loose_rounds
+
+        child_parts = torch.stack([left, parts_of_group - left], 1).view(-1)
+        alive = child_parts > 0
+        new_id = torch.cumsum(alive.long(), 0) - 1
+        group = new_id[group * 2 + side]
+        parts_of_group = child_parts[alive]
+    return group
+
+
+def _best_other_part(row: Tensor, col: Tensor, part: Tensor, num_nodes: int, num_parts: int,
+                     gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """For each vertex: neighbours in its own part, and the other part holding most neighbours.
+
+    Returns:
+        ``(own, best, best_count)``: FloatTensor [N] neighbour count in the vertex's own part,
+        LongTensor [N] the other part with most neighbours (random tie-break; when the vertex has
+        no neighbour outside its part this is some part with count 0, or its own part on the sparse
+        path) and FloatTensor [N] that part's count.
+    """
+    if num_nodes * num_parts <= _DENSE_LIMIT:
+        counts = torch.zeros(num_nodes * num_parts).index_add_(
+            0, row * num_parts + part[col], torch.ones(row.numel())).view(num_nodes, num_parts)
+        own = counts.gather(1, part[:, None]).squeeze(1)
+        noisy = counts + 0.5 * torch.rand(num_nodes, num_parts, generator=gen)
+        noisy.scatter_(1, part[:, None], -1.0)
+        best = noisy.argmax(1)
+        return own, best, counts.gather(1, best[:, None]).squeeze(1)
+
+    key, count = torch.unique(row * num_parts + part[col], return_counts=True)
+    vertex, target = key // num_parts, key % num_parts
+    is_own = target == part[vertex]
+    own = torch.zeros(num_nodes)
+    own[vertex[is_own]] = count[is_own].float()
+    vertex, target, count = vertex[~is_own], target[~is_own], count[~is_own]
+    # unique score per entry: count first, then a random rank
+    score = count * count.numel() + torch.randperm(count.numel(), generator=gen)
+    top = torch.full((num_nodes,), -1, dtype=torch.long).scatter_reduce_(0, vertex, score, "amax")
+    chosen = score == top[vertex]
+    best = part.clone()
+    best_count = torch.zeros(num_nodes)
+    best[vertex[chosen]] = target[chosen]
+    best_count[vertex[chosen]] = count[chosen].float()
+    return own, best, best_count
+
+
+def _rebalance(row: Tensor, col: Tensor, part: Tensor, num_parts: int, cap: int,
+               gen: torch.Generator) -> Tensor:
+    """Move vertices out of parts larger than ``cap`` until no part is.
+
+    Leaving vertices are those that lose fewest internal edges; they go to the other part holding
+    most of their neighbours when it has room, and otherwise (last resort) to any part with room.
+    Needs ``num_parts * cap >= N``.
+
+    Returns:
+        LongTensor [N], part ids with every part size <= ``cap``.
+    """
+    num_nodes = part.numel()
+    for attempt in range(4):
+        size = torch.bincount(part, minlength=num_parts)
+        over = (size - cap).clamp(min=0)
+        if not bool(over.any()):
+            return part
+        own, best, best_count = _best_other_part(row, col, part, num_nodes, num_parts, gen)
+        gain = best_count - own
+        cand = (over[part] > 0).nonzero().view(-1)
+        cand = _keep_best(cand, part, gain, over, num_parts, gen)          # who leaves
+        if attempt < 3:
+            cand = _keep_best(cand, best, gain, (cap - size).clamp(min=0), num_parts, gen)
+            dest = best[cand]
+        else:                                                               # fill rooms in part order
+            room = (cap - size).clamp(min=0)
+            dest = torch.repeat_interleave(torch.arange(num_parts), room)[:cand.numel()]
+        part = part.clone()
+        part[cand] = dest
+    return part
+
+
+def _refine_kway(row: Tensor, col: Tensor, part: Tensor, num_parts: int, gen: torch.Generator,
+                 *, imbalance: float = 1.1, rounds: int = 20) -> Tensor:
+    """Size-constrained k-way label propagation: move vertices to the part holding most neighbours.
+
+    First parts larger than ``cap = ceil(avg * imbalance)`` are trimmed to ``cap``
+    (:func:`_rebalance`). Then, per round, a random half of the vertices may move to their best other
+    part when that strictly reduces their cut edges; moves are capped so that no part grows beyond
+    ``cap`` or shrinks below ``max(1, floor(avg / imbalance))``.
+
+    Returns:
+        LongTensor [N], the refined part ids, every part at most ``cap`` vertices.
+    """
+    num_nodes = part.numel()
+    avg = num_nodes / num_parts
+    cap = math.ceil(avg * imbalance)
+    low = max(1, math.floor(avg / imbalance))
+    part = _rebalance(row, col, part, num_parts, cap, gen)
+    for _ in range(rounds):
+        own, best, best_count = _best_other_part(row, col, part, num_nodes, num_parts, gen)
+        gain = best_count - own
+        wanted = gain > 0
+        if not bool(wanted.any()):
+            break
+        cand = (wanted & (torch.rand(num_nodes, generator=gen) < 0.5)).nonzero().view(-1)
+        size = torch.bincount(part, minlength=num_parts)
+        cand = _keep_best(cand, part, gain, (size - low).clamp(min=0), num_parts, gen)
+        cand = _keep_best(cand, best, gain, (cap - size).clamp(min=0), num_parts, gen)
+        if cand.numel():
+            part = part.clone()
+            part[cand] = best[cand]
+        if cand.numel() <= _CONVERGED * num_nodes:
+            break
+    return part
+
+
+def _greedy_partition(row: Tensor, col: Tensor, num_nodes: int, num_parts: int,
+                      gen: torch.Generator) -> Tensor:
+    part = _recursive_bisection(row, col, num_nodes, num_parts, gen)
+    return _refine_kway(row, col, part, num_parts, gen)
+
+
+def _metis_partition(row: Tensor, col: Tensor, num_nodes: int, num_parts: int, seed: int) -> Tensor:
+    try:
+        import pymetis
+    except ImportError as e:
+        raise ImportError(
+            "method='metis' needs the optional package pymetis (pip install pymetis); "
+            "or use method='greedy' (pure torch) / method='auto'") from e
+    import numpy as np
+
+    degree = torch.bincount(row, minlength=num_nodes)
+    rowptr = torch.zeros(num_nodes + 1, dtype=torch.long)
+    rowptr[1:] = torch.cumsum(degree, 0)
+    adjacency = pymetis.CSRAdjacency(rowptr.numpy().astype(np.int32), col.numpy().astype(np.int32))
+    vweights = (METIS_BASE_WEIGHT + degree).numpy().astype(np.int32)
+    # Isolated vertices are valid METIS input (empty adjacency rows); they only add weight.
+    result = pymetis.part_graph(num_parts, adjacency, vweights=vweights,
+                                options=pymetis.Options(seed=int(seed) % (2 ** 31)))
+    return torch.as_tensor(np.asarray(result.vertex_part, dtype=np.int64))
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+# ---------------------------------------------------------------------------------------------
+
+
+def partition_nodes(edge_index: Tensor, num_nodes: int, num_parts: int, *, method: str = "auto",
+                    seed: int = 0) -> Tensor:
+    """Assign every vertex to one of ``num_parts`` parts, keeping neighbours together.
+
+    The graph is treated as undirected (edges are symmetrised, self loops and duplicates dropped).
+
+    Methods:
+        ``"metis"``: METIS k-way (pymetis) with vertex weight ``50 + degree``; balanced by weight.
+        ``"greedy"``: pure torch. Recursive bisection by size-constrained label propagation, then
+            k-way label-propagation refinement; no part above ``ceil(1.1 * N / k)`` vertices.
+            About 2.5 s for 50k vertices / 1M edges and 32 parts on 2 CPU cores; cuts close to
+            METIS on many-part problems, somewhat more on few-part ones.
+        ``"random"``: balanced random assignment (sizes differ by at most one).
+        ``"contiguous"``: balanced ranges of the original ids.
+        ``"auto"``: ``"metis"`` when pymetis can be imported, else ``"greedy"``.
+
+    Args:
+        edge_index: LongTensor [2, E] of vertex ids in ``[0, num_nodes)``; any direction.
+        num_nodes: number of vertices N.
+        num_parts: number of parts k >= 1.
+        method: one of ``PARTITION_METHODS``.
+        seed: seed of the local random generator (and of METIS); equal seeds give equal results.
+
+    Returns:
+        LongTensor [N] of part ids in ``[0, num_parts)``. When ``num_parts <= num_nodes`` every part
+        is non-empty; when ``num_parts >= num_nodes`` vertex i is alone in part i.
+    """
+    num_nodes = _check_int(num_nodes, "num_nodes", 0)
+    num_parts = _check_int(num_parts, "num_parts", 1)
+    seed = _check_int(seed, "seed", -(2 ** 63))
+    if method not in PARTITION_METHODS:
+        raise ValueError(f"unknown `method`={method!r}; choose one of {PARTITION_METHODS}")
+    edge_index = _check_edge_index(edge_index, num_nodes)
+    if method == "auto":
+        method = "metis" if _has_pymetis() else "greedy"
+
+    if num_parts == 1 or num_nodes == 0:
+        return torch.zeros(num_nodes, dtype=torch.long)
+    if num_parts >= num_nodes:
+        return torch.arange(num_nodes)
+
+    gen = _generator(seed)
+    if method == "contiguous":
+        return torch.arange(num_nodes) * num_parts // num_nodes
+    if method == "random":
+        return torch.randperm(num_nodes, generator=gen) % num_parts
+
+    row, col = _symmetric_edges(edge_index, num_nodes)
+    if method == "metis":
+        part = _metis_partition(row, col, num_nodes, num_parts, seed)
+    else:
+        part = _greedy_partition(row, col, num_nodes, num_parts, gen)
+    return _fill_empty_parts(part, num_parts)
+
+
+def make_chunks(edge_index: Tensor, num_nodes: int, num_chunks: int, *, method: str = "auto",
+                parts_per_chunk: int = 4, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Renumber vertices so that each of ``num_chunks`` chunks is one contiguous range of new ids.
+
+    Follows the GNNPipe authors: partition into ``min(parts_per_chunk * num_chunks, num_nodes)``
+    parts with :func:`partition_nodes`, shuffle the parts with ``seed`` and give consecutive
+    shuffled parts to the same chunk (``parts_per_chunk`` each, or as evenly as possible when
+    capped). Grouping several small parts per chunk keeps chunks balanced and mixes distant regions,
+    so stale neighbours are spread over all chunks. Inside a chunk vertices keep ascending original
+    ids. ``num_chunks == 1`` returns the identity.
+
+    Args:
+        edge_index: LongTensor [2, E] of vertex ids in ``[0, num_nodes)``.
+        num_nodes: number of vertices N.
+        num_chunks: number of chunks C, ``1 <= C <= N``.
+        method: partitioning method, see :func:`partition_nodes`.
+        parts_per_chunk: parts grouped into one chunk (>= 1; 4 in GNNPipe).
+        seed: seed of the partitioner and of the part shuffle.
+
+    Returns:
+        ``(perm, chunk_ptr)``: ``perm`` LongTensor [N] with ``perm[new_id] = old_id`` (so
+        ``x_new = x[perm]``); ``chunk_ptr`` LongTensor [C + 1], chunk c holding new ids
+        ``chunk_ptr[c]:chunk_ptr[c + 1]``; every chunk is non-empty.
+    """
+    num_nodes = _check_int(num_nodes, "num_nodes", 0)
+    num_chunks = _check_int(num_chunks, "num_chunks", -(2 ** 63))
+    if num_chunks < 1 or num_chunks > num_nodes:
+        raise ValueError(
+            f"`num_chunks` must be between 1 and the number of vertices ({num_nodes}), got "
+            f"{num_chunks}; every chunk needs at least one vertex, so lower `num_chunks`")
+    parts_per_chunk = _check_int(parts_per_chunk, "parts_per_chunk", 1)
+    edge_index = _check_edge_index(edge_index, num_nodes)
+
+    if num_chunks == 1:
+        return torch.arange(num_nodes), torch.tensor([0, num_nodes])
+
+    num_parts = min(parts_per_chunk * num_chunks, num_nodes)
+    part = partition_nodes(edge_index, num_nodes, num_parts, method=method, seed=seed)
+    gen = _generator(seed + 1)
+    shuffled = torch.randperm(num_parts, generator=gen)            # shuffled[i] = i-th part drawn
+    chunk_of_part = torch.empty(num_parts, dtype=torch.long)
+    chunk_of_part[shuffled] = torch.arange(num_parts) * num_chunks // num_parts
+    chunk = chunk_of_part[part]
+    perm = torch.argsort(chunk, stable=True)                       # ascending old id inside a chunk
+    chunk_ptr = torch.zeros(num_chunks + 1, dtype=torch.long)
+    chunk_ptr[1:] = torch.cumsum(torch.bincount(chunk, minlength=num_chunks), 0)
+    return perm, chunk_ptr
+
+
+def cut_edges(edge_index: Tensor, part: Tensor) -> int:
+    """Number of edges whose endpoints lie in different parts (or chunks).
+
+    Every column of ``edge_index`` counts once, so an undirected graph stored with both directions
+    counts each cut edge twice; ``cut_edges(ei, part) / ei.size(1)`` is the cut fraction either way.
+
+    Args:
+        edge_index: LongTensor [2, E].
+        part: LongTensor [N], part (or chunk) id of every vertex.
+
+    Returns:
+        The number of cut columns, an int.
+    """
+    if not isinstance(part, Tensor) or part.dim() != 1:
+        raise ValueError("`part` must be a 1-D tensor with one part id per vertex")
+    edge_index = _check_edge_index(edge_index, part.numel())
+    part = part.to("cpu")
+    return int((part[edge_index[0]] != part[edge_index[1]]).sum())

@@ -1,0 +1,28 @@
+"""Ready-made deep PyG models for the examples and benchmarks: plain ``torch_geometric.nn.Sequential``
+models, nothing pyg_pipe-specific (any PyG model of a supported form trains the same way)."""
+from __future__ import annotations
+
+from torch import nn
+from torch_geometric.nn import GCN2Conv, Sequential
+
+
+def _with_x0(x):
+    return x, x
+
+
+def gcnii(in_channels: int, hidden_channels: int, out_channels: int, num_layers: int = 32, alpha: float = 0.1,
+          theta: float = 0.5, dropout: float = 0.5, cached: bool = False) -> Sequential:
+    """GCNII (Chen et al., 2020) as a ``Sequential``: ``x0 = relu(lin(x))`` is carried to every layer.
+
+    ``x_{l+1} = relu(GCN2Conv_l(x_l, x0))`` for ``l = 1..num_layers``, then a linear classifier.
+    Shapes: ``x`` [N, in_channels], ``edge_index`` [2, E] (or a sparse ``adj_t``) -> [N, out_channels].
+    """
+    layers = [(nn.Dropout(dropout), "x -> x"), (nn.Linear(in_channels, hidden_channels), "x -> x"), nn.ReLU(),
+              (_with_x0, "x -> x, x0")]
+    for i in range(num_layers):
+        layers += [(nn.Dropout(dropout), "x -> x"),
+                   (GCN2Conv(hidden_channels, alpha=alpha, theta=theta, layer=i + 1, cached=cached),
+                    "x, x0, edge_index -> x"),
+                   nn.ReLU()]
+    layers += [(nn.Dropout(dropout), "x -> x"), (nn.Linear(hidden_channels, out_channels), "x -> x")]
+    return Sequential("x, edge_index", layers)

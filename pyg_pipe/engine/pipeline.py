@@ -117,11 +117,14 @@ class _Fill(torch.autograd.Function):
     def forward(ctx, engine: "GNNPipeEngine", anchor: Tensor) -> Tensor:
         ctx.engine = engine
         with torch.enable_grad():
-            return engine._fill()
+            out = engine._fill()
+        ctx.state, engine._state = engine._state, {}  # each call drains its own chunks
+        return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        ctx.engine._drain(grad)
+        ctx.engine._drain(grad, ctx.state)
+        ctx.state = None
         return None, None
 
 
@@ -155,6 +158,7 @@ class GNNPipeEngine:
         self._pending_history: Optional[dict] = None
         self._hooks: list = []
         self._trim: Dict[int, bool] = {}
+        self._full_cache: Dict = {}
         self._instance_forward = None
         self._forward_fn = forward_function(module)
         self._inside = False
@@ -233,7 +237,7 @@ class GNNPipeEngine:
             plan.graph_key = graph
             plan.num_nodes = num_nodes
             self.plan = plan
-            self.buffers, self.snapshot = {}, {}
+            self.buffers, self.snapshot, self._full_cache = {}, {}, {}
         num_edges = graph.size(1) if graph.layout == torch.strided else graph._nnz()
         for mode in ([training] if training else [False]):
             if mode not in plan.programs:
@@ -296,10 +300,11 @@ class GNNPipeEngine:
         self._inside = True
         try:
             with torch.no_grad():
+                scratch: Dict = {}  # layer caches of this pass are dropped afterwards
                 for grp in groups:
                     t0 = time.perf_counter()
                     for node in grp:
-                        env[node.name] = self._eval(prog, node, env)
+                        env[node.name] = self._eval_full(prog, node, env, scratch)
                     costs.append(time.perf_counter() - t0)
         finally:
             self._inside = False
@@ -358,6 +363,15 @@ class GNNPipeEngine:
                 env[node.name] = bound.get(node.target.lstrip("*"))
         return env
 
+    def _eval_full(self, prog: Program, node: fx.Node, env: Dict[str, Any], store: Dict) -> Any:
+        """Evaluates a step on the whole graph; a cached layer uses ``store`` for its cache, never its own
+        (its own cache belongs to the user's single-device use of the model)."""
+        module = prog.module_of(node)
+        if isinstance(module, MessagePassing):
+            with _chunk_cache(module, store, -1):
+                return self._eval(prog, node, env)
+        return self._eval(prog, node, env)
+
     def _eval(self, prog: Program, node: fx.Node, env: Dict[str, Any], args=None, kwargs=None):
         if args is None:
             args = fx.node.map_arg(node.args, lambda n: env[n.name])
@@ -401,9 +415,11 @@ class GNNPipeEngine:
             env[name] = self.comm.recv_with_header(prev)
             specs[name] = (tuple(env[name].shape[1:]), env[name].dtype)
         self._inside = True
+        # the init pass keeps no layer caches; inference keeps them in the engine's full-graph store
+        store = {} if record else self._full_cache
         try:
             for node in stage.steps:
-                env[node.name] = self._eval(prog, node, env)
+                env[node.name] = self._eval_full(prog, node, env, store)
         finally:
             self._inside = False
         if nxt is not None:
@@ -679,10 +695,10 @@ class GNNPipeEngine:
         rec.local[name] = (rows, out)
         return out
 
-    def _drain(self, grad_out: Tensor) -> None:
-        plan: _Plan = self._state["plan"]
-        records: Dict[int, _ChunkRecord] = self._state["records"]
-        order: List[int] = self._state["order"]
+    def _drain(self, grad_out: Tensor, state: dict) -> None:
+        plan: _Plan = state["plan"]
+        records: Dict[int, _ChunkRecord] = state["records"]
+        order: List[int] = state["order"]
         stage = plan.stages[True][self.stage_index]
         g = plan.graph
         prev = self.ranks[self.stage_index - 1] if self.stage_index > 0 else None
@@ -743,7 +759,6 @@ class GNNPipeEngine:
         self.comm.counting = False
         self.step += 1
         self.last_epoch_time += time.perf_counter() - t0
-        self._state = {}
 
     # ------------------------------------------------------------------ history state (checkpoints)
     def history_state(self) -> dict:

@@ -112,3 +112,17 @@ def test_checkpoint_loads_into_plain_model_and_resume_is_exact(data, tmp_path):
         resumed, train_dataloaders=graph_loader(data), ckpt_path=os.path.join(ckpt_dir, "last.ckpt"))
     for (name, p), q in zip(resumed.named_parameters(), straight.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
+
+
+def test_monitoring_callbacks_see_the_metric_on_every_rank(data, tmp_path):
+    """EarlyStopping and ModelCheckpoint decide collectively; they work because every rank logs the
+    same validation metrics (the full output is available everywhere)."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    torch.manual_seed(0)
+    stop = EarlyStopping(monitor="val_loss", patience=1, min_delta=100.0)  # never "improves": stops early
+    best = ModelCheckpoint(dirpath=str(tmp_path), monitor="val_acc", mode="max", save_top_k=1)
+    t = trainer(max_epochs=10, callbacks=[stop, best], num_chunks=4)
+    t.fit(NodeClassifier(make_model("sage")), train_dataloaders=graph_loader(data), val_dataloaders=graph_loader(data))
+    assert t.current_epoch < 10
+    assert os.path.exists(t.checkpoint_callback.best_model_path)

@@ -12,14 +12,12 @@ Bytes sent while :attr:`Comm.counting` is on are added to a category:
 ==================== ===============================================================
 
 No wait can hang: a rank that fails posts its error in the process group's store
-(:meth:`Comm.post_error`); a peer that dies closes its connections, and a watchdog thread aborts
-the communication of ranks still blocked once an error is posted. The others then raise
-:class:`RemoteRankError` carrying the original message, and a wait longer than ``timeout`` seconds
-fails naming the peer.
+(:meth:`Comm.post_error`) and exits, which closes its connections; a peer blocked on it then fails,
+finds the posted error and raises :class:`RemoteRankError` carrying the original message. A wait
+longer than ``timeout`` seconds fails naming the peer.
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections import defaultdict
 from datetime import timedelta
@@ -100,9 +98,8 @@ class Comm:
     def wait(self, work, what: str) -> None:
         """Blocks on ``work``; a failure of the peer surfaces as :class:`RemoteRankError` with its cause.
 
-        A peer that dies closes its connections, which ends the wait with an error; a peer that fails
-        but lingers posts its error, and the watchdog thread then aborts the process group, which also
-        ends the wait. Either way this rank raises the original error instead of hanging.
+        A peer that fails posts its error and exits, closing its connections, which ends the wait with
+        an error; this rank then raises the peer's original error instead of a connection error.
         """
         try:
             work.wait(timedelta(seconds=self.timeout))
@@ -133,41 +130,6 @@ class Comm:
                 self._store.set(_ERROR_KEY, f"rank {self.rank} failed with {type(exc).__name__}: {exc}")
         except Exception:  # noqa: BLE001 - the store itself may be gone
             pass
-
-    def start_watchdog(self, poll: float = 0.5, grace: float = 2.0) -> None:
-        """Clears any stale error flag (collectively) and starts the thread that aborts this rank's
-        blocked communication once another rank has posted an error and had ``grace`` seconds to exit."""
-        if self._store is None or self.world_size == 1:
-            return
-        dist.barrier(group=self.group)
-        if self.rank == 0:
-            try:
-                self._store.delete_key(_ERROR_KEY)
-            except Exception:  # noqa: BLE001
-                pass
-        dist.barrier(group=self.group)
-
-        def watch():
-            while not self._closed:
-                time.sleep(poll)
-                try:
-                    if not self._store.check([_ERROR_KEY]):
-                        continue
-                    msg = self._store.get(_ERROR_KEY).decode(errors="replace")
-                except Exception:  # noqa: BLE001
-                    return
-                if msg.startswith(f"rank {self.rank} "):
-                    return
-                self._remote_error = msg
-                time.sleep(grace)
-                if not self._closed:
-                    try:
-                        dist.distributed_c10d._abort_process_group()
-                    except Exception:  # noqa: BLE001
-                        pass
-                return
-
-        threading.Thread(target=watch, name="pyg_pipe-watchdog", daemon=True).start()
 
     def close(self) -> None:
         self._closed = True

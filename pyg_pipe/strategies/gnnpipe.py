@@ -101,6 +101,7 @@ class GNNPipeStrategy(DDPStrategy):
         self.comm: Optional[Comm] = None
         self.comm_history: List[Dict[str, int]] = []
         self._pending_history: Optional[dict] = None
+        self._failed = False
 
     # ----------------------------------------------------------------------- registration
     @classmethod
@@ -188,10 +189,18 @@ class GNNPipeStrategy(DDPStrategy):
         if self.engine is not None:
             self.engine.uninstall()
             self.engine = None
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+            if dist.is_initialized() and self.world_size > 1 and not self._failed:
+                self.barrier("pyg_pipe.teardown")  # no rank leaves while another still talks to it
         super().teardown()
 
     # ----------------------------------------------------------------------- steps
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        return self._posting_errors(self._batch_to_device, batch, device, dataloader_idx)
+
+    def _batch_to_device(self, batch: Any, device: Optional[torch.device], dataloader_idx: int) -> Any:
         _check_batch(batch)
         batch = super().batch_to_device(batch, device, dataloader_idx)
         self._check_same_data(batch)
@@ -209,6 +218,7 @@ class GNNPipeStrategy(DDPStrategy):
         try:
             return fn(*args, **kwargs)
         except BaseException as exc:
+            self._failed = True
             if self.comm is not None:
                 self.comm.post_error(exc)
             raise
@@ -245,6 +255,7 @@ class GNNPipeStrategy(DDPStrategy):
         self._sync_parameters()
 
     def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
         if self.comm is not None:
             self.comm.post_error(exception)
         super().on_exception(exception)

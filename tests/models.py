@@ -90,3 +90,12 @@ def as_data(x, edge_index, y, mask):
     gen = torch.Generator().manual_seed(1)
     val = (~mask) & (torch.rand(x.size(0), generator=gen) < 0.5)
     return Data(x=x, edge_index=edge_index, y=y, train_mask=mask, val_mask=val, test_mask=~(mask | val))
+
+
+def forward_backward(model, opt, x, edge_index, y, mask):
+    """One training step's forward, loss and backward (the caller steps the optimizer)."""
+    out = model(x, edge_index)
+    loss = F.cross_entropy(out[mask], y[mask])
+    opt.zero_grad()
+    loss.backward()
+    return out, loss

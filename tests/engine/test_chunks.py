@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig, sync_module_state
 from tests.dist import run_distributed
-from tests.models import MODELS, make_model, small_graph
+from tests.models import MODELS, forward_backward, make_model, small_graph
 
 ATOL = 1e-5
 
@@ -34,10 +34,7 @@ def _lr0_worker(rank, world, names, chunks):
         engine.install()
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         for step in range(5):
-            out = model(x, edge_index)
-            loss = F.cross_entropy(out[mask], y[mask])
-            opt.zero_grad()
-            loss.backward()
+            out, loss = forward_backward(model, opt, x, edge_index, y, mask)
             opt.step()
             assert abs(loss.item() - ref_loss) < ATOL, f"{name}, {chunks} chunks, step {step}: {loss.item()} vs {ref_loss}"
             torch.testing.assert_close(out, ref_out, atol=ATOL, rtol=0)
@@ -60,10 +57,7 @@ def _inference_worker(rank, world, names):
             opt = torch.optim.Adam(model.parameters(), lr=0.01)
             first = None
             for step in range(3):
-                out = model(x, edge_index)
-                loss = F.cross_entropy(out[mask], y[mask])
-                opt.zero_grad()
-                loss.backward()
+                out, loss = forward_backward(model, opt, x, edge_index, y, mask)
                 opt.step()
                 assert torch.isfinite(out).all()
             sync_module_state(model, engine.owners, engine.ranks)
@@ -108,14 +102,8 @@ def _components_worker(rank, world, names):
         engine.install()
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         for step in range(3):
-            out = model(x, edge_index)
-            loss = F.cross_entropy(out[mask], y[mask])
-            opt.zero_grad()
-            loss.backward()
-            ref_out = ref(x, edge_index)
-            ref_loss = F.cross_entropy(ref_out[mask], y[mask])
-            ref_opt.zero_grad()
-            ref_loss.backward()
+            out, loss = forward_backward(model, opt, x, edge_index, y, mask)
+            ref_out, ref_loss = forward_backward(ref, ref_opt, x, edge_index, y, mask)
             torch.testing.assert_close(out, ref_out.detach(), atol=ATOL, rtol=0)
             for (pname, p), q in zip(model.named_parameters(), ref.parameters()):
                 if engine.owners[pname] == rank:

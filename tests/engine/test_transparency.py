@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig, sync_module_state
 from tests.dist import run_distributed
-from tests.models import MODELS, make_model, small_graph
+from tests.models import MODELS, forward_backward, make_model, small_graph
 
 ATOL = 1e-5
 
@@ -42,10 +42,7 @@ def _exact_worker(rank, world, names, num_layers):
         engine.install()
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         for step in range(3):
-            out = model(x, edge_index)
-            loss = F.cross_entropy(out[mask], y[mask])
-            opt.zero_grad()
-            loss.backward()
+            out, loss = forward_backward(model, opt, x, edge_index, y, mask)
             torch.testing.assert_close(out, outs[step], atol=ATOL, rtol=0, msg=f"{name}: output, step {step}")
             assert abs(loss.item() - losses[step]) < ATOL, (name, step)
             for pname, p in model.named_parameters():

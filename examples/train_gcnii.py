@@ -8,7 +8,6 @@ lines are ``import pyg_pipe`` and ``strategy="gnnpipe"`` (here the configured fo
 Pass ``--dataset cora`` (or reddit, flickr, ogbn-arxiv, ...) to use a real dataset when online.
 """
 import argparse
-from functools import partial
 
 import lightning.pytorch as pl
 import torch
@@ -76,7 +75,6 @@ def main():
     trainer.fit(NodeClassifier(model), datamodule=datamodule)
     test = trainer.test(NodeClassifier(model), datamodule=datamodule, verbose=False)
     if trainer.is_global_zero:
-        m = trainer.callback_metrics
         comm = strategy.comm_history[-1]
         want = gnnpipe_bytes(data.num_nodes, args.devices, width=args.hidden, out_width=num_classes,
                              carried_width=args.hidden)

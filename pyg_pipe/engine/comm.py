@@ -18,7 +18,6 @@ longer than ``timeout`` seconds fails naming the peer.
 """
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from datetime import timedelta
 from typing import Dict, List, Optional, Sequence, Tuple

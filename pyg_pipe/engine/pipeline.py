@@ -58,7 +58,7 @@ import torch.fx as fx
 from torch import Tensor
 from torch_geometric.nn import MessagePassing
 
-from ..model.program import (CONST, EDGE, GRAPH, NODE, Program, UnsupportedModelError, bind_inputs,
+from ..model.program import (EDGE, GRAPH, NODE, Program, UnsupportedModelError, bind_inputs,
                              forward_function, trace)
 from ..model.split import Stage, balance, layer_groups, parameter_owner, split
 from .chunks import Chunk, ChunkedGraph
@@ -163,7 +163,6 @@ class GNNPipeEngine:
         self._forward_fn = forward_function(module)
         self._inside = False
         self._state: dict = {}
-        self.last_epoch_time = 0.0
 
     # ------------------------------------------------------------------ install / call
     def install(self) -> None:
@@ -211,14 +210,6 @@ class GNNPipeEngine:
         return _Fill.apply(self, anchor)
 
     # ------------------------------------------------------------------ planning
-    def _graph_of(self, program_inputs: Sequence[str], bound: Dict[str, Any]):
-        for name in program_inputs:
-            v = bound[name]
-            from ..model.program import is_graph_tensor
-            if is_graph_tensor(v):
-                return name, v
-        raise UnsupportedModelError("The model's forward received no edge_index or sparse adjacency.")
-
     def _get_plan(self, bound: Dict[str, Any], training: bool) -> _Plan:
         from ..model.program import is_graph_tensor
         graph = next((v for v in bound.values() if is_graph_tensor(v)), None)
@@ -466,7 +457,6 @@ class GNNPipeEngine:
         plan: _Plan = self._state["plan"]
         bound = self._state["bound"]
         prog, stage, g = plan.programs[True], plan.stages[True][self.stage_index], plan.graph
-        t0 = time.perf_counter()
         step = self.step
         order = self.chunk_order(step)
         self._begin_history(step)
@@ -547,8 +537,7 @@ class GNNPipeEngine:
             out_new = self.comm.recv((plan.num_nodes, *shape), dtype, last)
         self.comm.flush()
         self.comm.counting = False
-        self._state.update(records=records, order=order, ctx=ctx)
-        self.last_epoch_time = time.perf_counter() - t0
+        self._state.update(records=records, order=order)
         return out_new[g.inv]
 
     def _next_activation(self, plan: _Plan) -> Optional[str]:
@@ -709,7 +698,6 @@ class GNNPipeEngine:
         grads: Dict[str, Tensor] = {}
         grad_new = grad_out[g.perm] if nxt is None else None
         self.comm.counting = True
-        t0 = time.perf_counter()
         for c in reversed(order):
             ch = g.chunks[c]
             rec = records.pop(c)
@@ -758,7 +746,6 @@ class GNNPipeEngine:
         self.comm.flush()
         self.comm.counting = False
         self.step += 1
-        self.last_epoch_time += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ history state (checkpoints)
     def history_state(self) -> dict:

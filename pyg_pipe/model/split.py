@@ -7,7 +7,7 @@ from typing import Dict, List, Optional, Sequence, Set
 import torch
 import torch.fx as fx
 
-from .program import CONST, NODE, Program, UnsupportedModelError
+from .program import NODE, Program, UnsupportedModelError
 
 
 @dataclass

@@ -55,7 +55,6 @@ def _inference_worker(rank, world, names):
             engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks), Comm(torch.device("cpu")), world, rank)
             engine.install()
             opt = torch.optim.Adam(model.parameters(), lr=0.01)
-            first = None
             for step in range(3):
                 out, loss = forward_backward(model, opt, x, edge_index, y, mask)
                 opt.step()

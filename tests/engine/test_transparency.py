@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig, sync_module_state

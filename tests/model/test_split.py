@@ -1,5 +1,4 @@
 """Tracing PyG models into programs and cutting them into stages."""
-import torch
 from torch_geometric.nn import GCN
 
 from pyg_pipe.model import NODE, balance, bind_inputs, layer_groups, parameter_owner, split, trace

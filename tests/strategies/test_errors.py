@@ -3,7 +3,6 @@ import time
 
 import lightning.pytorch as pl
 import pytest
-import torch
 from torch_geometric.loader import DataLoader as PygDataLoader
 from torch_geometric.nn import GCN
 

@@ -5,7 +5,6 @@ validation metrics on every rank, the logged communication against the formula, 
 load into the plain model and resume exactly.
 """
 import copy
-import glob
 import os
 
 import lightning.pytorch as pl
@@ -14,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-import pyg_pipe
 from pyg_pipe import GNNPipeStrategy
 from pyg_pipe.engine import gnnpipe_bytes
 from tests.lit import NodeClassifier, graph_loader

@@ -83,6 +83,10 @@ class PipelineConfig:
         if self.snapshot_period is not None and (not isinstance(self.snapshot_period, int) or self.snapshot_period < 1):
             raise ValueError(f"snapshot_period={self.snapshot_period!r} must be a positive integer, or None to "
                              f"turn periodic snapshots off.")
+        from ..graph.partition import PARTITION_METHODS
+        if not callable(self.partition) and self.partition not in PARTITION_METHODS:
+            raise ValueError(f"partition={self.partition!r} must be one of {', '.join(PARTITION_METHODS)} or a "
+                             f"callable (edge_index, num_nodes, num_chunks) -> (perm, ptr).")
         if isinstance(self.balance, str) and self.balance not in ("time", "layers"):
             raise ValueError(f"balance={self.balance!r} must be 'time', 'layers' or a list of layers per stage.")
 

@@ -35,6 +35,15 @@ def test_chunks_below_one(chunks):
         GNNPipeStrategy(num_chunks=chunks)
 
 
+def test_unknown_options_fail_at_construction():
+    with pytest.raises(ValueError, match="partition='kmeans' must be one of"):
+        GNNPipeStrategy(partition="kmeans")
+    with pytest.raises(ValueError, match="balance='fast'"):
+        GNNPipeStrategy(balance="fast")
+    with pytest.raises(ValueError, match="snapshot_period=0"):
+        GNNPipeStrategy(snapshot_period=0)
+
+
 def test_more_chunks_than_nodes():
     with pytest.raises(ValueError, match=r"num_chunks=61 is larger than the number of vertices \(60\)"):
         run(GCN(8, 16, 2, 3), stages=1, chunks=61)

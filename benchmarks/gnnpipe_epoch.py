@@ -114,7 +114,7 @@ def run_pipe(args) -> None:
         def on_train_batch_end(self, trainer, *a):
             self.times.append(time.perf_counter() - self.t0)
 
-    strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks)
+    strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks, snapshot_period=args.snapshot_period or None)
     timer = Timer()
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.procs, max_epochs=args.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -130,7 +130,7 @@ def run_pipe(args) -> None:
 def launch(args, mode: str, **extra) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode]
     for k in ("graph", "nodes", "degree", "features", "classes", "layers", "hidden", "epochs", "procs",
-              "threads_single"):
+              "threads_single", "snapshot_period"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     for k, v in extra.items():
         cmd += [f"--{k}", str(v)]
@@ -156,6 +156,8 @@ def main():
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--threads-single", dest="threads_single", type=int, default=2)
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--snapshot-period", dest="snapshot_period", type=int, default=23,
+                   help="GNNPipeStrategy(snapshot_period=...); 0 turns snapshots off")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--worker", choices=["single", "pipe"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
@@ -177,7 +179,7 @@ def main():
         return statistics.median(ts[len(ts) // 2:])
 
     results = {"setting": {k: getattr(args, k) for k in ("graph", "nodes", "degree", "features", "classes", "layers",
-                                                         "hidden", "epochs", "procs", "threads_single")}}
+                                                         "hidden", "epochs", "procs", "threads_single", "snapshot_period")}}
     single = json.loads(launch(args, "single").stdout.strip().splitlines()[-1])
     results["single"] = single
     t_single, m_single = med(single["times"]), single["peak_mb"]

@@ -483,6 +483,8 @@ class GNNPipeEngine:
             shape, dtype = self.out_spec
             out_new = torch.empty((plan.num_nodes, *shape), dtype=dtype, device=self.comm.device)
         buffered = set(self.buffers)
+        nxt_act = self._next_activation(plan)
+        out_category = {n: "stage_activations" if n == nxt_act else "carried" for n in stage.outputs}
         records: Dict[int, _ChunkRecord] = {}
         ctx = dict(prog=prog, stage=stage, g=g, node_in=node_in, edge_in=edge_in, bound=bound, buffered=buffered)
         self.comm.counting = True
@@ -528,8 +530,7 @@ class GNNPipeEngine:
                 out_new[ch.start:ch.end] = env[stage.outputs[0]].detach()
             else:
                 for name in stage.outputs:
-                    cat = "stage_activations" if name == self._next_activation(plan) else "carried"
-                    self.comm.send(env[name], nxt, cat)
+                    self.comm.send(env[name], nxt, out_category[name])
             rec.local = {}
             records[c] = rec
         if is_last:

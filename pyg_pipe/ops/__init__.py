@@ -1,0 +1,27 @@
+"""Compiled graph operators: fused CSR gather-aggregate kernels and their PyG integration.
+
+``csr_aggregate`` is the kernel call and ``backend()`` says which implementation runs (see
+:mod:`pyg_pipe.ops.aggregate`); ``install`` / ``uninstall`` / ``fused_kernels`` route PyG's
+sparse-adjacency aggregation (``torch_geometric.utils.spmm``) to it (see :mod:`pyg_pipe.ops.pyg`).
+"""
+
+from pyg_pipe.ops.aggregate import (
+    ENV_DISABLE,
+    backend,
+    clear_cache,
+    csr_aggregate,
+    extensions_enabled,
+)
+from pyg_pipe.ops.pyg import fused_kernels, install, installed, uninstall
+
+__all__ = [
+    "ENV_DISABLE",
+    "backend",
+    "clear_cache",
+    "csr_aggregate",
+    "extensions_enabled",
+    "fused_kernels",
+    "install",
+    "installed",
+    "uninstall",
+]

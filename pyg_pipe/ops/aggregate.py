@@ -1,0 +1,418 @@
+"""Fused CSR gather-aggregate: the compiled kernels, their build, and the fallbacks behind one call.
+
+``csr_aggregate(rowptr, col, x, value, reduce)`` computes, for every destination row ``i`` of a CSR
+adjacency (rows = destinations, ``col`` = global source ids into ``x``)::
+
+    out[i] = REDUCE_{e = rowptr[i] .. rowptr[i+1]-1}  value[e] * x[col[e]]        (value[e] = 1 without values)
+
+with REDUCE one of ``sum``, ``mean`` (the sum divided by the row's edge count) and ``max``; rows without
+edges give 0, as PyG's ``scatter`` and ``torch.sparse.mm`` do. It is differentiable w.r.t. ``x`` and
+``value``. The compiled kernels never build the ``[E, d]`` message tensor that PyG's default path
+(``x[src]`` then scatter) does: each output row is accumulated in registers.
+
+Backends, tried in this order for the device of ``x`` (``backend()`` says which one is used):
+
+====================  ==============================================================================
+``"cpp"``             ``extensions/csr_aggregate.cpp`` (OpenMP), JIT-built on first use
+``"cuda"``            ``extensions/csr_aggregate_cuda.cu``, built only where CUDA and nvcc exist
+``"torch_sparse"``    ``torch_sparse.matmul`` when the optional torch-sparse package is installed
+``"torch"``           ``torch.sparse.mm`` on a CSR tensor (``max`` on CUDA: index_select + scatter)
+====================  ==============================================================================
+
+The kernels are built with ``torch.utils.cpp_extension.load`` (g++ with OpenMP, and ninja) into the
+torch extensions directory (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under a
+name that carries a hash of the source, the flags, the torch version and the CPU, so an edited source
+rebuilds and an unchanged one loads in well under a second. Concurrent processes (gloo workers) are
+safe: ``load`` serialises the build with a file baton and the others wait and load the result. Set
+``PYG_PIPE_DISABLE_EXTENSIONS=1`` to skip the compiled kernels. A build that fails, or sources that
+are missing (a wheel install without ``extensions/``), give one ``UserWarning`` per process and the
+fallback; never an error.
+
+Backward: ``sum``/``mean`` w.r.t. ``x`` run the same row-loop kernel over the transposed adjacency
+(counting sort, cached per graph by ``_transposed``), so no atomics and a deterministic result on both
+CPU and CUDA; w.r.t. ``value`` a per-edge dot product ``<grad_out[i], x[col[e]]>`` (divided by the
+degree for ``mean``); ``max`` routes the gradient through the arg-max edge recorded in the forward
+(on CUDA with atomic adds, so that one is not deterministic).
+
+Usage::
+
+    from pyg_pipe.ops import csr_aggregate
+    out = csr_aggregate(rowptr, col, x, value=None, reduce="mean")          # all rows
+    out = csr_aggregate(rowptr, col, x, reduce="sum", row_start=a, row_end=b)  # rows a..b-1 only
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import threading
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["ENV_DISABLE", "backend", "clear_cache", "csr_aggregate", "extensions_enabled"]
+
+ENV_DISABLE = "PYG_PIPE_DISABLE_EXTENSIONS"
+_REDUCE_CODE = {"sum": 0, "mean": 1, "max": 2}
+_REDUCE_ALIASES = {"add": "sum", "sum": "sum", "mean": "mean", "max": "max", "amax": "max"}
+_KERNEL_DTYPES = (torch.float32, torch.float64)
+
+# --------------------------------------------------------------------------------------------
+# building and loading the compiled kernels
+# --------------------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_modules: dict = {}  # "cpu" / "cuda" -> loaded extension module, or None when unavailable
+_warned = False
+
+
+def _source_dir() -> Path:
+    """``extensions/`` of a source checkout (next to the ``pyg_pipe`` package)."""
+    return Path(__file__).resolve().parents[2] / "extensions"
+
+
+def extensions_enabled() -> bool:
+    """False when ``PYG_PIPE_DISABLE_EXTENSIONS`` is set to a true value (1, true, yes, on)."""
+    return os.environ.get(ENV_DISABLE, "").strip().lower() not in ("1", "true", "yes", "on")
+
+
+def _cpu_signature() -> str:
+    # -march=native code is only valid on the CPU that built it: keep builds for different CPUs
+    # (a home directory shared by several machines) apart.
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cflags() -> list:
+    flags = ["-O3", "-DNDEBUG", "-fopenmp"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-march=native")
+    return flags
+
+
+def _build_name(kind: str, sources: list, flags: list) -> str:
+    h = hashlib.sha256()
+    for src in sources:
+        h.update(src.read_bytes())
+    h.update(repr((flags, torch.__version__, torch.version.cuda, platform.python_version(),
+                   _cpu_signature())).encode())
+    return f"pyg_pipe_csr_aggregate_{kind}_{h.hexdigest()[:12]}"
+
+
+def _warn_once(message: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def _load(kind: str):
+    """Build (first use) and import one extension; the caller handles errors."""
+    from torch.utils import cpp_extension
+
+    src_dir = _source_dir()
+    if kind == "cpu":
+        sources = [src_dir / "csr_aggregate.cpp"]
+        cflags = _cflags()
+        extra = {"extra_cflags": cflags, "extra_ldflags": ["-fopenmp"]}
+        flags = cflags
+    else:
+        sources = [src_dir / "csr_aggregate_cuda.cu"]
+        cuda_flags = ["-O3", "-DNDEBUG"]
+        extra = {"extra_cflags": ["-O3", "-DNDEBUG"], "extra_cuda_cflags": cuda_flags}
+        flags = cuda_flags
+    missing = [str(s) for s in sources if not s.is_file()]
+    if missing:
+        raise FileNotFoundError(f"kernel sources not found: {', '.join(missing)} (pyg_pipe is not run "
+                                "from a source checkout)")
+    return cpp_extension.load(name=_build_name(kind, sources, flags), sources=[str(s) for s in sources],
+                              verbose=False, **extra)
+
+
+def _kernels(kind: str):
+    """The loaded extension for ``kind`` ("cpu" or "cuda"), or None (disabled, unavailable, failed)."""
+    if kind in _modules:
+        return _modules[kind]
+    with _lock:
+        if kind in _modules:
+            return _modules[kind]
+        module = None
+        if extensions_enabled() and (kind == "cpu" or _cuda_buildable()):
+            try:
+                module = _load(kind)
+            except Exception as err:  # noqa: BLE001  (a failed build must never stop training)
+                _warn_once(
+                    f"pyg_pipe: could not build the compiled {kind.upper()} aggregation kernels "
+                    f"({type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}); "
+                    f"using the slower '{_fallback_name()}' path instead. Needs a C++ compiler with OpenMP"
+                    f"{' and nvcc' if kind == 'cuda' else ''} and ninja (`pip install ninja`); set "
+                    f"{ENV_DISABLE}=1 to skip the build and this warning.")
+        _modules[kind] = module
+        return module
+
+
+def _cuda_buildable() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from torch.utils.cpp_extension import CUDA_HOME
+    return CUDA_HOME is not None
+
+
+def _torch_sparse():
+    try:
+        import torch_sparse
+        return torch_sparse
+    except Exception:  # noqa: BLE001  (optional package; a broken install counts as absent)
+        return None
+
+
+def _fallback_name() -> str:
+    return "torch_sparse" if _torch_sparse() is not None else "torch"
+
+
+def _device_kind(device) -> str:
+    if isinstance(device, Tensor):
+        device = device.device
+    return "cuda" if torch.device(device).type == "cuda" else "cpu"
+
+
+def backend(device: str | torch.device | Tensor = "cpu") -> str:
+    """Which backend ``csr_aggregate`` uses for tensors on ``device``.
+
+    Returns ``"cpp"`` or ``"cuda"`` (the compiled kernels; building them on the first call), else
+    ``"torch_sparse"`` if that package is installed, else ``"torch"``. Inputs the kernels do not
+    take (float16/bfloat16 features) use the fallback whatever this says.
+    """
+    kind = _device_kind(device)
+    if _kernels(kind) is not None:
+        return "cpp" if kind == "cpu" else "cuda"
+    return _fallback_name()
+
+
+def clear_cache() -> None:
+    """Forget the cached transposed adjacencies (they are rebuilt on the next backward)."""
+    with _lock:
+        _transpose_cache.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# transposed adjacency, cached per graph
+# --------------------------------------------------------------------------------------------
+
+_TRANSPOSE_CACHE_SIZE = 64
+_transpose_cache: OrderedDict[tuple, tuple] = OrderedDict()
+
+
+def _transposed(rowptr: Tensor, col: Tensor, n_src: int, module) -> tuple:
+    """``(tptr, trow, tedge)``: the edges rowptr[0]..rowptr[-1] grouped by source.
+
+    ``tptr`` [n_src+1] offsets into ``trow`` (local destination row) and ``tedge`` (edge id into
+    ``col``/``value``). Cached by the identity of the index tensors' memory (address, length, version
+    counter); the entry keeps ``rowptr`` and ``col`` alive, so an address cannot be reused by another
+    graph while it is cached, and an in-place change bumps the version and misses. A fixed graph thus
+    pays the transposition (one counting sort) once, and each of a graph's chunks once.
+    """
+    key = (rowptr.device, rowptr.data_ptr(), rowptr.numel(), rowptr._version,
+           col.data_ptr(), col.numel(), col._version, n_src)
+    with _lock:
+        hit = _transpose_cache.get(key)
+        if hit is not None:
+            _transpose_cache.move_to_end(key)
+            return hit[2:]
+    if module is not None and rowptr.device.type == "cpu":
+        tptr, trow, tedge = module.transpose(rowptr, col, n_src)
+    else:
+        rows = rowptr.numel() - 1
+        base = int(rowptr[0])
+        deg = rowptr[1:] - rowptr[:-1]
+        c = col[base:base + int(rowptr[-1]) - base].long()
+        if c.numel() and (int(c.min()) < 0 or int(c.max()) >= n_src):
+            raise IndexError(f"csr_aggregate: a source id in col is outside [0, {n_src})")
+        perm = torch.argsort(c, stable=True)
+        row_of_edge = torch.repeat_interleave(torch.arange(rows, device=col.device), deg.long())
+        trow = row_of_edge[perm].to(rowptr.dtype)
+        tedge = (perm + base).to(rowptr.dtype)
+        counts = torch.bincount(c, minlength=n_src)
+        tptr = torch.zeros(n_src + 1, dtype=rowptr.dtype, device=col.device)
+        tptr[1:] = torch.cumsum(counts, 0)
+    with _lock:
+        _transpose_cache[key] = (rowptr, col, tptr, trow, tedge)
+        while len(_transpose_cache) > _TRANSPOSE_CACHE_SIZE:
+            _transpose_cache.popitem(last=False)
+    return tptr, trow, tedge
+
+
+# --------------------------------------------------------------------------------------------
+# autograd around the compiled kernels
+# --------------------------------------------------------------------------------------------
+
+
+def _inv_degree(rowptr: Tensor, dtype) -> Tensor:
+    deg = (rowptr[1:] - rowptr[:-1]).to(dtype)
+    return 1.0 / deg.clamp(min=1)
+
+
+class _CompiledAggregate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rowptr, col, value, x, reduce, module):
+        code = _REDUCE_CODE[reduce]
+        result = module.forward(rowptr, col, value, x, code)
+        out = result[0]
+        arg = result[1] if reduce == "max" else None
+        ctx.reduce, ctx.module, ctx.n_src = reduce, module, x.size(0)
+        ctx.has_value = value is not None
+        ctx.save_for_backward(rowptr, col, value, x, arg)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rowptr, col, value, x, arg = ctx.saved_tensors
+        module, reduce = ctx.module, ctx.reduce
+        need_value = ctx.has_value and ctx.needs_input_grad[2]
+        need_x = ctx.needs_input_grad[3]
+        g = grad_out.contiguous()
+        grad_x = grad_value_part = None
+        base, end = int(rowptr[0]), int(rowptr[-1])
+        if reduce == "max":
+            grad_x, grad_value_part = module.max_backward(rowptr, col, value, x, g, arg, ctx.n_src,
+                                                          need_x, need_value)
+        else:
+            inv_deg = _inv_degree(rowptr, g.dtype) if reduce == "mean" else None
+            if need_x:
+                tptr, trow, tedge = _transposed(rowptr, col, ctx.n_src, module)
+                coef = value[tedge.long()] if value is not None else None
+                if inv_deg is not None:
+                    coef = inv_deg[trow.long()] if coef is None else coef * inv_deg[trow.long()]
+                grad_x = module.forward(tptr, trow, coef.contiguous() if coef is not None else None, g, 0)[0]
+            if need_value:
+                grad_value_part = module.edge_dot(rowptr, col, x, g)
+                if inv_deg is not None:
+                    deg = (rowptr[1:] - rowptr[:-1]).long()
+                    grad_value_part = grad_value_part * torch.repeat_interleave(inv_deg, deg)
+        grad_value = None
+        if need_value:
+            if base == 0 and end == value.numel():
+                grad_value = grad_value_part
+            else:
+                grad_value = torch.zeros_like(value)
+                grad_value[base:end] = grad_value_part
+        return None, None, grad_value, grad_x, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# fallbacks
+# --------------------------------------------------------------------------------------------
+
+
+def _slice_edges(rowptr: Tensor, col: Tensor, value: Tensor | None):
+    """Rebase a row-range slice to a self-contained CSR: (rowptr from 0, col, value) of its edges."""
+    base, end = int(rowptr[0]), int(rowptr[-1])
+    rp = rowptr - base if base else rowptr
+    c = col[base:end] if (base or end != col.numel()) else col
+    v = value[base:end] if value is not None and (base or end != value.numel()) else value
+    return rp, c, v
+
+
+def _torch_aggregate(rowptr: Tensor, col: Tensor, value: Tensor | None, x: Tensor, reduce: str) -> Tensor:
+    rp, c, v = _slice_edges(rowptr, col, value)
+    rows, n_src = rp.numel() - 1, x.size(0)
+    # torch.sparse.mm's gradient w.r.t. the values mishandles duplicate entries (it returns one per
+    # distinct (row, col)), so a differentiable ``value`` takes the edge-list path.
+    sparse_ok = v is None or not v.requires_grad
+    cpu_ok = x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES
+    if sparse_ok and (cpu_ok or (x.device.type == "cuda" and reduce != "max")):
+        rp64, c64 = rp.long(), c.long()
+        w = v if v is not None else torch.ones(c.numel(), dtype=x.dtype, device=x.device)
+        adj = torch.sparse_csr_tensor(rp64, c64, w, (rows, n_src), check_invariants=False)
+        if x.device.type == "cpu":
+            return torch.sparse.mm(adj, x, {"sum": "sum", "mean": "mean", "max": "amax"}[reduce])
+        out = torch.sparse.mm(adj, x)
+        if reduce == "mean":
+            out = out * _inv_degree(rp, out.dtype).unsqueeze(1)
+        return out
+    # generic edge-list path (max on CUDA, half precision): builds the [E, d] messages
+    deg = (rp[1:] - rp[:-1]).long()
+    dst = torch.repeat_interleave(torch.arange(rows, device=x.device), deg)
+    msg = x.index_select(0, c.long())
+    if v is not None:
+        msg = msg * v.unsqueeze(1)
+    out = x.new_zeros(rows, x.size(1))
+    red = {"sum": "sum", "mean": "mean", "max": "amax"}[reduce]
+    return out.scatter_reduce(0, dst.unsqueeze(1).expand_as(msg), msg, red, include_self=False)
+
+
+def _torch_sparse_aggregate(rowptr, col, value, x, reduce):
+    import torch_sparse
+
+    rp, c, v = _slice_edges(rowptr, col, value)
+    adj = torch_sparse.SparseTensor(rowptr=rp.long(), col=c.long(), value=v,
+                                    sparse_sizes=(rp.numel() - 1, x.size(0)), is_sorted=True,
+                                    trust_data=True)
+    return torch_sparse.matmul(adj, x, reduce=reduce)
+
+
+# --------------------------------------------------------------------------------------------
+# the public call
+# --------------------------------------------------------------------------------------------
+
+
+def csr_aggregate(rowptr: Tensor, col: Tensor, x: Tensor, value: Tensor | None = None,
+                  reduce: str = "sum", row_start: int = 0, row_end: int | None = None) -> Tensor:
+    """Aggregate source rows of ``x`` into destination rows over a CSR adjacency, fused.
+
+    Args:
+        rowptr: [N_dst + 1] int32/int64 row offsets into ``col`` (rows are destinations). Offsets are
+            absolute: a slice of a bigger CSR's rowptr (not starting at 0) works as is.
+        col: [E] source ids (same dtype as ``rowptr``), global row numbers of ``x``.
+        x: [N_src, d] source features (float32/float64 use the compiled kernels; other float
+            dtypes the fallback). For the chunk case ``x`` is the full-graph buffer.
+        value: optional [E] per-edge weights (multiplied into the messages; cast to ``x.dtype``).
+        reduce: ``"sum"`` (alias ``"add"``), ``"mean"`` or ``"max"`` (alias ``"amax"``). Empty rows give 0.
+        row_start, row_end: compute only destination rows ``row_start .. row_end - 1`` (default: all).
+
+    Returns:
+        [row_end - row_start, d] tensor; differentiable w.r.t. ``x`` and ``value``.
+    """
+    reduce_name = _REDUCE_ALIASES.get(reduce)
+    if reduce_name is None:
+        raise ValueError(f"csr_aggregate: `reduce` must be one of 'sum', 'mean', 'max' (or 'add', 'amax'), "
+                         f"got {reduce!r}")
+    if x.dim() != 2:
+        raise ValueError(f"csr_aggregate: `x` must be 2-D [N_src, d], got shape {tuple(x.shape)}")
+    if rowptr.dim() != 1 or col.dim() != 1 or rowptr.numel() < 1:
+        raise ValueError("csr_aggregate: `rowptr` ([N_dst + 1]) and `col` ([E]) must be 1-D")
+    n_dst = rowptr.numel() - 1
+    row_end = n_dst if row_end is None else row_end
+    if not 0 <= row_start <= row_end <= n_dst:
+        raise ValueError(f"csr_aggregate: need 0 <= row_start ({row_start}) <= row_end ({row_end}) <= "
+                         f"number of rows ({n_dst})")
+    if row_start or row_end != n_dst:
+        rowptr = rowptr[row_start:row_end + 1]
+    if rowptr.dtype != col.dtype or rowptr.dtype not in (torch.int32, torch.int64):
+        rowptr, col = rowptr.long(), col.long()
+    if value is not None:
+        if value.dim() != 1 or value.numel() != col.numel():
+            raise ValueError(f"csr_aggregate: `value` must be 1-D like `col` ({col.numel()} entries), got "
+                             f"shape {tuple(value.shape)}")
+        if value.dtype != x.dtype:
+            value = value.to(x.dtype)
+
+    kind = _device_kind(x)
+    module = _kernels(kind) if x.dtype in _KERNEL_DTYPES else None
+    if module is not None:
+        return _CompiledAggregate.apply(rowptr.contiguous(), col.contiguous(),
+                                        value.contiguous() if value is not None else None,
+                                        x.contiguous(), reduce_name, module)
+    if _torch_sparse() is not None:
+        return _torch_sparse_aggregate(rowptr, col, value, x, reduce_name)
+    return _torch_aggregate(rowptr, col, value, x, reduce_name)

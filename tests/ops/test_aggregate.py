@@ -8,7 +8,7 @@ feature widths that exercise every register-block size and the tail, and the fal
 import pytest
 import torch
 
-import pyg_pipe.ops as ops
+from pyg_pipe import ops
 from pyg_pipe.ops import aggregate
 from tests.ops.graphs import REDUCES, reference, small_csr
 

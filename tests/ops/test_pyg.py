@@ -9,7 +9,7 @@ import torch_geometric.utils
 from torch_geometric.nn import GCN2Conv, GCNConv, GraphConv, SAGEConv
 from torch_geometric.nn.conv import gcn_conv, sage_conv
 
-import pyg_pipe.ops as ops
+from pyg_pipe import ops
 from pyg_pipe.ops import pyg as ops_pyg
 
 N = 30

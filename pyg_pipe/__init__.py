@@ -1,15 +1,18 @@
 """pyg_pipe: pipelined full-graph training of unchanged PyTorch Geometric models across many devices.
 
-``import pyg_pipe`` registers the Lightning strategies, so ``Trainer(strategy="gnnpipe")`` works.
+``import pyg_pipe`` registers the Lightning strategies, so ``Trainer(strategy="gnnpipe")``,
+``"graph_parallel"`` and ``"gnnpipe_hybrid"`` work.
 """
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .data import FullGraphDataModule
 from .engine import GNNPipeEngine, PipelineConfig
 from .model import UnsupportedModelError
-from .strategies import GNNPipeStrategy
+from .strategies import GNNPipeStrategy, GraphParallelStrategy, HybridStrategy
 
-GNNPipeStrategy.register_strategies(StrategyRegistry)
+for _cls in (GNNPipeStrategy, HybridStrategy, GraphParallelStrategy):
+    _cls.register_strategies(StrategyRegistry)
 
 __version__ = "0.1.0"
-__all__ = ["GNNPipeStrategy", "FullGraphDataModule", "GNNPipeEngine", "PipelineConfig", "UnsupportedModelError"]
+__all__ = ["FullGraphDataModule", "GNNPipeEngine", "GNNPipeStrategy", "GraphParallelStrategy", "HybridStrategy",
+           "PipelineConfig", "UnsupportedModelError"]

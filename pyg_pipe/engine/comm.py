@@ -7,6 +7,10 @@ Bytes sent while :attr:`Comm.counting` is on are added to a category:
 ``stage_activations`` forward rows of the value that feeds the next stage's first layer
 ``stage_gradients``   their gradients, sent backwards
 ``carried``           any other tensor crossing a cut (GCNII's ``x0``), both directions
+``halo_forward``      rows of boundary vertices sent to the graph-parallel ways that read them
+``halo_backward``     the gradients of those rows, sent back to their owners
+``weight_allreduce``  weight gradients all-reduced among the ways of a stage (counted as a ring
+                      all-reduce: ``2·(W-1)/W`` of the gradient per rank)
 ``output``            the last stage's output rows, sent to every other rank
 ``other``             anything else
 ==================== ===============================================================
@@ -26,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-CATEGORIES = ("stage_activations", "stage_gradients", "carried", "output", "other")
+CATEGORIES = ("stage_activations", "stage_gradients", "carried", "halo_forward", "halo_backward",
+              "weight_allreduce", "output", "other")
 _ERROR_KEY = "pyg_pipe/error"
 
 
@@ -68,6 +73,17 @@ class Comm:
             self.bytes[category] += tensor.numel() * tensor.element_size()
         work = dist.isend(tensor, dst, group=self.group)
         self._pending.append((work, tensor))
+
+    def all_reduce(self, tensor: Tensor, group, group_size: int, first: bool) -> None:
+        """Sums ``tensor`` in place over ``group`` and counts it as a ring all-reduce under
+        ``weight_allreduce``: ``2·(W-1)·n·b`` bytes for the group, split evenly over its ranks
+        (``first`` takes the remainder, so the group's total is exact)."""
+        if group_size > 1:
+            dist.all_reduce(tensor, group=group)
+            if self.counting:
+                total = 2 * (group_size - 1) * tensor.numel() * tensor.element_size()
+                share = total // group_size
+                self.bytes["weight_allreduce"] += share + (total - share * group_size if first else 0)
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> Tensor:
         """Receives one tensor of known shape and dtype from ``src``."""
@@ -165,8 +181,49 @@ def gnnpipe_bytes(num_nodes: int, num_stages: int, width: int, out_width: int, c
     """
     ranks = num_stages if num_ranks is None else num_ranks
     act = (num_stages - 1) * num_nodes * width * bytes_per_value
-    out = {"stage_activations": act, "stage_gradients": act,
-           "carried": 2 * (num_stages - 1) * num_nodes * carried_width * bytes_per_value,
-           "output": (ranks - 1) * num_nodes * out_width * bytes_per_value, "other": 0}
+    out = dict.fromkeys(CATEGORIES, 0)
+    out.update(stage_activations=act, stage_gradients=act,
+               carried=2 * (num_stages - 1) * num_nodes * carried_width * bytes_per_value,
+               output=(ranks - 1) * num_nodes * out_width * bytes_per_value)
+    out["total"] = sum(out[c] for c in CATEGORIES)
+    return out
+
+
+def halo_rows(edge_index: Tensor, perm: Tensor, ptr: Tensor) -> int:
+    """``Σ_p |halo(p)|``: for every partition ``p`` (a contiguous new-id range ``ptr[p]:ptr[p+1]`` of
+    the order ``perm[new] = old``), the number of distinct vertices outside ``p`` with an edge into ``p``."""
+    n = perm.numel()
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(n, device=perm.device)
+    src, dst = inv[edge_index[0]], inv[edge_index[1]]
+    part_of = torch.bucketize(torch.arange(n, device=perm.device), ptr[1:], right=True)
+    ps, pd = part_of[src], part_of[dst]
+    cross = ps != pd
+    pairs = torch.unique(pd[cross] * n + src[cross])
+    return int(pairs.numel())
+
+
+def graph_parallel_bytes(num_nodes: int, halo: int, widths: Sequence[int], num_params: int, ways: int,
+                         out_width: int, num_stages: int = 1, width: int = 0, carried_width: int = 0,
+                         bytes_per_value: int = 4) -> Dict[str, int]:
+    """Per-step bytes of graph-parallel (``num_stages = 1``) and hybrid runs with one chunk per way.
+
+    ``halo`` is ``Σ_p |halo(p)|`` of the ``ways``-way partition (:func:`halo_rows`), ``widths`` the
+    width of every value exchanged in one step (one entry per message-passing layer whose input is
+    computed by the model, not a graph input every rank already has), ``num_params`` the number of
+    parameters (all stages together)::
+
+        halo_forward = halo_backward = Σ_l d_l · Σ_p |halo(p)| · b
+        weight_allreduce             = 2·(W-1)·#params · b
+        output                       = (P-1)·|V|·d_out · b,   P = S·W
+
+    plus the pipeline terms of :func:`gnnpipe_bytes` between the ``num_stages`` stages (each way
+    sends its own rows, so together they are the same as one way sending all of them).
+    """
+    out = gnnpipe_bytes(num_nodes, num_stages, width, out_width, carried_width, num_ranks=num_stages * ways,
+                        bytes_per_value=bytes_per_value)
+    h = sum(widths) * halo * bytes_per_value
+    out.update(halo_forward=h, halo_backward=h,
+               weight_allreduce=2 * (ways - 1) * num_params * bytes_per_value)
     out["total"] = sum(out[c] for c in CATEGORIES)
     return out

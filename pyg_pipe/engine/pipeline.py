@@ -44,6 +44,31 @@ Communication per step (fp32, ``d`` = width of the activation at each cut, ``d0`
     output            = (S-1)·|V|·d_out·4 bytes         (last stage -> every other rank)
 
 independent of the number of layers.
+
+Graph-parallel ways (hybrid and graph parallelism, design.md §1, §4). The ``P = S·W`` ranks form a
+grid: rank ``s·W + w`` runs stage ``s`` for way ``w``. The vertices are partitioned into ``W`` parts
+(:func:`~pyg_pipe.graph.make_way_chunks`), each cut into ``C/W`` chunks; way ``w`` owns chunks
+``w·C/W … (w+1)·C/W - 1`` and all ways walk their chunks in the same shuffled local order ``π``
+(chunk ``w·C/W + π[k]`` at pipeline clock ``k``), so the ways of a stage are always at the same
+chunk position and the same layer. Graph parallelism is the case ``S = 1``, ``C = W``.
+
+* Forward, at a layer that reads value ``v`` with halos: way ``w`` sends to every other way ``w'``
+  the rows of its current chunk that any chunk of ``w'`` reads (its *mirrors*), and receives theirs.
+  Received rows are fresh; with ``C/W > 1`` they are also written into ``B_v`` for later chunks.
+* Backward (:class:`_HaloJoin`): the gradient of every *fresh* halo row goes back to its owner —
+  to ``G_v`` when the owner chunk is the way's own earlier chunk, over the wire to way ``w'``
+  otherwise, where it is added to the current chunk's rows or to ``G_v`` of an earlier chunk.
+* Values a layer uses only row by row (GCNII's ``x0``) need no halo: this is probed once per layer
+  (random halo rows must not change the chunk's rows) and agreed on by all ways of the stage.
+* Weight gradients of a stage are summed over its ways after the drain (one all-reduce).
+
+Per step, with one chunk per way (``Σ_p |halo(p)|`` over the ``W`` partitions, ``d_l`` the width
+of the value exchanged at layer ``l``)::
+
+    halo_forward = halo_backward = Σ_l d_l · Σ_p |halo(p)| · 4 bytes
+    weight_allreduce             = 2·(W-1)·#params·4      output = (P-1)·|V|·d_out·4
+
+With more chunks per way the forward is the same; only gradients of fresh rows travel back.
 """
 from __future__ import annotations
 
@@ -98,7 +123,6 @@ class _ChunkRecord:
     in_leaves: Dict[str, Tensor] = field(default_factory=dict)
     out_roots: Dict[str, Tensor] = field(default_factory=dict)
     produced: Dict[str, Tensor] = field(default_factory=dict)
-    halo_leaves: List[Tuple[str, Tensor]] = field(default_factory=list)
     local: Dict[str, Tensor] = field(default_factory=dict)
 
 
@@ -132,6 +156,29 @@ class _Fill(torch.autograd.Function):
         return None, None
 
 
+class _HaloJoin(torch.autograd.Function):
+    """``[chunk rows | halo rows | dummy row]`` of one value, for a chunk's local graph.
+
+    The halo rows are data (history or rows received from other ways); the backward hands the
+    gradient of the fresh ones to their owners (:meth:`GNNPipeEngine._halo_backward`) and returns
+    the chunk rows' gradient, plus what other ways sent for those rows.
+    """
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, halo: Tensor, engine: "GNNPipeEngine", name: str, ch: Chunk, dummy: int):
+        ctx.engine, ctx.name, ctx.ch = engine, name, ch
+        parts = [rows, halo.to(rows.dtype)]
+        if dummy:
+            parts.append(rows.new_zeros((dummy, *rows.shape[1:])))
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ch = ctx.ch
+        g_rows = ctx.engine._halo_backward(ctx.name, ch, grad[:ch.rows], grad[ch.rows:ch.rows + ch.halo.numel()])
+        return g_rows, None, None, None, None, None
+
+
 class GNNPipeEngine:
     """Pipelined execution of one PyG model on this rank's stage.
 
@@ -139,20 +186,27 @@ class GNNPipeEngine:
         module: the user's model (its ``forward`` is replaced while the engine is installed).
         config: schedule options.
         comm: this rank's :class:`~pyg_pipe.engine.comm.Comm`.
-        num_stages: pipeline depth S (= world size for pure GNNPipe).
-        stage: this rank's stage index.
-        ranks: global rank of every stage (default ``range(S)``).
+        num_stages: pipeline depth S (``None``: the world size divided by ``ways``).
+        stage: this rank's stage index (``None``: from the rank, ``rank // W``).
+        ranks: global rank of every stage along this rank's way (default: the grid's).
+        ways: graph-parallel ways W per stage (``None`` with ``num_stages=None``: chosen when the
+            model is first traced, the fewest ways ``>= 2`` that leave every stage a layer).
     """
 
-    def __init__(self, module: torch.nn.Module, config: PipelineConfig, comm: Comm, num_stages: int, stage: int,
-                 ranks: Optional[Sequence[int]] = None):
+    def __init__(self, module: torch.nn.Module, config: PipelineConfig, comm: Comm, num_stages: Optional[int] = None,
+                 stage: Optional[int] = None, ranks: Optional[Sequence[int]] = None, ways: Optional[int] = 1):
         config.validate()
         self.module = module
         self.config = config
         self.comm = comm
+        self._request = (num_stages, stage, ranks, ways)
         self.num_stages = num_stages
         self.stage_index = stage
-        self.ranks = list(ranks) if ranks is not None else list(range(num_stages))
+        self.ways, self.way = ways, 0
+        self.ranks = list(ranks) if ranks is not None else None
+        self.stage_group = None
+        if num_stages is not None and ways is not None:
+            self._set_grid(num_stages, ways)
         self.step = 0
         self.layers_per_stage: Optional[List[int]] = None
         self.plan: Optional[_Plan] = None
@@ -167,6 +221,64 @@ class GNNPipeEngine:
         self._forward_fn = forward_function(module)
         self._inside = False
         self._state: dict = {}
+        self._row_local: Dict[Tuple[bool, str], Dict[str, bool]] = {}
+        self._pruned = False
+        self._grads: Dict[str, Tensor] = {}
+        self._pos: Optional[Tensor] = None
+        self._pi: List[int] = [0]
+        self._mirror: Dict[Tuple[int, int], Tensor] = {}
+        self.out_spec = None
+        self.specs: Dict[str, Tuple] = {}
+
+    # ------------------------------------------------------------------ the rank grid
+    def _set_grid(self, num_stages: int, ways: int) -> None:
+        P = self.comm.world_size
+        if ways > 1 and num_stages * ways != P:
+            raise ValueError(f"stages={num_stages} x ways={ways} = {num_stages * ways} ranks, but {P} processes run; "
+                             f"choose stages and ways whose product is the number of devices.")
+        _, stage, ranks, _ = self._request
+        self.num_stages, self.ways = num_stages, ways
+        self.way = self.comm.rank % ways if ways > 1 else 0
+        self.stage_index = stage if stage is not None else self.comm.rank // ways
+        if ranks is None or ways > 1:
+            ranks = [s * ways + self.way for s in range(num_stages)]
+        self.ranks = list(ranks)
+        self.stage_group = None
+        if ways > 1:
+            for s in range(num_stages):  # every rank creates every group, in the same order
+                group = dist.new_group([s * ways + w for w in range(ways)])
+                if s == self.stage_index:
+                    self.stage_group = group
+
+    def _resolve_grid(self, num_layers: int) -> None:
+        if self.num_stages is not None and self.ways is not None:
+            return
+        P = self.comm.world_size
+        S, W = self.num_stages, self.ways
+        if S is None and W is None:
+            W = next((w for w in range(2, P + 1) if P % w == 0 and P // w <= num_layers), 1)
+        if S is None:
+            if P % W:
+                raise ValueError(f"ways={W} does not divide the {P} processes; choose a divisor of the device count.")
+            S = P // W
+        if W is None:
+            if P % S:
+                raise ValueError(f"stages={S} does not divide the {P} processes; choose a divisor of the device count.")
+            W = P // S
+        self._set_grid(S, W)
+
+    def rank_of(self, stage: int, way: int = 0) -> int:
+        """Global rank of ``(stage, way)``."""
+        return self.ranks[stage] if self.ways == 1 else stage * self.ways + way
+
+    @property
+    def owner_ranks(self) -> List[int]:
+        """The rank holding the authoritative copy of each stage's parameters (way 0)."""
+        return [self.rank_of(s, 0) for s in range(self.num_stages)]
+
+    @property
+    def chunks_per_way(self) -> int:
+        return self.plan.graph.num_chunks // self.ways
 
     # ------------------------------------------------------------------ install / call
     def install(self) -> None:
@@ -202,6 +314,8 @@ class GNNPipeEngine:
         self._state = {"bound": bound, "plan": plan}
         if not training:
             with torch.no_grad():
+                if self._partitioned_inference:
+                    return self._fill(training=False)
                 out, _ = self._run_full(plan.programs[False], plan.stages[False], bound, record=False)
             return out
         for name in plan.programs[True].inputs:
@@ -242,9 +356,10 @@ class GNNPipeEngine:
                     prog = trace(self.module, bound, num_nodes, num_edges, self._forward_fn)
                 finally:
                     self.module.train(was)
-                if self.layers_per_stage is None:
-                    self.layers_per_stage = self._choose_split(prog, bound)
                 groups = layer_groups(prog)
+                if self.layers_per_stage is None:
+                    self._resolve_grid(len(groups))
+                    self.layers_per_stage = self._choose_split(prog, bound)
                 if len(groups) != sum(self.layers_per_stage):
                     raise UnsupportedModelError(
                         f"{type(self.module).__name__} runs {len(groups)} message-passing layers in "
@@ -254,9 +369,15 @@ class GNNPipeEngine:
                 plan.stages[mode] = split(prog, self.layers_per_stage)
                 if mode:
                     self.owners = parameter_owner(self.module, plan.stages[True])
-        if training and plan.graph is None:
+        if (training or self._partitioned_inference) and plan.graph is None:
             self._build_chunks(plan, bound, graph)
         return plan
+
+    @property
+    def _partitioned_inference(self) -> bool:
+        """Graph parallelism infers partition-parallel (exact: one chunk per way, fresh halos);
+        pipelines infer stage by stage over the whole graph."""
+        return self.num_stages == 1 and (self.ways or 1) > 1
 
     def _num_nodes(self, bound, graph) -> int:
         if graph.layout != torch.strided:
@@ -283,9 +404,9 @@ class GNNPipeEngine:
         if bal == "layers" or S == 1:
             return [L // S + (1 if s < L % S else 0) for s in range(S)]
         costs = torch.zeros(L, dtype=torch.float64)
-        if self.comm.rank == self.ranks[0]:
+        if self.comm.rank == self.rank_of(0):
             costs = torch.tensor(self._profile(prog, groups, bound), dtype=torch.float64)
-        costs = self._broadcast(costs, self.ranks[0])
+        costs = self._broadcast(costs, self.rank_of(0))
         return balance(costs.tolist(), S)
 
     def _profile(self, prog: Program, groups, bound) -> List[float]:
@@ -312,11 +433,21 @@ class GNNPipeEngine:
         return t.cpu()
 
     def _build_chunks(self, plan: _Plan, bound, graph: Tensor) -> None:
-        from ..graph.partition import make_chunks
+        from ..graph.partition import make_chunks, make_way_chunks
         N = plan.num_nodes
-        C = self.config.num_chunks if self.config.num_chunks is not None else min(4 * self.num_stages, N)
+        W = self.ways
+        if W > N:
+            raise ValueError(f"{W} graph-parallel ways need at least {W} vertices, but the graph has {N}; use at most "
+                             f"{N} ways (devices).")
+        C = self.config.num_chunks
+        if C is None:
+            C = min(4 * self.num_stages, N) if W == 1 else W * (1 if self.num_stages == 1 else 4 * self.num_stages)
+            C = min(C, N - N % W)
         if C > N:
             raise ValueError(f"num_chunks={C} is larger than the number of vertices ({N}); use at most {N} chunks.")
+        if C % W:
+            raise ValueError(f"num_chunks={C} must be a multiple of the {W} graph-parallel ways (each way owns the same "
+                             f"number of chunks); use e.g. num_chunks={W * max(1, C // W)}.")
         if graph.layout == torch.strided:
             src, dst = graph[0], graph[1]
             weight = bound.get("edge_weight") if isinstance(bound.get("edge_weight"), Tensor) else None
@@ -325,30 +456,57 @@ class GNNPipeEngine:
             coo = graph.to_sparse_coo().coalesce() if graph.layout != torch.sparse_coo else graph.coalesce()
             dst, src = coo.indices()
             weight, layout = coo.values(), graph.layout
-        if self.comm.rank == self.ranks[0]:
-            part = self.config.partition
+        root = self.rank_of(0)
+        part = self.config.partition
+        # a user's partitioner runs (and is checked) on every rank, so a bad one fails everywhere at once
+        if self.comm.rank == root or callable(part):
             if callable(part):
                 perm, ptr = part(torch.stack([src, dst]).cpu(), N, C)
                 perm, ptr = torch.as_tensor(perm, dtype=torch.long), torch.as_tensor(ptr, dtype=torch.long)
-                if ptr.numel() != C + 1 or not torch.equal(torch.sort(perm).values, torch.arange(N)):
+                if ptr.numel() != C + 1 or not torch.equal(torch.sort(perm).values, torch.arange(N)) \
+                        or int(ptr[0]) != 0 or int(ptr[-1]) != N:
                     raise ValueError(f"partition callable must return (perm, ptr): a permutation of {N} vertices "
-                                     f"and {C + 1} chunk boundaries.")
+                                     f"and {C + 1} chunk boundaries from 0 to {N}.")
+                sizes = ptr[1:] - ptr[:-1]
+                if bool((sizes <= 0).any()):
+                    empty = torch.nonzero(sizes <= 0).view(-1).tolist()
+                    raise ValueError(f"partition callable returned empty chunks {empty}: every chunk (and so every "
+                                     f"partition of a graph-parallel way) needs at least one vertex.")
+            elif W > 1:
+                perm, ptr = make_way_chunks(torch.stack([src, dst]).cpu(), N, W, C // W, method=part,
+                                            seed=self.config.seed)
             else:
                 perm, ptr = make_chunks(torch.stack([src, dst]).cpu(), N, C, method=part, seed=self.config.seed)
-        else:
+        if self.comm.rank != root:
             perm, ptr = torch.empty(N, dtype=torch.long), torch.empty(C + 1, dtype=torch.long)
-        perm = self._broadcast(perm, self.ranks[0])
-        ptr = self._broadcast(ptr, self.ranks[0])
+        perm = self._broadcast(perm, root)
+        ptr = self._broadcast(ptr, root)
         dev = self.comm.device
         plan.graph = ChunkedGraph(src.to(dev), dst.to(dev), None if weight is None else weight.to(dev), N,
                                   perm.to(dev), ptr.to(dev), sparse_layout=layout)
         plan.sparse_coo = (src, dst, weight)
+        if W > 1:
+            self._build_mirrors(plan.graph)
         # exact layer-wise pass: fills the history buffers and tells every stage the message shapes
-        with torch.no_grad():
-            self._run_full(plan.programs[True], plan.stages[True], bound, record=True)
+        # (graph parallelism keeps no history and exchanges no stage messages: nothing to fill)
+        if self.num_stages > 1 or C > W:
+            with torch.no_grad():
+                self._run_full(plan.programs[True], plan.stages[True], bound, record=True)
         if self._pending_history is not None:
             self._load_history(self._pending_history)
             self._pending_history = None
+
+    def _build_mirrors(self, g: ChunkedGraph) -> None:
+        """``_mirror[(c, w')]``: the rows of chunk ``c`` that chunks of another way ``w'`` read (new ids)."""
+        cpw = g.num_chunks // self.ways
+        self._mirror = {}
+        for w2 in range(self.ways):
+            halos = [g.chunks[c].halo for c in range(w2 * cpw, (w2 + 1) * cpw)]
+            need = torch.unique(torch.cat(halos)) if halos else g.ptr[:0]
+            bounds = torch.searchsorted(need, g.ptr).tolist()
+            for c in range(g.num_chunks):
+                if c // cpw != w2:
+                    self._mirror[(c, w2)] = need[bounds[c]:bounds[c + 1]]
 
     # ------------------------------------------------------------------ evaluation helpers
     def _inputs_env(self, prog: Program, bound) -> Dict[str, Any]:
@@ -424,12 +582,12 @@ class GNNPipeEngine:
         if record:
             g = self.plan.graph
             self.specs = specs
-            self.buffers = {} if g.num_chunks == 1 else {
+            self.buffers = {} if g.num_chunks == self.ways else {
                 v: env[v].detach()[g.perm].clone() for v in self._buffered(prog, stage)}
             self.snapshot = {}
         if self.comm.rank == last:
             out = env[stage.outputs[0]]
-            for r in range(self.comm.world_size):
+            for r in self.ranks:
                 if r != last:
                     self.comm.send_with_header(out, r)
         else:
@@ -441,15 +599,21 @@ class GNNPipeEngine:
 
     # ------------------------------------------------------------------ chunked training step
     def chunk_order(self, step: int) -> List[int]:
-        C = self.plan.graph.num_chunks
+        """This way's chunks in the order of step ``step`` (see :meth:`local_order`)."""
+        cpw = self.chunks_per_way
+        return [self.way * cpw + i for i in self.local_order(step)]
+
+    def local_order(self, step: int) -> List[int]:
+        """The permutation ``π`` of chunk positions within a way used at ``step``, the same on all ranks."""
+        cpw = self.chunks_per_way
         if not self.config.shuffle_chunks:
-            return list(range(C))
+            return list(range(cpw))
         gen = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
-        return torch.randperm(C, generator=gen).tolist()
+        return torch.randperm(cpw, generator=gen).tolist()
 
     def _begin_history(self, step: int) -> None:
         R = self.config.snapshot_period
-        if R is None or not self.buffers or self.plan.graph.num_chunks == 1:
+        if R is None or not self.buffers or self.plan.graph.num_chunks == self.ways:
             return
         if step % R == 0 or not self.snapshot:
             self.snapshot = {k: v.clone() for k, v in self.buffers.items()}
@@ -457,13 +621,21 @@ class GNNPipeEngine:
             for k, v in self.buffers.items():
                 v.copy_(self.snapshot[k])
 
-    def _fill(self) -> Tensor:
+    def _fill(self, training: bool = True) -> Tensor:
+        """The forward of one step (training) or an exact partition-parallel inference pass."""
         plan: _Plan = self._state["plan"]
         bound = self._state["bound"]
-        prog, stage, g = plan.programs[True], plan.stages[True][self.stage_index], plan.graph
+        prog, stage, g = plan.programs[training], plan.stages[training][self.stage_index], plan.graph
         step = self.step
-        order = self.chunk_order(step)
-        self._begin_history(step)
+        pi = self.local_order(step) if training else list(range(self.chunks_per_way))
+        cpw = self.chunks_per_way
+        order = [self.way * cpw + i for i in pi]
+        pos = torch.empty(g.num_chunks, dtype=torch.long, device=self.comm.device)
+        for w in range(self.ways):
+            pos[torch.tensor([w * cpw + i for i in pi], device=pos.device)] = torch.arange(cpw, device=pos.device)
+        self._pos, self._pi = pos, pi
+        if training:
+            self._begin_history(step)
         perm = g.perm
         node_in, edge_in = {}, {}
         for node in prog.graph.nodes:
@@ -476,20 +648,18 @@ class GNNPipeEngine:
                 edge_in[node.name] = v
         prev = self.ranks[self.stage_index - 1] if self.stage_index > 0 else None
         nxt = self.ranks[self.stage_index + 1] if self.stage_index + 1 < self.num_stages else None
-        last = self.ranks[-1]
         is_last = nxt is None
         out_new = None
-        if is_last:
-            shape, dtype = self.out_spec
-            out_new = torch.empty((plan.num_nodes, *shape), dtype=dtype, device=self.comm.device)
-        buffered = set(self.buffers)
+        buffered = set(self.buffers) if training else set()
         nxt_act = self._next_activation(plan)
         out_category = {n: "stage_activations" if n == nxt_act else "carried" for n in stage.outputs}
         records: Dict[int, _ChunkRecord] = {}
-        ctx = dict(prog=prog, stage=stage, g=g, node_in=node_in, edge_in=edge_in, bound=bound, buffered=buffered)
-        self.comm.counting = True
-        for c in order:
+        ctx = dict(prog=prog, stage=stage, g=g, node_in=node_in, edge_in=edge_in, bound=bound, buffered=buffered,
+                   mode=training, pi=pi)
+        self.comm.counting = training
+        for k, c in enumerate(order):
             ch = g.chunks[c]
+            ctx["k"] = k
             rec = _ChunkRecord()
             env = {}
             for node in prog.graph.nodes:
@@ -505,7 +675,7 @@ class GNNPipeEngine:
             for name in stage.inputs:
                 shape, dtype = self.specs[name]
                 t = self.comm.recv((ch.rows, *shape), dtype, prev)
-                if t.is_floating_point():
+                if t.is_floating_point() and training:
                     t.requires_grad_()
                 rec.in_leaves[name] = t
                 env[name] = t
@@ -527,23 +697,56 @@ class GNNPipeEngine:
             for name in stage.outputs:
                 rec.out_roots[name] = env[name]
             if is_last:
-                out_new[ch.start:ch.end] = env[stage.outputs[0]].detach()
+                res = env[stage.outputs[0]].detach()
+                if out_new is None:
+                    self.out_spec = (tuple(res.shape[1:]), res.dtype)
+                    out_new = torch.empty((plan.num_nodes, *res.shape[1:]), dtype=res.dtype, device=self.comm.device)
+                out_new[ch.start:ch.end] = res
             else:
                 for name in stage.outputs:
                     self.comm.send(env[name], nxt, out_category[name])
             rec.local = {}
-            records[c] = rec
-        if is_last:
-            for r in range(self.comm.world_size):
-                if r != last:
-                    self.comm.send(out_new, r, "output")
-        else:
-            shape, dtype = self.out_spec
-            out_new = self.comm.recv((plan.num_nodes, *shape), dtype, last)
+            if training:
+                records[c] = rec
+        out_new = self._exchange_output(plan, out_new, is_last)
         self.comm.flush()
         self.comm.counting = False
-        self._state.update(records=records, order=order)
+        if training:
+            self._prune_buffers()
+            self._state.update(records=records, order=order, pi=pi)
         return out_new[g.inv]
+
+    def _exchange_output(self, plan: _Plan, out_new: Optional[Tensor], is_last: bool) -> Tensor:
+        """Every rank gets the whole output: each last-stage way sends its rows to every other rank."""
+        g, cpw, S = plan.graph, self.chunks_per_way, self.num_stages
+        span = [(int(g.ptr[w * cpw]), int(g.ptr[(w + 1) * cpw])) for w in range(self.ways)]
+        if is_last:
+            a, b = span[self.way]
+            for r in range(self.comm.world_size):
+                if r != self.comm.rank:
+                    self.comm.send(out_new[a:b], r, "output")
+        else:
+            shape, dtype = self.out_spec
+            out_new = torch.empty((plan.num_nodes, *shape), dtype=dtype, device=self.comm.device)
+        shape, dtype = tuple(out_new.shape[1:]), out_new.dtype
+        for w in range(self.ways):
+            src = self.rank_of(S - 1, w)
+            if src != self.comm.rank:
+                a, b = span[w]
+                out_new[a:b] = self.comm.recv((b - a, *shape), dtype, src)
+        return out_new
+
+    def _prune_buffers(self) -> None:
+        """After the first step, drop history buffers of values every layer reads row by row only."""
+        if self._pruned:
+            return
+        self._pruned = True
+        needed = {name for (mode, _), votes in self._row_local.items() if mode
+                  for name, row_local in votes.items() if not row_local}
+        for name in list(self.buffers):
+            if name not in needed:
+                del self.buffers[name]
+                self.snapshot.pop(name, None)
 
     def _next_activation(self, plan: _Plan) -> Optional[str]:
         stages = plan.stages[True]
@@ -574,27 +777,36 @@ class GNNPipeEngine:
         graph, local_w = g.local_graph(ch, complete, user_weight, dtype)
         n_dummy = g.dummy_edges(ch, complete)
 
-        def local(n: fx.Node):
-            kind = prog.kinds[n.name]
-            if kind == GRAPH:
-                return graph
-            if kind == NODE:
-                return self._local_rows(n, env, ch, rec, ctx)
-            if kind == EDGE:
-                v = env[n.name]
-                if n_dummy:
-                    v = torch.cat([v, v.new_zeros((n_dummy, *v.shape[1:]))])
-                return v
-            return env[n.name]
+        def call_args(node_value):
+            def local(n: fx.Node):
+                kind = prog.kinds[n.name]
+                if kind == GRAPH:
+                    return graph
+                if kind == NODE:
+                    return node_value(n)
+                if kind == EDGE:
+                    v = env[n.name]
+                    if n_dummy:
+                        v = torch.cat([v, v.new_zeros((n_dummy, *v.shape[1:]))])
+                    return v
+                return env[n.name]
 
-        args = fx.node.map_arg(node.args, local)
-        kwargs = dict(fx.node.map_arg(node.kwargs, local))
-        if complete and g.sparse_layout is None:
-            if ba is not None and "edge_weight" in ba.arguments and len(node.args) > list(sig.parameters).index("edge_weight"):
-                args = list(args)
-                args[list(sig.parameters).index("edge_weight")] = local_w
-            else:
-                kwargs["edge_weight"] = local_w
+            args = fx.node.map_arg(node.args, local)
+            kwargs = dict(fx.node.map_arg(node.kwargs, local))
+            if complete and g.sparse_layout is None:
+                if ba is not None and "edge_weight" in ba.arguments \
+                        and len(node.args) > list(sig.parameters).index("edge_weight"):
+                    args = list(args)
+                    args[list(sig.parameters).index("edge_weight")] = local_w
+                else:
+                    kwargs["edge_weight"] = local_w
+            return args, kwargs
+
+        key = (ctx["mode"], node.name)
+        if key not in self._row_local:
+            self._row_local[key] = self._probe_row_local(node, module, call_args, env, ch, prog)
+        row_local = self._row_local[key]
+        args, kwargs = call_args(lambda n: self._local_rows(n, env, ch, rec, ctx, row_local.get(n.name, False)))
         out = self._run_layer(node, module, args, kwargs, ch, ctx["g"])
         if not isinstance(out, Tensor):
             raise UnsupportedModelError(
@@ -664,30 +876,164 @@ class GNNPipeEngine:
                 and full.shape[1:] == trimmed.shape[1:]
                 and torch.allclose(full[:rows], trimmed[:rows], atol=1e-5, rtol=1e-4))
 
-    def _local_rows(self, n: fx.Node, env, ch: Chunk, rec: _ChunkRecord, ctx) -> Tensor:
-        """``[chunk rows | halo rows | dummy row]`` of a node value for the chunk's local graph."""
-        name = n.name
-        hit = rec.local.get(name)
-        if hit is not None and hit[0] is env[name]:
-            return hit[1]
-        rows = env[name]
-        parts = [rows]
+    def _probe_row_local(self, node: fx.Node, module: MessagePassing, call_args, env, ch: Chunk,
+                         prog: Program) -> Dict[str, bool]:
+        """Which node inputs of a layer it reads only row by row (their halo rows cannot change the
+        chunk's rows, like GCNII's ``x0``). Probed once per layer: random halo rows for each input
+        in turn, in eval mode; the ways of a stage agree (all must find an input row-local)."""
+        names = list(dict.fromkeys(a.name for a in node.all_input_nodes if prog.kinds[a.name] == NODE))
+        extra = ch.halo.numel() + int(ch.has_dummy)
+        votes = {n: True for n in names}
         if ch.halo.numel():
-            if n.op == "placeholder":
-                parts.append(ctx["node_in"][name][ch.halo])
+            gen = torch.Generator().manual_seed(12345)
+
+            def noise(n: str) -> Tensor:
+                v = env[n]
+                return torch.randn((extra, *v.shape[1:]), generator=gen).to(v.device, v.dtype)
+
+            base = {n: noise(n) for n in names if env[n].is_floating_point()}
+            for n in names:
+                if n not in base:
+                    votes[n] = False  # integer node data: always give it its halo
+
+            def run(fill):
+                args, kwargs = call_args(lambda a: torch.cat([env[a.name].detach(), fill[a.name]])
+                                         if a.name in fill else self._local_rows(a, env, ch, None, None, False))
+                with _chunk_cache(module, {}, -2):
+                    return module(*args, **kwargs)
+
+            was = module.training
+            module.eval()
+            try:
+                with torch.no_grad():
+                    try:
+                        ref = run(base)
+                        for n in base:
+                            out = run({**base, n: noise(n)})
+                            votes[n] = bool(torch.allclose(ref[:ch.rows], out[:ch.rows], atol=1e-6, rtol=1e-5))
+                    except Exception:  # noqa: BLE001 - cannot probe: every input gets its halo
+                        votes = {n: False for n in names}
+            finally:
+                module.train(was)
+        if self.ways > 1 and names:
+            t = torch.tensor([float(votes[n]) for n in names], device=self.comm.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.stage_group)
+            votes = {n: bool(v > 0.5) for n, v in zip(names, t.tolist())}
+        return votes
+
+    def _local_rows(self, n: fx.Node, env, ch: Chunk, rec: Optional[_ChunkRecord], ctx, row_local: bool) -> Tensor:
+        """``[chunk rows | halo rows | dummy row]`` of a node value for the chunk's local graph.
+
+        Halo rows of graph inputs are read from the input itself, of computed values from other
+        ways (:meth:`_exchange`) and from history; row-local inputs get zero rows instead.
+        """
+        name = n.name
+        rows = env[name]
+        extra = ch.halo.numel() + int(ch.has_dummy)
+        if row_local or (rec is None and n.op != "placeholder"):
+            return torch.cat([rows, rows.new_zeros((extra, *rows.shape[1:]))]) if extra else rows
+        hit = rec.local.get(name) if rec is not None else None
+        if hit is not None and hit[0] is rows:
+            return hit[1]
+        if n.op == "placeholder":
+            parts = [rows]
+            if ch.halo.numel():
+                parts.append(ctx["node_in"][name][ch.halo] if ctx is not None else
+                             rows.new_zeros((ch.halo.numel(), *rows.shape[1:])))
+            if ch.has_dummy:
+                parts.append(rows.new_zeros((1, *rows.shape[1:])))
+            out = torch.cat(parts) if len(parts) > 1 else rows
+        else:
+            halo = self._gather_halo(name, rows, ch, ctx)
+            if rows.requires_grad and torch.is_grad_enabled():
+                out = _HaloJoin.apply(rows, halo, self, name, ch, int(ch.has_dummy))
             else:
-                if name not in self.buffers:
-                    raise RuntimeError(f"no history buffer for '{name}'")
-                halo = self.buffers[name][ch.halo]
-                if halo.is_floating_point():
-                    halo.requires_grad_()
-                    rec.halo_leaves.append((name, halo))
-                parts.append(halo)
-        if ch.has_dummy:
-            parts.append(rows.new_zeros((1, *rows.shape[1:])))
-        out = torch.cat(parts) if len(parts) > 1 else rows
-        rec.local[name] = (rows, out)
+                parts = [rows, halo] + ([rows.new_zeros((1, *rows.shape[1:]))] if ch.has_dummy else [])
+                out = torch.cat(parts)
+        if rec is not None:
+            rec.local[name] = (rows, out)
         return out
+
+    def _gather_halo(self, name: str, rows: Tensor, ch: Chunk, ctx) -> Tensor:
+        received = self._exchange(name, rows, ch, ctx) if self.ways > 1 else []
+        buf = self.buffers.get(name)
+        if buf is not None:
+            for ids, r in received:
+                buf[ids] = r
+            return buf[ch.halo]
+        halo = rows.detach().new_zeros((ch.halo.numel(), *rows.shape[1:]))
+        filled = 0
+        for ids, r in received:
+            halo[torch.searchsorted(ch.halo, ids)] = r
+            filled += ids.numel()
+        if filled != ch.halo.numel():
+            raise RuntimeError(f"pyg_pipe: no history buffer for '{name}' and {ch.halo.numel() - filled} halo rows "
+                               f"of chunk {ch.index} have no source")
+        return halo
+
+    def _exchange(self, name: str, rows: Tensor, ch: Chunk, ctx) -> List[Tuple[Tensor, Tensor]]:
+        """Mirror exchange among the ways of this stage at the current clock: sends this chunk's rows
+        that other ways read, returns ``(new ids, rows)`` received from the other ways' chunks."""
+        cpw, k = self.chunks_per_way, ctx["k"]
+        for w in range(self.ways):
+            if w != self.way:
+                ids = self._mirror[(ch.index, w)]
+                if ids.numel():
+                    self.comm.send(rows[ids - ch.start], self.rank_of(self.stage_index, w), "halo_forward")
+        received = []
+        for w in range(self.ways):
+            if w != self.way:
+                ids = self._mirror[(w * cpw + ctx["pi"][k], self.way)]
+                if ids.numel():
+                    r = self.comm.recv((ids.numel(), *rows.shape[1:]), rows.dtype, self.rank_of(self.stage_index, w))
+                    received.append((ids, r))
+        return received
+
+    def _halo_backward(self, name: str, ch: Chunk, g_rows: Tensor, g_halo: Tensor) -> Tensor:
+        """Routes the gradient of a chunk's halo rows to their owners; returns the chunk rows' gradient.
+
+        A halo row is *fresh* when its owner chunk ran at this clock or earlier (``pos <= k``); its
+        gradient (times the T3 scale) goes to ``G_v`` for the way's own chunks and to the owning way
+        otherwise. Stale rows' gradients are dropped. Then the gradients other ways send for this
+        way's rows are received: rows of the current chunk join ``g_rows``, earlier chunks' ``G_v``.
+        """
+        g = self.plan.graph
+        cpw, pos, scale = self.chunks_per_way, self._pos, self._scale
+        k = int(pos[ch.index])
+        g_rows = g_rows.clone()
+        if ch.halo.numel():
+            owner = ch.halo_chunk
+            fresh = pos[owner] <= k
+            owner_way = owner // cpw
+            own = fresh & (owner_way == self.way)
+            if bool(own.any()):
+                self._grad_buffer(name, g_halo).index_add_(0, ch.halo[own], g_halo[own] * scale)
+            for w in range(self.ways):
+                if w != self.way:
+                    sel = fresh & (owner_way == w)
+                    if bool(sel.any()):
+                        self.comm.send(g_halo[sel] * scale, self.rank_of(self.stage_index, w), "halo_backward")
+        for w in range(self.ways):
+            if w == self.way:
+                continue
+            other = g.chunks[w * cpw + self._pi[k]]
+            if not other.halo.numel():
+                continue
+            sel = (other.halo_chunk // cpw == self.way) & (pos[other.halo_chunk] <= k)
+            ids = other.halo[sel]
+            if not ids.numel():
+                continue
+            r = self.comm.recv((ids.numel(), *g_halo.shape[1:]), g_halo.dtype, self.rank_of(self.stage_index, w))
+            cur = (ids >= ch.start) & (ids < ch.end)
+            g_rows.index_add_(0, ids[cur] - ch.start, r[cur])
+            if not bool(cur.all()):
+                self._grad_buffer(name, g_halo).index_add_(0, ids[~cur], r[~cur])
+        return g_rows
+
+    def _grad_buffer(self, name: str, like: Tensor) -> Tensor:
+        if name not in self._grads:
+            self._grads[name] = like.new_zeros((self.plan.num_nodes, *like.shape[1:]))
+        return self._grads[name]
 
     def _drain(self, grad_out: Tensor, state: dict) -> None:
         plan: _Plan = state["plan"]
@@ -697,10 +1043,15 @@ class GNNPipeEngine:
         g = plan.graph
         prev = self.ranks[self.stage_index - 1] if self.stage_index > 0 else None
         nxt = self.ranks[self.stage_index + 1] if self.stage_index + 1 < self.num_stages else None
+        cpw = self.chunks_per_way
         pos = torch.empty(g.num_chunks, dtype=torch.long, device=self.comm.device)
-        pos[torch.tensor(order, device=self.comm.device)] = torch.arange(g.num_chunks, device=self.comm.device)
-        scale = 2.0 if (self.config.unbiased_gradients and g.num_chunks > 1) else 1.0
+        for w in range(self.ways):
+            pos[torch.tensor([w * cpw + i for i in state["pi"]], device=pos.device)] = \
+                torch.arange(cpw, device=pos.device)
+        self._pos, self._pi = pos, state["pi"]
+        self._scale = 2.0 if (self.config.unbiased_gradients and cpw > 1) else 1.0
         grads: Dict[str, Tensor] = {}
+        self._grads = grads
         grad_new = grad_out[g.perm] if nxt is None else None
         self.comm.counting = True
         for c in reversed(order):
@@ -729,15 +1080,6 @@ class GNNPipeEngine:
             if pairs:
                 roots, gs = zip(*pairs.values())
                 torch.autograd.backward(list(roots), list(gs))
-            if rec.halo_leaves:
-                fresh = pos[ch.halo_chunk] < pos[c]
-                idx = ch.halo[fresh]
-                for name, leaf in rec.halo_leaves:
-                    if leaf.grad is None or idx.numel() == 0:
-                        continue
-                    if name not in grads:
-                        grads[name] = torch.zeros_like(self.buffers[name])
-                    grads[name].index_add_(0, idx, leaf.grad[fresh] * scale)
             if prev is not None:
                 for name in stage.inputs:
                     leaf = rec.in_leaves[name]
@@ -749,8 +1091,24 @@ class GNNPipeEngine:
                     cat = "stage_gradients" if name == stage.activation else "carried"
                     self.comm.send(gr, prev, cat)
         self.comm.flush()
+        if self.ways > 1:
+            self._allreduce_weight_grads()
         self.comm.counting = False
+        self._grads = {}
         self.step += 1
+
+    def _allreduce_weight_grads(self) -> None:
+        """Sums this stage's weight gradients over its ways (each way saw only its own vertices)."""
+        params = [p for n, p in self.module.named_parameters()
+                  if self.owners.get(n, 0) == self.stage_index and p.grad is not None]
+        if not params:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        self.comm.all_reduce(flat, self.stage_group, self.ways, first=self.way == 0)
+        off = 0
+        for p in params:
+            p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
+            off += p.numel()
 
     # ------------------------------------------------------------------ history state (checkpoints)
     def history_state(self) -> dict:
@@ -772,10 +1130,13 @@ class GNNPipeEngine:
 
     def _load_history(self, state: dict) -> None:
         g = self.plan.graph
-        if not torch.equal(state["perm"].to(g.perm.device), g.perm) or set(state["buffers"]) != set(self.buffers):
+        if not torch.equal(state["perm"].to(g.perm.device), g.perm) or not set(state["buffers"]) <= set(self.buffers):
             raise ValueError("The checkpoint's pipeline history was saved for a different graph, chunking or model "
                              "split; resume with the same graph, num_chunks, partition, seed and devices.")
         dev = self.comm.device
+        for k in set(self.buffers) - set(state["buffers"]):  # pruned before saving: read row by row only
+            del self.buffers[k]
+        self._pruned = bool(state["buffers"]) or self._pruned
         for k, v in state["buffers"].items():
             self.buffers[k].copy_(v.to(dev))
         self.snapshot = {k: v.to(dev).clone() for k, v in state["snapshot"].items()}

@@ -479,6 +479,56 @@ def make_chunks(edge_index: Tensor, num_nodes: int, num_chunks: int, *, method: 
     return perm, chunk_ptr
 
 
+def make_way_chunks(edge_index: Tensor, num_nodes: int, num_ways: int, chunks_per_way: int = 1, *,
+                    method: str = "auto", parts_per_chunk: int = 4, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Chunks for graph-parallel and hybrid runs: ``num_ways`` partitions, each cut into chunks.
+
+    The vertices are first partitioned into ``num_ways`` parts with :func:`partition_nodes` (so the
+    ways exchange only the rows of their boundary vertices); each part's induced subgraph is then cut
+    into ``chunks_per_way`` chunks with :func:`make_chunks`. Way ``w`` owns chunks
+    ``w * chunks_per_way ... (w + 1) * chunks_per_way - 1``, and so the contiguous new-id range
+    ``chunk_ptr[w * chunks_per_way]:chunk_ptr[(w + 1) * chunks_per_way]``.
+
+    Returns:
+        ``(perm, chunk_ptr)`` as for :func:`make_chunks`, with ``num_ways * chunks_per_way`` chunks.
+    """
+    num_nodes = _check_int(num_nodes, "num_nodes", 0)
+    num_ways = _check_int(num_ways, "num_ways", 1)
+    chunks_per_way = _check_int(chunks_per_way, "chunks_per_way", 1)
+    if num_ways * chunks_per_way > num_nodes:
+        raise ValueError(
+            f"{num_ways} ways x {chunks_per_way} chunks per way need at least {num_ways * chunks_per_way} vertices, "
+            f"but the graph has {num_nodes}; use fewer ways (devices) or fewer chunks")
+    edge_index = _check_edge_index(edge_index, num_nodes)
+    if num_ways == 1:
+        return make_chunks(edge_index, num_nodes, chunks_per_way, method=method, parts_per_chunk=parts_per_chunk,
+                           seed=seed)
+    part = partition_nodes(edge_index, num_nodes, num_ways, method=method, seed=seed)
+    part = _fill_empty_parts(part, num_ways)
+    sizes = torch.bincount(part, minlength=num_ways)
+    short = [w for w in range(num_ways) if int(sizes[w]) < chunks_per_way]
+    for w in short:  # tiny graphs: move vertices from the largest parts so every chunk can be non-empty
+        while int(sizes[w]) < chunks_per_way:
+            big = int(torch.argmax(sizes))
+            v = int(torch.nonzero(part == big)[0])
+            part[v] = w
+            sizes[big] -= 1
+            sizes[w] += 1
+    perms, ptrs, offset = [], [torch.zeros(1, dtype=torch.long)], 0
+    for w in range(num_ways):
+        nodes = torch.nonzero(part == w).view(-1)                  # ascending old ids
+        local = torch.full((num_nodes,), -1, dtype=torch.long)
+        local[nodes] = torch.arange(nodes.numel())
+        src, dst = local[edge_index[0]], local[edge_index[1]]
+        keep = (src >= 0) & (dst >= 0)
+        sub_perm, sub_ptr = make_chunks(torch.stack([src[keep], dst[keep]]), nodes.numel(), chunks_per_way,
+                                        method=method, parts_per_chunk=parts_per_chunk, seed=seed + w)
+        perms.append(nodes[sub_perm])
+        ptrs.append(sub_ptr[1:] + offset)
+        offset += nodes.numel()
+    return torch.cat(perms), torch.cat(ptrs)
+
+
 def cut_edges(edge_index: Tensor, part: Tensor) -> int:
     """Number of edges whose endpoints lie in different parts (or chunks).
 

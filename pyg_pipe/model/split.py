@@ -36,23 +36,38 @@ class Stage:
 
 
 def layer_groups(program: Program) -> List[List[fx.Node]]:
-    """Groups steps into one group per message-passing layer.
+    """Groups steps into one group per message-passing layer, cut where the fewest values are live.
 
-    A group starts at its message-passing step and holds the row-wise steps up to the next
-    one; steps before the first layer join the first group, steps after the last join the last.
+    A group holds its message-passing step and the row-wise steps around it; steps before the first
+    layer join the first group, steps after the last join the last. Between two layers the boundary
+    is put where the fewest computed values are live (defined before, used after), since those are
+    what a pipeline cut there would send: after a residual addition (``x + conv(relu(norm(x)))``)
+    rather than before the next convolution, where both ``x`` and the convolution's input are live.
+    Ties go to the latest position (right before the next layer).
     """
-    groups: List[List[fx.Node]] = []
-    prelude: List[fx.Node] = []
-    mp = set(program.mp_steps)
-    for node in program.steps:
-        if node in mp:
-            groups.append(prelude + [node])
-            prelude = []
-        elif groups:
-            groups[-1].append(node)
-        else:
-            prelude.append(node)
-    return groups
+    steps = program.steps
+    index = {n.name: i for i, n in enumerate(steps)}
+    last_use: Dict[str, int] = {}
+    for i, n in enumerate(steps):
+        for a in n.all_input_nodes:
+            if a.name in index:
+                last_use[a.name] = i
+    for a in program.output.all_input_nodes:
+        if a.name in index:
+            last_use[a.name] = len(steps)
+    mp = [i for i, n in enumerate(steps) if program.is_mp(n)]
+    if not mp:
+        return []
+
+    def live(b: int) -> int:  # values defined before step b and used at or after it
+        return sum(1 for n in steps[:b] if last_use.get(n.name, -1) >= b)
+
+    starts = [0]
+    for a, b in zip(mp[:-1], mp[1:]):
+        best = min(range(a + 1, b + 1), key=lambda k: (live(k), -k))
+        starts.append(best)
+    bounds = starts + [len(steps)]
+    return [list(steps[bounds[k]:bounds[k + 1]]) for k in range(len(mp))]
 
 
 def balance(costs: Sequence[float], num_stages: int) -> List[int]:

@@ -1,4 +1,5 @@
 """Lightning strategies: how users choose a parallel mode with ``Trainer(strategy=...)``."""
 from .gnnpipe import GNNPipeStrategy
+from .hybrid import GraphParallelStrategy, HybridStrategy
 
-__all__ = ["GNNPipeStrategy"]
+__all__ = ["GNNPipeStrategy", "GraphParallelStrategy", "HybridStrategy"]

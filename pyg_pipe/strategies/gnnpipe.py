@@ -130,8 +130,8 @@ class GNNPipeStrategy(DDPStrategy):
         self.comm = Comm(self.root_device, timeout=self.comm_timeout)
         # every rank starts from rank 0's weights (processes started by `popen` build their own model)
         sync_module_state(self.lightning_module, {}, [0])
-        self.engine = GNNPipeEngine(target, self.config, self.comm, num_stages=self.world_size,
-                                    stage=self.global_rank)
+        stages, ways = self._grid()
+        self.engine = GNNPipeEngine(target, self.config, self.comm, num_stages=stages, ways=ways)
         self.engine.install()
         if self._pending_history is not None:
             self.engine.set_history_state(self._pending_history)
@@ -141,6 +141,14 @@ class GNNPipeStrategy(DDPStrategy):
         if not any(isinstance(cb, _CommLogger) for cb in trainer.callbacks):
             trainer.callbacks.append(_CommLogger(self))
 
+    def _grid(self):
+        """``(stages, ways)`` of the rank grid: one stage per process, no graph-parallel ways."""
+        return self.world_size, 1
+
+    def _owner_rank(self, owners: Dict[str, int], name: Optional[str]) -> int:
+        """The rank whose copy of parameter ``name`` is authoritative (way 0 of its stage)."""
+        return self.engine.owner_ranks[owners.get(name, 0)] if self.engine is not None and self.engine.owners else 0
+
     def _clip_grad_by_global_norm(self, optimizer, clip_val) -> None:
         """``clip_grad_norm_`` over the whole model: each stage adds the squared norms of the parameters
         it owns (replicated parameters are counted once, on rank 0), one all-reduce sums them."""
@@ -148,7 +156,7 @@ class GNNPipeStrategy(DDPStrategy):
         name_of = {id(p): n for n, p in self.lightning_module.named_parameters()}
         grads = [p.grad for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
         mine = [p.grad for p in self.precision_plugin.main_params(optimizer)
-                if p.grad is not None and owners.get(name_of.get(id(p)), 0) == self.global_rank]
+                if p.grad is not None and self._owner_rank(owners, name_of.get(id(p))) == self.global_rank]
         sq = torch.zeros((), dtype=torch.float64, device=self.root_device)
         for g in mine:
             sq += g.detach().double().pow(2).sum()
@@ -264,7 +272,7 @@ class GNNPipeStrategy(DDPStrategy):
     def _sync_parameters(self) -> None:
         if self.engine is not None and self.engine.owners:
             owners = _prefixed(self.lightning_module, self.engine.module, self.engine.owners)
-            sync_module_state(self.lightning_module, owners, self.engine.ranks)
+            sync_module_state(self.lightning_module, owners, self.engine.owner_ranks)
 
     def lightning_module_state_dict(self) -> Dict[str, Any]:
         self._sync_parameters()
@@ -282,7 +290,7 @@ class GNNPipeStrategy(DDPStrategy):
         index_owner, i = {}, 0
         for group in optimizer.param_groups:
             for p in group["params"]:
-                index_owner[i] = owners.get(name_of.get(id(p)), 0)
+                index_owner[i] = self._owner_rank(owners, name_of.get(id(p)))
                 i += 1
         mine = {k: v for k, v in state["state"].items() if index_owner.get(k, 0) == self.global_rank}
         gathered: List[Any] = [None] * self.world_size

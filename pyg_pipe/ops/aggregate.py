@@ -209,8 +209,15 @@ def clear_cache() -> None:
 # transposed adjacency, cached per graph
 # --------------------------------------------------------------------------------------------
 
+# Bounded by count and by bytes (the transposes and the index tensors they keep alive): a caller that
+# builds a new adjacency every step must not pile up dead graphs. The newest entry always stays.
 _TRANSPOSE_CACHE_SIZE = 64
+_TRANSPOSE_CACHE_BYTES = int(os.environ.get("PYG_PIPE_TRANSPOSE_CACHE_MB", "512")) * 2**20
 _transpose_cache: OrderedDict[tuple, tuple] = OrderedDict()
+
+
+def _entry_bytes(entry: tuple) -> int:
+    return sum(t.numel() * t.element_size() for t in entry)
 
 
 def _transposed(rowptr: Tensor, col: Tensor, n_src: int, module) -> tuple:
@@ -220,7 +227,9 @@ def _transposed(rowptr: Tensor, col: Tensor, n_src: int, module) -> tuple:
     ``col``/``value``). Cached by the identity of the index tensors' memory (address, length, version
     counter); the entry keeps ``rowptr`` and ``col`` alive, so an address cannot be reused by another
     graph while it is cached, and an in-place change bumps the version and misses. A fixed graph thus
-    pays the transposition (one counting sort) once, and each of a graph's chunks once.
+    pays the transposition (one counting sort) once, and each of a graph's chunks once. At most 64
+    entries and ``PYG_PIPE_TRANSPOSE_CACHE_MB`` (default 512) MiB are kept, least recently used first
+    out; ``clear_cache()`` empties it.
     """
     key = (rowptr.device, rowptr.data_ptr(), rowptr.numel(), rowptr._version,
            col.data_ptr(), col.numel(), col._version, n_src)
@@ -247,8 +256,10 @@ def _transposed(rowptr: Tensor, col: Tensor, n_src: int, module) -> tuple:
         tptr[1:] = torch.cumsum(counts, 0)
     with _lock:
         _transpose_cache[key] = (rowptr, col, tptr, trow, tedge)
-        while len(_transpose_cache) > _TRANSPOSE_CACHE_SIZE:
-            _transpose_cache.popitem(last=False)
+        total = sum(_entry_bytes(e) for e in _transpose_cache.values())
+        while len(_transpose_cache) > 1 and (len(_transpose_cache) > _TRANSPOSE_CACHE_SIZE
+                                             or total > _TRANSPOSE_CACHE_BYTES):
+            total -= _entry_bytes(_transpose_cache.popitem(last=False)[1])
     return tptr, trow, tedge
 
 

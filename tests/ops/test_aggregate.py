@@ -175,3 +175,16 @@ def test_cuda_backend_and_gradcheck():
         assert torch.autograd.gradcheck(
             lambda a, v, r=reduce: ops.csr_aggregate(rowptr, col, a, value=v, reduce=r, row_start=2, row_end=20),
             (x, value), eps=1e-6, atol=1e-7)
+
+
+def test_transpose_cache_is_bounded(monkeypatch):
+    """Graphs built anew every step do not pile up: the cache keeps within its byte budget."""
+    ops.clear_cache()
+    monkeypatch.setattr(aggregate, "_TRANSPOSE_CACHE_BYTES", 1)
+    x = torch.randn(N, 4, requires_grad=True)
+    for seed in range(3):
+        rowptr, col = small_csr(N, seed=seed)
+        ops.csr_aggregate(rowptr, col, x).sum().backward()
+    if ops.backend() in ("cpp", "cuda"):
+        assert len(aggregate._transpose_cache) == 1  # only the newest
+    ops.clear_cache()

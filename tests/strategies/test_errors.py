@@ -63,3 +63,17 @@ def test_a_failing_rank_stops_the_others_quickly(data):
     with pytest.raises(Exception, match="boom on rank 1"):
         fit(NodeClassifier(make_model("gcn"), fail_on_rank=1), graph_loader(data), num_chunks=4)
     assert time.monotonic() - start < 60
+
+
+def test_hybrid_grid_must_match_the_devices():
+    from pyg_pipe import GraphParallelStrategy, HybridStrategy
+    with pytest.raises(ValueError, match=r"stages x ways = 6 devices, but the Trainer runs 4"):
+        pl.Trainer(strategy=HybridStrategy(stages=2, ways=3), accelerator="cpu", devices=4, logger=False)
+    with pytest.raises(ValueError, match=r"stages=3 does not divide the 4 devices"):
+        pl.Trainer(strategy=HybridStrategy(stages=3), accelerator="cpu", devices=4, logger=False)
+    with pytest.raises(ValueError, match=r"num_chunks=3 must be a multiple of ways=2"):
+        HybridStrategy(ways=2, num_chunks=3)
+    with pytest.raises(ValueError, match=r"ways=0 must be a positive integer"):
+        HybridStrategy(ways=0)
+    with pytest.raises(TypeError, match="does not take `num_chunks`"):
+        GraphParallelStrategy(num_chunks=4)

@@ -229,6 +229,7 @@ class GNNPipeEngine:
         self._mirror: Dict[Tuple[int, int], Tensor] = {}
         self.out_spec = None
         self.specs: Dict[str, Tuple] = {}
+        self.plan_seconds = 0.0  # tracing, splitting, partitioning and the exact history pass
 
     # ------------------------------------------------------------------ the rank grid
     def _set_grid(self, num_stages: int, ways: int) -> None:
@@ -329,6 +330,14 @@ class GNNPipeEngine:
 
     # ------------------------------------------------------------------ planning
     def _get_plan(self, bound: Dict[str, Any], training: bool) -> _Plan:
+        """The plan for this graph and mode, made on first use (``plan_seconds`` adds up the time)."""
+        t0 = time.perf_counter()
+        try:
+            return self._make_plan(bound, training)
+        finally:
+            self.plan_seconds += time.perf_counter() - t0
+
+    def _make_plan(self, bound: Dict[str, Any], training: bool) -> _Plan:
         from ..model.program import is_graph_tensor
         graph = next((v for v in bound.values() if is_graph_tensor(v)), None)
         if graph is None:

@@ -100,6 +100,7 @@ class GNNPipeStrategy(DDPStrategy):
         self.engine: Optional[GNNPipeEngine] = None
         self.comm: Optional[Comm] = None
         self.comm_history: List[Dict[str, int]] = []
+        self.plan_seconds = 0.0  # time the engine spent planning (tracing, partitioning, history pass)
         self._pending_history: Optional[dict] = None
         self._failed = False
 
@@ -195,6 +196,7 @@ class GNNPipeStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         if self.engine is not None:
+            self.plan_seconds = self.engine.plan_seconds
             self.engine.uninstall()
             self.engine = None
         if self.comm is not None:

@@ -163,6 +163,60 @@ def bandwidth_bytes(rowptr, col, d, elem, index_elem) -> int:
     return col.numel() * (d * elem + index_elem) + (n + 1) * index_elem + n * d * elem
 
 
+def model_epochs(args) -> dict:
+    """End to end: training epochs of a 32-layer GCNII (hidden 64) on a torch.sparse CSR ``adj_t``,
+    plain PyG against the same model with ``pyg_pipe.ops.fused_kernels()``, epochs interleaved.
+
+    Same setting as the single-process baseline of ``benchmarks/gnnpipe_epoch.py`` (50,000 vertices,
+    about 1,000,000 edges, ``cached=True`` normalisation, one optimizer step per epoch).
+    """
+    import torch.nn.functional as F
+    from torch_geometric.utils import to_torch_csr_tensor
+
+    from pyg_pipe import ops
+    from pyg_pipe.graph import sbm_graph
+    from pyg_pipe.models import gcnii
+
+    data = sbm_graph(args.model_nodes, num_classes=8, avg_degree=20, num_features=64, seed=0)
+    n = data.num_nodes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        adj_t = to_torch_csr_tensor(data.edge_index.flip(0), size=(n, n))
+    torch.manual_seed(0)
+    model = gcnii(64, 64, 8, num_layers=args.model_layers, dropout=0.0, cached=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: both variants see the same weights
+
+    def epoch():
+        t0 = time.perf_counter()
+        out = model(data.x, adj_t)
+        loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return time.perf_counter() - t0, loss.item()
+
+    times = {"pyg": [], "fused": []}
+    losses = {}
+    for i in range(args.model_epochs + 1):
+        for name in ("pyg", "fused"):
+            if name == "fused":
+                with ops.fused_kernels():
+                    t, loss = epoch()
+            else:
+                t, loss = epoch()
+            losses[name] = loss
+            if i:  # the first epoch builds caches (normalisation, transposes)
+                times[name].append(t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"GCNII {args.model_layers} layers, hidden 64, {n} vertices, {data.edge_index.size(1)} edges, "
+          f"torch.sparse CSR adj_t: epoch {med['pyg'] * 1e3:.0f} ms plain PyG, {med['fused'] * 1e3:.0f} ms with "
+          f"pyg_pipe.ops.fused_kernels() ({med['pyg'] / med['fused']:.2f}x); loss {losses['pyg']:.6f} vs "
+          f"{losses['fused']:.6f}")
+    return {"layers": args.model_layers, "nodes": n, "edges": int(data.edge_index.size(1)),
+            "epoch_ms": {k: v * 1e3 for k, v in med.items()},
+            "all_ms": {k: [t * 1e3 for t in v] for k, v in times.items()}, "loss": losses}
+
+
 def fmt_ms(t):
     return "-" if t is None else f"{t * 1e3:8.1f}"
 
@@ -181,12 +235,24 @@ def main(argv=None):
                    help="repeats for a method whose warm-up call took over --slow-s seconds (PyG's default "
                         "path, torch.sparse.mm's backward): keeps the full run near 10 minutes on 2 cores")
     p.add_argument("--slow-s", type=float, default=0.5)
+    p.add_argument("--very-slow-s", type=float, default=5.0,
+                   help="a warm-up call slower than this counts as the measurement (no further repeats)")
     p.add_argument("--memory-widths", nargs="+", type=int, default=[128],
                    help="widths at which the peak extra memory is measured (one more call per method)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    p.add_argument("--pyg-max-gb", type=float, default=4.0,
+                   help="skip PyG's default path where its estimated peak (|E| x d messages; about 6.5x that "
+                        "for max with backward) exceeds this many GB: on a shared 23 GB machine it got "
+                        "processes OOM-killed")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--model", action="store_true",
+                   help="also time training epochs of GCNII on a sparse adj_t with and without the fused kernels")
+    p.add_argument("--model-only", action="store_true", help="only the --model measurement")
+    p.add_argument("--model-nodes", type=int, default=50_000)
+    p.add_argument("--model-layers", type=int, default=32)
+    p.add_argument("--model-epochs", type=int, default=5)
     args = p.parse_args(argv)
 
     if args.threads:
@@ -216,7 +282,11 @@ def main(argv=None):
         header += "".join(f"{'MB ' + m:>16}" for m in args.methods) + f"{'MB out':>9}"
     print(header)
     started = time.time()
-    for kind in args.graphs:
+    load_start = os.getloadavg()[0]
+    print(f"load average (1 min) at start: {load_start:.1f} on {os.cpu_count()} CPUs: other jobs slow every method alike")
+    if args.model or args.model_only:
+        results["model"] = model_epochs(args)
+    for kind in ([] if args.model_only else args.graphs):
         rowptr, col, edge_index = make_graph(args.nodes, args.edges, kind)
         fns = methods(rowptr, col, edge_index, args.nodes, device)
         names = [m for m in args.methods if m in fns]
@@ -230,17 +300,25 @@ def main(argv=None):
                     x = x0.clone().requires_grad_(backward)
                     times = {m: [] for m in names}
                     skipped = set()
-                    slow = set()
-                    for m in names:  # warm-up (builds caches: the kernel's transposed adjacency)
+                    slow = set()  # warm-up below also builds caches (the kernel's transposed adjacency)
+                    msg_gb = args.edges * d * 4 / 1e9 * (6.5 if (backward and reduce == "max") else 1.1)
+                    if "pyg" in names and msg_gb > args.pyg_max_gb:
+                        skipped.add("pyg")
+                    for m in names:
+                        if m in skipped:
+                            continue
                         try:
-                            if run_once(fns[m], x, reduce, backward, grad, device) > args.slow_s:
+                            t = run_once(fns[m], x, reduce, backward, grad, device)
+                            if t > args.slow_s:
                                 slow.add(m)
+                            if t > args.very_slow_s:  # the warm-up is the measurement (PyG's max backward)
+                                times[m].append(t)
                         except (NotImplementedError, RuntimeError):
                             skipped.add(m)
                         x.grad = None
-                    for rep in range(args.repeats):
+                    for _ in range(args.repeats):
                         for m in names:
-                            if m in skipped or (m in slow and rep >= args.slow_repeats):
+                            if m in skipped or (m in slow and len(times[m]) >= args.slow_repeats):
                                 continue
                             times[m].append(run_once(fns[m], x, reduce, backward, grad, device))
                             x.grad = None
@@ -278,7 +356,8 @@ def main(argv=None):
                     print(line, flush=True)
                     results["rows"].append(row)
     results["wall_s"] = time.time() - started
-    print(f"done in {results['wall_s']:.0f} s")
+    results["loadavg_1min_start_end"] = [load_start, os.getloadavg()[0]]
+    print(f"done in {results['wall_s']:.0f} s; load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
     if device == "cuda":
         print("GB/s: the kernel forward's minimum traffic (a source row per edge + indices + output) over its "
               "time; compare with the device's memory bandwidth (H100 SXM ~3350 GB/s, H200 ~4800 GB/s).")

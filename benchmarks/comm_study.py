@@ -276,15 +276,22 @@ def main():
 
     import torch.multiprocessing as mp
 
+    from pyg_pipe import ops
+
+    print(f"aggregation kernels: {ops.backend('cpu')}", flush=True)  # builds them once, before the workers start
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for graph in args.graphs:
             for P in args.procs:
                 path = os.path.join(tmp, f"{graph}_{P}.jsonl")
-                mp.start_processes(worker, args=(P, _free_port(), graph, args, path), nprocs=P, join=True,
-                                   start_method="spawn")
-                with open(path) as f:
-                    rows += [json.loads(line) for line in f]
+                try:
+                    mp.start_processes(worker, args=(P, _free_port(), graph, args, path), nprocs=P, join=True,
+                                       start_method="spawn")
+                except Exception as exc:  # noqa: BLE001 - e.g. a process killed for memory: keep what ran
+                    print(f"!! {graph} P={P} stopped: {type(exc).__name__}: {exc}", flush=True)
+                if os.path.exists(path):
+                    with open(path) as f:
+                        rows += [json.loads(line) for line in f]
     print()
     print(table(rows))
     if args.out:

@@ -426,10 +426,12 @@ class GNNPipeEngine:
         try:
             with torch.no_grad():
                 scratch: Dict = {}  # layer caches of this pass are dropped afterwards
+                last = _last_uses(prog.steps)
                 for grp in groups:
                     t0 = time.perf_counter()
                     for node in grp:
                         env[node.name] = self._eval_full(prog, node, env, scratch)
+                        _release(env, last, node, keep=())
                     costs.append(time.perf_counter() - t0)
         finally:
             self._inside = False
@@ -579,9 +581,13 @@ class GNNPipeEngine:
         self._inside = True
         # the init pass keeps no layer caches; inference keeps them in the engine's full-graph store
         store = {} if record else self._full_cache
+        # values are dropped after their last use in this stage, except what is sent on or buffered
+        keep = set(stage.outputs) | (set(self._buffered(prog, stage)) if record else set())
+        last_use = _last_uses(stage.steps)
         try:
             for node in stage.steps:
                 env[node.name] = self._eval_full(prog, node, env, store)
+                _release(env, last_use, node, keep)
         finally:
             self._inside = False
         if nxt is not None:
@@ -1149,6 +1155,25 @@ class GNNPipeEngine:
         for k, v in state["buffers"].items():
             self.buffers[k].copy_(v.to(dev))
         self.snapshot = {k: v.to(dev).clone() for k, v in state["snapshot"].items()}
+
+
+def _last_uses(steps: Sequence[fx.Node]) -> Dict[str, List[str]]:
+    """For every step, the values whose last use (within ``steps``) it is."""
+    last: Dict[str, str] = {}
+    for node in steps:
+        for a in node.all_input_nodes:
+            last[a.name] = node.name
+    out: Dict[str, List[str]] = {}
+    for value, user in last.items():
+        out.setdefault(user, []).append(value)
+    return out
+
+
+def _release(env: Dict[str, Any], last: Dict[str, List[str]], node: fx.Node, keep) -> None:
+    """Drops from ``env`` the computed values ``node`` was the last user of (graph inputs stay)."""
+    for value in last.get(node.name, ()):
+        if value not in keep and value in env and not isinstance(env[value], (str, int, float)):
+            env.pop(value)
 
 
 def _same_graph(a: Optional[Tensor], b: Tensor) -> bool:

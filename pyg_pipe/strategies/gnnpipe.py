@@ -56,6 +56,9 @@ class GNNPipeStrategy(DDPStrategy):
             hangs the run).
         checkpoint_history: also store the historical embeddings in checkpoints, so resuming
             continues exactly (they are as large as one copy of every stage's layer inputs).
+        fused_kernels: while training, route PyG's sparse-adjacency aggregation (layers given a
+            torch.sparse ``adj_t``) to the compiled CSR kernels of :mod:`pyg_pipe.ops` (built on
+            first use; ``PYG_PIPE_DISABLE_EXTENSIONS=1`` or ``False`` here keeps PyG's own path).
         start_method, timeout, process_group_backend, cluster_environment, ...: as for
             :class:`~lightning.pytorch.strategies.DDPStrategy` (``"popen"`` by default, also under
             ``torchrun`` and SLURM through Lightning's cluster environments).
@@ -75,6 +78,7 @@ class GNNPipeStrategy(DDPStrategy):
         model: Optional[str] = None,
         comm_timeout: float = 600.0,
         checkpoint_history: bool = True,
+        fused_kernels: bool = True,
         accelerator=None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment=None,
@@ -97,6 +101,8 @@ class GNNPipeStrategy(DDPStrategy):
         self.model_attr = model
         self.comm_timeout = float(comm_timeout)
         self.checkpoint_history = checkpoint_history
+        self.fused_kernels = fused_kernels
+        self._kernels = None
         self.engine: Optional[GNNPipeEngine] = None
         self.comm: Optional[Comm] = None
         self.comm_history: List[Dict[str, int]] = []
@@ -122,6 +128,10 @@ class GNNPipeStrategy(DDPStrategy):
         """No DistributedDataParallel wrapper: each stage owns its own parameters."""
 
     def setup(self, trainer) -> None:
+        if self.fused_kernels and self._kernels is None:
+            from .. import ops
+            self._kernels = ops.fused_kernels()
+            self._kernels.__enter__()
         super().setup(trainer)
         if self.engine is None:
             self._setup_pipeline(trainer)
@@ -195,6 +205,9 @@ class GNNPipeStrategy(DDPStrategy):
         return lm.get_submodule(".".join(common)) if common else lm
 
     def teardown(self) -> None:
+        if self._kernels is not None:
+            self._kernels.__exit__(None, None, None)
+            self._kernels = None
         if self.engine is not None:
             self.plan_seconds = self.engine.plan_seconds
             self.engine.uninstall()

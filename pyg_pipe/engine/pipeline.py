@@ -229,7 +229,7 @@ class GNNPipeEngine:
         self._mirror: Dict[Tuple[int, int], Tensor] = {}
         self.out_spec = None
         self.specs: Dict[str, Tuple] = {}
-        self.plan_seconds = 0.0  # tracing, splitting, partitioning and the exact history pass
+        self.plan_seconds = 0.0  # tracing, splitting, partitioning, the history pass, first-call layer checks
 
     # ------------------------------------------------------------------ the rank grid
     def _set_grid(self, num_stages: int, ways: int) -> None:
@@ -819,7 +819,9 @@ class GNNPipeEngine:
 
         key = (ctx["mode"], node.name)
         if key not in self._row_local:
+            t0 = time.perf_counter()  # one-time checks count as planning
             self._row_local[key] = self._probe_row_local(node, module, call_args, env, ch, prog)
+            self.plan_seconds += time.perf_counter() - t0
         row_local = self._row_local[key]
         args, kwargs = call_args(lambda n: self._local_rows(n, env, ch, rec, ctx, row_local.get(n.name, False)))
         out = self._run_layer(node, module, args, kwargs, ch, ctx["g"])
@@ -857,7 +859,9 @@ class GNNPipeEngine:
             mode = self._trim.get(id(module)) if rows < n_local else False
             with _chunk_cache(module, g.layer_cache, ch.index, rows if mode else None):
                 if mode is None:
+                    t0 = time.perf_counter()
                     mode = self._check_trim(module, args, kwargs, rows, state)
+                    self.plan_seconds += time.perf_counter() - t0
                     self._trim[id(module)] = mode
                 state["trim"], state["calls"] = mode, 0
                 out = module(*args, **kwargs)

@@ -42,9 +42,10 @@ def main(src: str, dst: str) -> None:
         ax.set_title(f"{graph}, {procs} processes")
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].set_ylabel("GiB per epoch (all ranks)")
-    axes[0][-1].legend(fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
     fig.suptitle("Bytes per epoch, 32-layer models, hidden 100 (bars: measured; ticks: formula)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(dst, dpi=110)
 
 

@@ -7,9 +7,9 @@ optimizer steps equal one process running plain PyG.
 import pytest
 import torch
 
-from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig, sync_module_state
+from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
 from tests.dist import run_distributed
-from tests.engine.test_transparency import ATOL, _reference
+from tests.engine.test_transparency import ATOL, assert_exact_training
 from tests.models import MODELS, forward_backward, make_model, small_graph
 
 
@@ -26,29 +26,9 @@ def _exact_worker(rank, world, names, stages, ways, graph):
     for name in names:
         torch.manual_seed(0)
         model = make_model(name, num_layers=4)
-        ref, outs, losses, grads = _reference(model, x, edge_index, y, mask, steps=3, lr=0.05)
         engine = GNNPipeEngine(model, PipelineConfig(num_chunks=ways), Comm(torch.device("cpu")),
                                num_stages=stages, ways=ways)
-        engine.install()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        for step in range(3):
-            out, loss = forward_backward(model, opt, x, edge_index, y, mask)
-            torch.testing.assert_close(out, outs[step], atol=ATOL, rtol=0, msg=f"{name}: output, step {step}")
-            assert abs(loss.item() - losses[step]) < ATOL, (name, step)
-            for pname, p in model.named_parameters():
-                if engine.owners[pname] == engine.stage_index:
-                    torch.testing.assert_close(p.grad, grads[step][pname], atol=ATOL, rtol=0,
-                                               msg=f"{name}: grad of {pname}, step {step}, rank {rank}")
-                else:
-                    assert p.grad is None, f"{name}: rank {rank} computed a gradient for {pname}"
-            opt.step()
-        sync_module_state(model, engine.owners, engine.owner_ranks)
-        for (pname, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            torch.testing.assert_close(p, q, atol=ATOL, rtol=0, msg=f"{name}: parameter {pname} after 3 steps")
-        model.eval()
-        with torch.no_grad():
-            torch.testing.assert_close(model(x, edge_index), ref.eval()(x, edge_index), atol=ATOL, rtol=0)
-        engine.uninstall()
+        assert_exact_training(name, model, engine, x, edge_index, y, mask)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -226,6 +226,7 @@ class GNNPipeEngine:
         self._grads: Dict[str, Tensor] = {}
         self._pos: Optional[Tensor] = None
         self._pi: List[int] = [0]
+        self._routes: Dict[int, tuple] = {}
         self._mirror: Dict[Tuple[int, int], Tensor] = {}
         self.out_spec = None
         self.specs: Dict[str, Tuple] = {}
@@ -645,10 +646,7 @@ class GNNPipeEngine:
         pi = self.local_order(step) if training else list(range(self.chunks_per_way))
         cpw = self.chunks_per_way
         order = [self.way * cpw + i for i in pi]
-        pos = torch.empty(g.num_chunks, dtype=torch.long, device=self.comm.device)
-        for w in range(self.ways):
-            pos[torch.tensor([w * cpw + i for i in pi], device=pos.device)] = torch.arange(cpw, device=pos.device)
-        self._pos, self._pi = pos, pi
+        self._set_order(pi)
         if training:
             self._begin_history(step)
         perm = g.perm
@@ -1008,6 +1006,48 @@ class GNNPipeEngine:
                     received.append((ids, r))
         return received
 
+    def _set_order(self, pi: List[int]) -> None:
+        """Chunk positions of this step (``pos[c]`` = clock at which chunk ``c`` runs, on every way)."""
+        cpw = self.chunks_per_way
+        pos = torch.empty(self.plan.graph.num_chunks, dtype=torch.long, device=self.comm.device)
+        for w in range(self.ways):
+            pos[torch.tensor([w * cpw + i for i in pi], device=pos.device)] = torch.arange(cpw, device=pos.device)
+        self._pos, self._pi = pos, pi
+        self._routes: Dict[int, tuple] = {}
+
+    def _route(self, ch: Chunk) -> tuple:
+        """Where the gradients of ``ch``'s halo rows go and which rows other ways send back, for this
+        step's order: the same for every layer of the chunk, so computed once per chunk and step."""
+        hit = self._routes.get(ch.index)
+        if hit is not None:
+            return hit
+        g, cpw, pos = self.plan.graph, self.chunks_per_way, self._pos
+        k = int(pos[ch.index])
+        own, send, recv = None, [], []
+        if ch.halo.numel():
+            owner = ch.halo_chunk
+            fresh = pos[owner] <= k
+            owner_way = owner // cpw
+            own = fresh & (owner_way == self.way)
+            own = own if bool(own.any()) else None
+            for w in range(self.ways):
+                if w != self.way:
+                    sel = fresh & (owner_way == w)
+                    if bool(sel.any()):
+                        send.append((w, sel))
+        for w in range(self.ways):
+            if w == self.way:
+                continue
+            other = g.chunks[w * cpw + self._pi[k]]
+            if not other.halo.numel():
+                continue
+            ids = other.halo[(other.halo_chunk // cpw == self.way) & (pos[other.halo_chunk] <= k)]
+            if ids.numel():
+                cur = (ids >= ch.start) & (ids < ch.end)
+                recv.append((w, ids, cur, bool(cur.all())))
+        self._routes[ch.index] = hit = (own, send, recv)
+        return hit
+
     def _halo_backward(self, name: str, ch: Chunk, g_rows: Tensor, g_halo: Tensor) -> Tensor:
         """Routes the gradient of a chunk's halo rows to their owners; returns the chunk rows' gradient.
 
@@ -1016,36 +1056,16 @@ class GNNPipeEngine:
         otherwise. Stale rows' gradients are dropped. Then the gradients other ways send for this
         way's rows are received: rows of the current chunk join ``g_rows``, earlier chunks' ``G_v``.
         """
-        g = self.plan.graph
-        cpw, pos, scale = self.chunks_per_way, self._pos, self._scale
-        k = int(pos[ch.index])
+        own, send, recv = self._route(ch)
         g_rows = g_rows.clone()
-        if ch.halo.numel():
-            owner = ch.halo_chunk
-            fresh = pos[owner] <= k
-            owner_way = owner // cpw
-            own = fresh & (owner_way == self.way)
-            if bool(own.any()):
-                self._grad_buffer(name, g_halo).index_add_(0, ch.halo[own], g_halo[own] * scale)
-            for w in range(self.ways):
-                if w != self.way:
-                    sel = fresh & (owner_way == w)
-                    if bool(sel.any()):
-                        self.comm.send(g_halo[sel] * scale, self.rank_of(self.stage_index, w), "halo_backward")
-        for w in range(self.ways):
-            if w == self.way:
-                continue
-            other = g.chunks[w * cpw + self._pi[k]]
-            if not other.halo.numel():
-                continue
-            sel = (other.halo_chunk // cpw == self.way) & (pos[other.halo_chunk] <= k)
-            ids = other.halo[sel]
-            if not ids.numel():
-                continue
+        if own is not None:
+            self._grad_buffer(name, g_halo).index_add_(0, ch.halo[own], g_halo[own] * self._scale)
+        for w, sel in send:
+            self.comm.send(g_halo[sel] * self._scale, self.rank_of(self.stage_index, w), "halo_backward")
+        for w, ids, cur, all_cur in recv:
             r = self.comm.recv((ids.numel(), *g_halo.shape[1:]), g_halo.dtype, self.rank_of(self.stage_index, w))
-            cur = (ids >= ch.start) & (ids < ch.end)
             g_rows.index_add_(0, ids[cur] - ch.start, r[cur])
-            if not bool(cur.all()):
+            if not all_cur:
                 self._grad_buffer(name, g_halo).index_add_(0, ids[~cur], r[~cur])
         return g_rows
 
@@ -1063,11 +1083,7 @@ class GNNPipeEngine:
         prev = self.ranks[self.stage_index - 1] if self.stage_index > 0 else None
         nxt = self.ranks[self.stage_index + 1] if self.stage_index + 1 < self.num_stages else None
         cpw = self.chunks_per_way
-        pos = torch.empty(g.num_chunks, dtype=torch.long, device=self.comm.device)
-        for w in range(self.ways):
-            pos[torch.tensor([w * cpw + i for i in state["pi"]], device=pos.device)] = \
-                torch.arange(cpw, device=pos.device)
-        self._pos, self._pi = pos, state["pi"]
+        self._set_order(state["pi"])
         self._scale = 2.0 if (self.config.unbiased_gradients and cpw > 1) else 1.0
         grads: Dict[str, Tensor] = {}
         self._grads = grads

@@ -20,13 +20,23 @@ Backends, tried in this order for the device of ``x`` (``backend()`` says which 
 ====================  ==============================================================================
 
 The kernels are built with ``torch.utils.cpp_extension.load`` (g++ with OpenMP, and ninja) into the
-torch extensions directory (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under a
-name that carries a hash of the source, the flags, the torch version and the CPU, so an edited source
-rebuilds and an unchanged one loads in well under a second. Concurrent processes (gloo workers) are
-safe: ``load`` serialises the build with a file baton and the others wait and load the result. Set
-``PYG_PIPE_DISABLE_EXTENSIONS=1`` to skip the compiled kernels. A build that fails, or sources that
-are missing (a wheel install without ``extensions/``), give one ``UserWarning`` per process and the
-fallback; never an error.
+torch extensions directory (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions/<pyXY_cpu>``)
+under a name that carries a hash of the source, the flags, the torch version and the CPU, so an edited
+source rebuilds and an unchanged one loads in well under a second. A build (30 s to 2 min on CPU) is
+announced on stderr through ``logging`` (logger ``pyg_pipe.ops.aggregate``, level WARNING) by the process
+that runs it; a cached load says nothing.
+
+Concurrent processes (gloo workers) and killed builds: ``load`` is called only while holding an
+exclusive ``fcntl.flock`` on ``pyg_pipe.lock`` in the build directory. The OS drops that lock when
+its holder exits, however it dies, so it is never stale: one process builds, the others wait for the
+lock and then load the finished build. torch's own lock file (``lock``, a ``FileBaton`` that a killed
+build leaves behind and that makes every later ``load`` wait forever) can then only be left over from a
+dead holder, and the holder of the ``flock`` removes it before calling ``load``. Waiting is bounded by
+``PYG_PIPE_BUILD_TIMEOUT`` seconds (default 600), after which the process falls back.
+
+Set ``PYG_PIPE_DISABLE_EXTENSIONS=1`` to skip the compiled kernels. A build that fails, a lock that
+cannot be taken in time, or sources that are missing (a wheel install without ``extensions/``), give
+one ``UserWarning`` per process and the fallback; never an error.
 
 Backward: ``sum``/``mean`` w.r.t. ``x`` run the same row-loop kernel over the transposed adjacency
 (counting sort, cached per graph by ``_transposed``), so no atomics and a deterministic result on both
@@ -43,10 +53,15 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import os
 import platform
+import socket
+import subprocess
 import threading
+import time
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -57,6 +72,7 @@ from torch import Tensor
 __all__ = ["ENV_DISABLE", "backend", "clear_cache", "csr_aggregate", "extensions_enabled"]
 
 ENV_DISABLE = "PYG_PIPE_DISABLE_EXTENSIONS"
+ENV_BUILD_TIMEOUT = "PYG_PIPE_BUILD_TIMEOUT"
 _REDUCE_CODE = {"sum": 0, "mean": 1, "max": 2}
 _REDUCE_ALIASES = {"add": "sum", "sum": "sum", "mean": "mean", "max": "max", "amax": "max"}
 _KERNEL_DTYPES = (torch.float32, torch.float64)
@@ -68,6 +84,18 @@ _KERNEL_DTYPES = (torch.float32, torch.float64)
 _lock = threading.Lock()
 _modules: dict = {}  # "cpu" / "cuda" -> loaded extension module, or None when unavailable
 _warned = False
+_log = logging.getLogger(__name__)
+
+_DEFAULT_BUILD_TIMEOUT_S = 600.0
+# CPU: 40-60 s measured on 2 idle cores, 70-190 s on busy ones; CUDA: not measured
+_BUILD_TIME = {"cpu": "30 s to 2 min, more on a busy machine", "cuda": "a few minutes"}
+_LOCK_FILE = "pyg_pipe.lock"   # our flock, in the build directory; never removed
+_TORCH_LOCK_FILE = "lock"      # torch.utils.cpp_extension's FileBaton, in the build directory
+_POLL_S = 0.5
+
+
+class _BuildLockError(RuntimeError):
+    """The build directory could not be locked (in time, or at all); the message names the fix."""
 
 
 def _source_dir() -> Path:
@@ -116,8 +144,108 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, UserWarning, stacklevel=4)
 
 
+def _build_timeout() -> float:
+    """Seconds to wait for another process's build: ``PYG_PIPE_BUILD_TIMEOUT``, default 600."""
+    raw = os.environ.get(ENV_BUILD_TIMEOUT, "").strip()
+    if not raw:
+        return _DEFAULT_BUILD_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise _BuildLockError(f"{ENV_BUILD_TIMEOUT}={raw!r} is not a positive number of seconds; set it to "
+                              f"e.g. {_DEFAULT_BUILD_TIMEOUT_S:.0f} or unset it.")
+    return seconds
+
+
+def _library_exists(build_dir: Path, name: str) -> bool:
+    # torch's load imports <build_dir>/<name>.so (its LIB_EXT on Linux and macOS)
+    return (build_dir / f"{name}.so").is_file()
+
+
+def _build_needed(build_dir: Path, name: str) -> bool:
+    """Whether ``load`` is about to compile rather than just import: no library yet, or ninja has work.
+
+    Call only while holding the build lock: ninja must not read its logs while another ninja writes them.
+    """
+    if not _library_exists(build_dir, name):
+        return True
+    try:
+        dry_run = subprocess.run(["ninja", "-n"], cwd=build_dir, capture_output=True, text=True, timeout=60)
+    except OSError:
+        return False  # no ninja: torch's load fails with its own message before building anything
+    return "no work to do" not in dry_run.stdout
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path, name: str, kind: str):
+    """Hold the build directory exclusively while torch builds or loads the extension ``name``.
+
+    An exclusive ``fcntl.flock`` on ``<build_dir>/pyg_pipe.lock``: the OS releases it when the
+    holder exits, even on SIGKILL or OOM, so it is never stale. While waiting for it (at most
+    ``PYG_PIPE_BUILD_TIMEOUT`` seconds, then ``_BuildLockError``) a process says once that it waits for
+    another one's build. Once held: torch's ``lock`` file, if present, was left by a holder that died
+    inside ``load`` and is removed (``load`` would otherwise wait on it forever), and a build that is
+    about to happen is announced. The holder writes ``process <pid> on <host>`` into the file for the
+    others' messages.
+    """
+    import fcntl
+
+    timeout = _build_timeout()
+    deadline = time.monotonic() + timeout
+    path = build_dir / _LOCK_FILE
+    what = f"the compiled {kind.upper()} aggregation kernels"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise _BuildLockError(f"cannot create the build lock {path} ({err}); point TORCH_EXTENSIONS_DIR at a "
+                              "writable directory.") from err
+    try:
+        announced_wait = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            except OSError as err:
+                raise _BuildLockError(f"cannot lock {path} ({err}); point TORCH_EXTENSIONS_DIR at a directory "
+                                      "on a file system with file locks (a local disk).") from err
+            owner = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+            if time.monotonic() >= deadline:
+                raise _BuildLockError(
+                    f"gave up after waiting {timeout:.0f} s for {owner} to finish building them in {build_dir}. "
+                    f"If that process is stuck, end it; to wait longer, set {ENV_BUILD_TIMEOUT} (seconds).")
+            if not announced_wait and not _library_exists(build_dir, name):
+                _log.warning("pyg_pipe: waiting for %s to finish building %s in %s (%s; giving up after %.0f s, "
+                             "%s).", owner, what, build_dir, _BUILD_TIME[kind], timeout, ENV_BUILD_TIMEOUT)
+                announced_wait = True
+            time.sleep(_POLL_S)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        torch_lock = build_dir / _TORCH_LOCK_FILE
+        try:
+            torch_lock.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            raise _BuildLockError(f"cannot remove the stale lock {torch_lock} ({err}); delete it by "
+                                  "hand.") from err
+        else:
+            _log.warning("pyg_pipe: removed %s, left behind by a build of %s that was killed before it "
+                         "finished.", torch_lock, what)
+        if _build_needed(build_dir, name):
+            _log.warning("pyg_pipe: building %s in %s. This takes %s, once per machine and source version; "
+                         "later runs load the build in about a second. Set %s=1 to skip it and use the slower "
+                         "'%s' path.", what, build_dir, _BUILD_TIME[kind], ENV_DISABLE, _fallback_name())
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
 def _load(kind: str):
-    """Build (first use) and import one extension; the caller handles errors."""
+    """Build (first use) and import one extension under the build directory's lock; the caller handles errors."""
     from torch.utils import cpp_extension
 
     src_dir = _source_dir()
@@ -135,8 +263,26 @@ def _load(kind: str):
     if missing:
         raise FileNotFoundError(f"kernel sources not found: {', '.join(missing)} (pyg_pipe is not run "
                                 "from a source checkout)")
-    return cpp_extension.load(name=_build_name(kind, sources, flags), sources=[str(s) for s in sources],
-                              verbose=False, **extra)
+    name = _build_name(kind, sources, flags)
+    # torch's own choice of directory ($TORCH_EXTENSIONS_DIR or its default; created here), handed back to
+    # load so that the lock and the build are certainly in the same place
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    with _build_lock(build_dir, name, kind):
+        return cpp_extension.load(name=name, sources=[str(s) for s in sources], build_directory=str(build_dir),
+                                  verbose=False, **extra)
+
+
+def _fallback_message(kind: str, err: Exception) -> str:
+    """The one warning for kernels that could not be built or loaded: the cause and what to do."""
+    skip = f"set {ENV_DISABLE}=1 to skip the build and this warning."
+    if isinstance(err, _BuildLockError):
+        return (f"pyg_pipe: could not load the compiled {kind.upper()} aggregation kernels: {err} Using the "
+                f"slower '{_fallback_name()}' path instead; {skip}")
+    text = str(err).strip()
+    return (f"pyg_pipe: could not build the compiled {kind.upper()} aggregation kernels "
+            f"({type(err).__name__}: {text.splitlines()[-1] if text else ''}); using the slower "
+            f"'{_fallback_name()}' path instead. Needs a C++ compiler with OpenMP"
+            f"{' and nvcc' if kind == 'cuda' else ''} and ninja (`pip install ninja`); {skip}")
 
 
 def _kernels(kind: str):
@@ -151,12 +297,7 @@ def _kernels(kind: str):
             try:
                 module = _load(kind)
             except Exception as err:  # noqa: BLE001  (a failed build must never stop training)
-                _warn_once(
-                    f"pyg_pipe: could not build the compiled {kind.upper()} aggregation kernels "
-                    f"({type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}); "
-                    f"using the slower '{_fallback_name()}' path instead. Needs a C++ compiler with OpenMP"
-                    f"{' and nvcc' if kind == 'cuda' else ''} and ninja (`pip install ninja`); set "
-                    f"{ENV_DISABLE}=1 to skip the build and this warning.")
+                _warn_once(_fallback_message(kind, err))
         _modules[kind] = module
         return module
 

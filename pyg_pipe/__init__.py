@@ -7,7 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from .data import FullGraphDataModule
 from .engine import GNNPipeEngine, PipelineConfig
-from .model import UnsupportedModelError
+from .model import SplitPoint, UnsupportedModelError, pipe_split
 from .strategies import GNNPipeStrategy, GraphParallelStrategy, HybridStrategy
 
 for _cls in (GNNPipeStrategy, HybridStrategy, GraphParallelStrategy):
@@ -15,4 +15,4 @@ for _cls in (GNNPipeStrategy, HybridStrategy, GraphParallelStrategy):
 
 __version__ = "0.1.0"
 __all__ = ["FullGraphDataModule", "GNNPipeEngine", "GNNPipeStrategy", "GraphParallelStrategy", "HybridStrategy",
-           "PipelineConfig", "UnsupportedModelError"]
+           "PipelineConfig", "SplitPoint", "UnsupportedModelError", "pipe_split"]

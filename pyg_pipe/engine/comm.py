@@ -8,6 +8,7 @@ Bytes sent while :attr:`Comm.counting` is on are added to a category:
 ``stage_gradients``   their gradients, sent backwards
 ``carried``           any other tensor crossing a cut (GCNII's ``x0``), both directions
 ``halo_forward``      rows of boundary vertices sent to the graph-parallel ways that read them
+                      (at every propagate call whose source rows are computed by the model)
 ``halo_backward``     the gradients of those rows, sent back to their owners
 ``weight_allreduce``  weight gradients all-reduced among the ways of a stage (counted as a ring
                       all-reduce: ``2·(W-1)/W`` of the gradient per rank)
@@ -22,6 +23,7 @@ longer than ``timeout`` seconds fails naming the peer.
 """
 from __future__ import annotations
 
+import pickle
 from collections import defaultdict
 from datetime import timedelta
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -66,10 +68,11 @@ class Comm:
             self._store = None
 
     # -- sending -----------------------------------------------------------------------------
-    def send(self, tensor: Tensor, dst: int, category: str = "other") -> None:
-        """Posts an asynchronous send; the tensor is kept alive until :meth:`flush`."""
+    def send(self, tensor: Tensor, dst: int, category: Optional[str] = "other") -> None:
+        """Posts an asynchronous send; the tensor is kept alive until :meth:`flush`.
+        ``category=None`` sends uncounted (plan-time headers)."""
         tensor = tensor.detach().contiguous()
-        if self.counting:
+        if self.counting and category is not None:
             self.bytes[category] += tensor.numel() * tensor.element_size()
         work = dist.isend(tensor, dst, group=self.group)
         self._pending.append((work, tensor))
@@ -91,12 +94,46 @@ class Comm:
         self.wait(dist.irecv(buf, src, group=self.group), f"receive from rank {src}")
         return buf
 
+    def exchange(self, sends: Sequence[Tuple[Tensor, int]], recvs: Sequence[Tuple[Sequence[int], torch.dtype, int]],
+                 category: str = "other") -> List[Tensor]:
+        """Posts every send and receive of one exchange together (``batch_isend_irecv``, so NCCL
+        never deadlocks on two ranks sending to each other) and waits for all of them.
+
+        ``sends``: ``(tensor, dst)``; ``recvs``: ``(shape, dtype, src)``. Returns the received tensors.
+        """
+        ops, keep = [], []
+        for tensor, dst in sends:
+            tensor = tensor.detach().contiguous()
+            if self.counting:
+                self.bytes[category] += tensor.numel() * tensor.element_size()
+            keep.append(tensor)
+            ops.append(dist.P2POp(dist.isend, tensor, dst, group=self.group))
+        out = []
+        for shape, dtype, src in recvs:
+            buf = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+            out.append(buf)
+            ops.append(dist.P2POp(dist.irecv, buf, src, group=self.group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                self.wait(work, "halo exchange")
+        return out
+
+    def send_object(self, obj, dst: int) -> None:
+        """Sends a small picklable object (uncounted; plan time only: the receiver reads it on the host)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+        self.send(torch.tensor([data.numel()], dtype=torch.long, device=self.device), dst, None)
+        self.send(data, dst, None)
+
+    def recv_object(self, src: int):
+        n = int(self.recv([1], torch.long, src))
+        return pickle.loads(self.recv([n], torch.uint8, src).cpu().numpy().tobytes())
+
     def send_with_header(self, tensor: Tensor, dst: int) -> None:
         """Sends shape and dtype first, then the tensor (uncounted; used when shapes are unknown)."""
         header = torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape], dtype=torch.long)
-        self.send(torch.tensor([header.numel()], dtype=torch.long, device=self.device), dst)
-        self.send(header.to(self.device), dst)
-        self.send(tensor, dst)
+        self.send(torch.tensor([header.numel()], dtype=torch.long, device=self.device), dst, None)
+        self.send(header.to(self.device), dst, None)
+        self.send(tensor, dst, None)
 
     def recv_with_header(self, src: int) -> Tensor:
         n = int(self.recv([1], torch.long, src))
@@ -166,64 +203,3 @@ class Comm:
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
            torch.uint8, torch.int8, torch.int16]
-
-
-def gnnpipe_bytes(num_nodes: int, num_stages: int, width: int, out_width: int, carried_width: int = 0,
-                  num_ranks: Optional[int] = None, bytes_per_value: int = 4) -> Dict[str, int]:
-    """Per-step bytes of GNNPipe predicted by design.md §1, by category.
-
-    ``width`` is the activation width at every cut, ``carried_width`` the width of tensors carried
-    across cuts besides it (GCNII's x0; 0 for none), ``out_width`` the model output width, sent by
-    the last stage to the ``num_ranks - 1`` other ranks (default ``num_ranks = num_stages``)::
-
-        stage_activations = stage_gradients = (S-1)·|V|·d·b
-        carried = 2·(S-1)·|V|·d0·b          output = (P-1)·|V|·d_out·b
-    """
-    ranks = num_stages if num_ranks is None else num_ranks
-    act = (num_stages - 1) * num_nodes * width * bytes_per_value
-    out = dict.fromkeys(CATEGORIES, 0)
-    out.update(stage_activations=act, stage_gradients=act,
-               carried=2 * (num_stages - 1) * num_nodes * carried_width * bytes_per_value,
-               output=(ranks - 1) * num_nodes * out_width * bytes_per_value)
-    out["total"] = sum(out[c] for c in CATEGORIES)
-    return out
-
-
-def halo_rows(edge_index: Tensor, perm: Tensor, ptr: Tensor) -> int:
-    """``Σ_p |halo(p)|``: for every partition ``p`` (a contiguous new-id range ``ptr[p]:ptr[p+1]`` of
-    the order ``perm[new] = old``), the number of distinct vertices outside ``p`` with an edge into ``p``."""
-    n = perm.numel()
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(n, device=perm.device)
-    src, dst = inv[edge_index[0]], inv[edge_index[1]]
-    part_of = torch.bucketize(torch.arange(n, device=perm.device), ptr[1:], right=True)
-    ps, pd = part_of[src], part_of[dst]
-    cross = ps != pd
-    pairs = torch.unique(pd[cross] * n + src[cross])
-    return int(pairs.numel())
-
-
-def graph_parallel_bytes(num_nodes: int, halo: int, widths: Sequence[int], num_params: int, ways: int,
-                         out_width: int, num_stages: int = 1, width: int = 0, carried_width: int = 0,
-                         bytes_per_value: int = 4) -> Dict[str, int]:
-    """Per-step bytes of graph-parallel (``num_stages = 1``) and hybrid runs with one chunk per way.
-
-    ``halo`` is ``Σ_p |halo(p)|`` of the ``ways``-way partition (:func:`halo_rows`), ``widths`` the
-    width of every value exchanged in one step (one entry per message-passing layer whose input is
-    computed by the model, not a graph input every rank already has), ``num_params`` the number of
-    parameters (all stages together)::
-
-        halo_forward = halo_backward = Σ_l d_l · Σ_p |halo(p)| · b
-        weight_allreduce             = 2·(W-1)·#params · b
-        output                       = (P-1)·|V|·d_out · b,   P = S·W
-
-    plus the pipeline terms of :func:`gnnpipe_bytes` between the ``num_stages`` stages (each way
-    sends its own rows, so together they are the same as one way sending all of them).
-    """
-    out = gnnpipe_bytes(num_nodes, num_stages, width, out_width, carried_width, num_ranks=num_stages * ways,
-                        bytes_per_value=bytes_per_value)
-    h = sum(widths) * halo * bytes_per_value
-    out.update(halo_forward=h, halo_backward=h,
-               weight_allreduce=2 * (ways - 1) * num_params * bytes_per_value)
-    out["total"] = sum(out[c] for c in CATEGORIES)
-    return out

@@ -1,6 +1,8 @@
-"""The model side: tracing an unchanged PyG model into steps and cutting it into pipeline stages."""
-from .program import CONST, EDGE, GRAPH, NODE, Program, UnsupportedModelError, bind_inputs, trace
-from .split import Stage, balance, layer_groups, parameter_owner, split
+"""The model side: a call's inputs cut to chunks, tracing a model into units, cutting it into stages."""
+from .errors import UnsupportedModelError
+from .inputs import CallInputs, Localizer, is_graph_tensor
+from .split import Stage, balance, layer_groups, parameter_stages, split
+from .trace import Program, SplitPoint, pipe_split, trace
 
-__all__ = ["Program", "UnsupportedModelError", "bind_inputs", "trace", "Stage", "balance", "layer_groups",
-           "parameter_owner", "split", "NODE", "EDGE", "GRAPH", "CONST"]
+__all__ = ["UnsupportedModelError", "CallInputs", "Localizer", "is_graph_tensor", "Stage", "balance", "layer_groups",
+           "parameter_stages", "split", "Program", "SplitPoint", "pipe_split", "trace"]

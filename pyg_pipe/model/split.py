@@ -1,4 +1,17 @@
-"""Cutting a traced program into consecutive pipeline stages, balanced by measured cost."""
+"""Cutting a traced program into consecutive pipeline stages, and who owns which parameter.
+
+A program (:mod:`pyg_pipe.model.trace`) has one *unit* per layer (a module holding a
+``MessagePassing`` layer). :func:`layer_groups` groups the steps into one group per unit, and
+:func:`split` gives each stage a run of consecutive groups (balanced by cost with :func:`balance`),
+or cuts where the user marked ``pipe_split()``.
+
+What crosses a cut is every value defined before it and used after it, except values any stage can
+compute from the inputs itself (parameter-free and not random: ``data.x``, ``x.size(0)``,
+``edge_index.flip(0)``), which each stage recomputes. Values crossing a cut travel per chunk
+(:mod:`pyg_pipe.engine.link`), whatever their shape: node tensors, edge tensors (an edge encoder's
+output), tuples of them. A parameter used by several stages (a module reused at two depths) is
+*shared*: its gradient is summed over the stages that use it.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,28 +20,26 @@ from typing import Dict, List, Optional, Sequence, Set
 import torch
 import torch.fx as fx
 
-from .program import NODE, Program, UnsupportedModelError
+from .errors import UnsupportedModelError
+from .trace import Program
 
 
 @dataclass
 class Stage:
-    """The part of a program that one pipeline stage runs.
+    """The part of a program one pipeline stage runs.
 
     Attributes:
         index: stage number s (0 = first).
-        steps: the fx nodes this stage runs, in order.
-        mp_steps: its message-passing steps.
-        inputs: values that cross the cut into this stage (received from stage s-1), in a fixed order.
-        outputs: values that cross the cut out of it (sent to stage s+1); for the last stage, the
-            program output.
-        activation: the received value that feeds the stage's first layer (counted as stage
-            activation / gradient traffic); every other received value is a *carried* tensor (GCNII's x0).
-        modules: qualified names of the sub-modules this stage calls.
+        steps: the fx nodes it runs, in order (its own, and the recomputable ones it needs).
+        inputs: values received from stage s-1, in a fixed order.
+        outputs: values sent to stage s+1; for the last stage, the program's output.
+        activation: the received value feeding its first unit (stage activation / gradient traffic;
+            every other received value is *carried*).
+        modules: targets of the modules it calls and of the attributes it reads.
     """
 
     index: int
     steps: List[fx.Node]
-    mp_steps: List[fx.Node]
     inputs: List[str]
     outputs: List[str]
     activation: Optional[str]
@@ -36,18 +47,17 @@ class Stage:
 
 
 def layer_groups(program: Program) -> List[List[fx.Node]]:
-    """Groups steps into one group per message-passing layer, cut where the fewest values are live.
+    """Groups the steps into one group per unit, cut where the fewest computed values are live.
 
-    A group holds its message-passing step and the row-wise steps around it; steps before the first
-    layer join the first group, steps after the last join the last. Between two layers the boundary
-    is put where the fewest computed values are live (defined before, used after), since those are
-    what a pipeline cut there would send: after a residual addition (``x + conv(relu(norm(x)))``)
-    rather than before the next convolution, where both ``x`` and the convolution's input are live.
-    Ties go to the latest position (right before the next layer).
+    Steps before the first unit join the first group, steps after the last join the last. Between two
+    units the boundary is put where the fewest values are live (defined before, used after), since
+    those are what a cut there would send: after a residual addition rather than before the next
+    layer. Ties go to the latest position.
     """
     steps = program.steps
     index = {n.name: i for i, n in enumerate(steps)}
     last_use: Dict[str, int] = {}
+    memo: Dict[str, bool] = {}
     for i, n in enumerate(steps):
         for a in n.all_input_nodes:
             if a.name in index:
@@ -55,26 +65,34 @@ def layer_groups(program: Program) -> List[List[fx.Node]]:
     for a in program.output.all_input_nodes:
         if a.name in index:
             last_use[a.name] = len(steps)
-    mp = [i for i, n in enumerate(steps) if program.is_mp(n)]
-    if not mp:
-        return []
+    units = [index[u.name] for u in program.units]
 
-    def live(b: int) -> int:  # values defined before step b and used at or after it
-        return sum(1 for n in steps[:b] if last_use.get(n.name, -1) >= b)
+    def live(b: int) -> int:
+        return sum(1 for n in steps[:b] if last_use.get(n.name, -1) >= b and not program.recomputable(n, memo))
 
     starts = [0]
-    for a, b in zip(mp[:-1], mp[1:]):
-        best = min(range(a + 1, b + 1), key=lambda k: (live(k), -k))
-        starts.append(best)
+    for a, b in zip(units[:-1], units[1:]):
+        starts.append(min(range(a + 1, b + 1), key=lambda k: (live(k), -k)))
     bounds = starts + [len(steps)]
-    return [list(steps[bounds[k]:bounds[k + 1]]) for k in range(len(mp))]
+    return [list(steps[bounds[k]:bounds[k + 1]]) for k in range(len(units))]
+
+
+def marked_segments(program: Program) -> List[List[fx.Node]]:
+    """The steps between the user's ``pipe_split()`` marks."""
+    segments: List[List[fx.Node]] = [[]]
+    for n in program.steps:
+        if n in program.splits:
+            segments.append([])
+        else:
+            segments[-1].append(n)
+    return segments
 
 
 def balance(costs: Sequence[float], num_stages: int) -> List[int]:
-    """Splits consecutive layer costs into ``num_stages`` contiguous blocks minimising the largest block.
+    """Splits consecutive costs into ``num_stages`` contiguous blocks minimising the largest block.
 
-    Returns the number of layers in each block (every block gets at least one layer).
-    Dynamic programme over (layers, stages), O(S·L²).
+    Returns the number of items in each block (every block gets at least one). Dynamic programme
+    over (items, stages), O(S·L²).
     """
     n = len(costs)
     if num_stages > n:
@@ -100,89 +118,80 @@ def balance(costs: Sequence[float], num_stages: int) -> List[int]:
     return sizes[::-1]
 
 
-def split(program: Program, layers_per_stage: Sequence[int]) -> List[Stage]:
-    """Cuts ``program`` so that stage s holds ``layers_per_stage[s]`` consecutive layer groups.
-
-    Computes each stage's received and sent values (everything defined before a cut and used
-    after it), and refuses cuts that would carry anything but per-vertex tensors, or a module
-    with parameters used on both sides of a cut.
-    """
-    groups = layer_groups(program)
-    if sum(layers_per_stage) != len(groups) or min(layers_per_stage) < 1:
-        raise ValueError(f"layers_per_stage={list(layers_per_stage)} must be positive and sum to {len(groups)}")
+def split(program: Program, groups: List[List[fx.Node]], sizes: Sequence[int]) -> List[Stage]:
+    """Stage ``s`` runs ``sizes[s]`` consecutive ``groups``; returns every stage's steps and what
+    crosses its cuts."""
+    if sum(sizes) != len(groups) or min(sizes) < 1:
+        raise ValueError(f"stage sizes {list(sizes)} must be positive and sum to {len(groups)}")
     stage_of: Dict[str, int] = {}
-    stage_steps: List[List[fx.Node]] = []
+    own: List[List[fx.Node]] = []
     g = 0
-    for s, count in enumerate(layers_per_stage):
+    for s, count in enumerate(sizes):
         steps = [n for grp in groups[g:g + count] for n in grp]
         g += count
-        stage_steps.append(steps)
+        own.append(steps)
         for n in steps:
             stage_of[n.name] = s
-    num_stages = len(layers_per_stage)
+    S = len(sizes)
+    order = {n.name: i for i, n in enumerate(program.graph.nodes)}
+    memo: Dict[str, bool] = {}
     out_node = program.output.args[0]
+    if not isinstance(out_node, fx.Node):
+        raise UnsupportedModelError(
+            f"{type(program.root).__name__}.forward must return one tensor with a row per vertex; it returns "
+            f"{out_node!r}. Return the node embeddings or logits only.")
 
-    # last stage (by index) that uses each value; the program output counts as used after the end
+    # every stage runs its own steps and recomputes the recomputable values it needs
+    stage_steps: List[List[fx.Node]] = []
+    for s in range(S):
+        need: Dict[str, fx.Node] = {n.name: n for n in own[s]}
+        frontier = list(own[s])
+        while frontier:
+            n = frontier.pop()
+            for a in n.all_input_nodes:
+                if a.op != "placeholder" and a.name not in need and stage_of.get(a.name) != s \
+                        and program.recomputable(a, memo):
+                    need[a.name] = a
+                    frontier.append(a)
+        stage_steps.append(sorted(need.values(), key=lambda n: order[n.name]))
+
+    # values crossing cut s (entering stage s): defined earlier, used at or after s, not recomputable
     last_use: Dict[str, int] = {}
+    for s in range(S):
+        for n in stage_steps[s]:
+            for a in n.all_input_nodes:
+                last_use[a.name] = max(last_use.get(a.name, -1), s)
+    last_use[out_node.name] = S
+    crossing: List[List[str]] = [[] for _ in range(S)]
     for n in program.steps:
-        for a in n.all_input_nodes:
-            last_use[a.name] = max(last_use.get(a.name, -1), stage_of[n.name])
-    last_use[out_node.name] = num_stages
-
-    crossing: List[List[str]] = [[] for _ in range(num_stages + 1)]  # crossing[s]: values entering stage s
-    for n in program.steps:
-        s0, s1 = stage_of[n.name], last_use.get(n.name, -1)
-        for s in range(s0 + 1, min(s1, num_stages) + 1):
-            if s == num_stages:
-                continue
-            if program.kinds[n.name] != NODE:
-                raise UnsupportedModelError(
-                    f"Value '{n.name}' ({program.kinds[n.name]}) is computed in stage {s0} and used in stage {s}; "
-                    f"only per-vertex tensors can cross a pipeline cut. Compute it inside the layer that uses it.")
+        if n.name not in stage_of or program.recomputable(n, memo):
+            continue
+        for s in range(stage_of[n.name] + 1, min(last_use.get(n.name, -1), S - 1) + 1):
             crossing[s].append(n.name)
+    if stage_of.get(out_node.name, S - 1) != S - 1 and not program.recomputable(out_node, memo):
+        for s in range(stage_of[out_node.name] + 1, S):
+            if out_node.name not in crossing[s]:
+                crossing[s].append(out_node.name)
 
-    owner: Dict[str, int] = {}
     stages = []
-    for s in range(num_stages):
+    for s in range(S):
         steps = stage_steps[s]
-        mods = {n.target for n in steps if n.op in ("call_module", "get_attr")}
-        for m in mods:
-            if m in owner and owner[m] != s and _has_state(program.root, m):
-                raise UnsupportedModelError(
-                    f"Module '{m}' is used in pipeline stages {owner[m]} and {s}; a parameter can live in only one "
-                    f"stage. Give each layer its own module (no weight sharing across distant layers), or use "
-                    f"fewer devices.")
-            owner.setdefault(m, s)
-        mp_steps = [n for n in steps if program.is_mp(n)]
+        units = [n for n in steps if n in program.units and stage_of.get(n.name) == s]
         inputs = crossing[s] if s > 0 else []
-        outputs = crossing[s + 1] if s + 1 < num_stages else [out_node.name]
+        outputs = crossing[s + 1] if s + 1 < S else [out_node.name]
         activation = None
         if inputs:
-            first = [a.name for a in mp_steps[0].all_input_nodes if program.kinds[a.name] == NODE]
+            first = [a.name for a in units[0].all_input_nodes] if units else []
             activation = next((a for a in first if a in inputs), inputs[0])
-        stages.append(Stage(s, steps, mp_steps, inputs, outputs, activation, mods))
+        mods = {n.target for n in steps if n.op in ("call_module", "get_attr")}
+        stages.append(Stage(s, steps, inputs, outputs, activation, mods))
     return stages
 
 
-def _has_state(root: torch.nn.Module, target: str) -> bool:
-    try:
-        obj = root.get_submodule(target)
-    except AttributeError:
-        return True  # a parameter fetched with get_attr
-    return any(True for _ in obj.parameters()) or any(True for _ in obj.buffers())
-
-
-def parameter_owner(root: torch.nn.Module, stages: List[Stage]) -> Dict[str, int]:
-    """Maps every parameter and buffer name of ``root`` to the stage that updates it.
-
-    Parameters no stage calls (unused modules) are given to stage 0.
-    """
-    owners: Dict[str, int] = {}
-    prefixes = sorted(((m, st.index) for st in stages for m in st.modules), key=lambda x: -len(x[0]))
+def parameter_stages(root: torch.nn.Module, stages: List[Stage]) -> Dict[str, Set[int]]:
+    """Every parameter and buffer name of ``root`` -> the stages that use it (empty: unused)."""
+    out: Dict[str, Set[int]] = {}
+    targets = [(m, st.index) for st in stages for m in st.modules]
     for name, _ in list(root.named_parameters()) + list(root.named_buffers()):
-        owners[name] = 0
-        for prefix, s in prefixes:
-            if name == prefix or name.startswith(prefix + "."):
-                owners[name] = s
-                break
-    return owners
+        out[name] = {s for prefix, s in targets if name == prefix or name.startswith(prefix + ".")}
+    return out

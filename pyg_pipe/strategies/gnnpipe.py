@@ -1,6 +1,7 @@
 """``strategy="gnnpipe"``: pipelined layer-level model parallelism for full-graph training in Lightning."""
 from __future__ import annotations
 
+import io
 from datetime import timedelta
 from typing import Any, Dict, List, Literal, Optional, Sequence, Union
 
@@ -10,6 +11,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch import Tensor
 from torch_geometric.data import Batch, Data, HeteroData
 from torch_geometric.nn import MessagePassing
@@ -56,6 +58,12 @@ class GNNPipeStrategy(DDPStrategy):
             hangs the run).
         checkpoint_history: also store the historical embeddings in checkpoints, so resuming
             continues exactly (they are as large as one copy of every stage's layer inputs).
+        per_chunk_statistics: let graph-wide statistics (BatchNorm, GraphNorm, ...) use each chunk's rows
+            when a way runs several chunks (approximate, as GPipe does for micro-batches); without it such
+            models are refused with several chunks per way. With one chunk per way they are exact.
+        split_points: ``{"module.name": SplitPoint.BEGINNING | SplitPoint.END}``: cut the pipeline
+            before / after that module (the convention of ``torch.distributed.pipelining``; calling
+            ``pyg_pipe.pipe_split()`` in the forward does the same).
         fused_kernels: while training, route PyG's sparse-adjacency aggregation (layers given a
             torch.sparse ``adj_t``) to the compiled CSR kernels of :mod:`pyg_pipe.ops` (built on
             first use; ``PYG_PIPE_DISABLE_EXTENSIONS=1`` or ``False`` here keeps PyG's own path).
@@ -79,6 +87,8 @@ class GNNPipeStrategy(DDPStrategy):
         comm_timeout: float = 600.0,
         checkpoint_history: bool = True,
         fused_kernels: bool = True,
+        per_chunk_statistics: bool = False,
+        split_points: Optional[Dict[str, Any]] = None,
         accelerator=None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment=None,
@@ -94,7 +104,8 @@ class GNNPipeStrategy(DDPStrategy):
                          timeout=timeout, start_method=start_method)
         self.config = PipelineConfig(num_chunks=num_chunks, shuffle_chunks=shuffle_chunks,
                                      snapshot_period=snapshot_period, unbiased_gradients=unbiased_gradients,
-                                     balance=balance, partition=partition, seed=seed)
+                                     balance=balance, partition=partition, seed=seed,
+                                     per_chunk_statistics=per_chunk_statistics, split_points=split_points)
         self.config.validate()
         if comm_timeout <= 0:
             raise ValueError(f"comm_timeout={comm_timeout} must be a positive number of seconds.")
@@ -107,7 +118,9 @@ class GNNPipeStrategy(DDPStrategy):
         self.comm: Optional[Comm] = None
         self.comm_history: List[Dict[str, int]] = []
         self.plan_seconds = 0.0  # time the engine spent planning (tracing, partitioning, history pass)
-        self._pending_history: Optional[dict] = None
+        self.notes: List[str] = []  # what the engine decided on its own (e.g. graph-parallel ways for a shallow model)
+        self._pending_state: Optional[dict] = None
+        self._final_state: Optional[dict] = None  # the pipeline state at the end of fit, for save_checkpoint after it
         self._failed = False
 
     # ----------------------------------------------------------------------- registration
@@ -117,6 +130,11 @@ class GNNPipeStrategy(DDPStrategy):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=f"GNNPipe pipelined full-graph training "
                                            f"(start_method '{start_method}')", start_method=start_method)
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if type(self._launcher) is _MultiProcessingLauncher:  # spawn / fork: bring rank 0's results home
+            self._launcher.__class__ = _ResultsLauncher
 
     # ----------------------------------------------------------------------- setup / teardown
     @property
@@ -141,20 +159,22 @@ class GNNPipeStrategy(DDPStrategy):
         self.comm = Comm(self.root_device, timeout=self.comm_timeout)
         # every rank starts from rank 0's weights (processes started by `popen` build their own model)
         sync_module_state(self.lightning_module, {}, [0])
-        stages, ways = self._grid()
-        self.engine = GNNPipeEngine(target, self.config, self.comm, num_stages=stages, ways=ways)
+        stages, ways, min_ways = self._grid()
+        self.engine = GNNPipeEngine(target, self.config, self.comm, num_stages=stages, ways=ways, min_ways=min_ways)
+        self.engine.stage_hint = "eval"  # training passes only inside training_step (see _training_step)
         self.engine.install()
-        if self._pending_history is not None:
-            self.engine.set_history_state(self._pending_history)
-            self._pending_history = None
+        if self._pending_state is not None:
+            self.engine.load_state_dict(self._pending_state)
+            self._pending_state = None
         # gradient_clip_val with norm clipping must use the norm over all stages, not one stage's
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
         if not any(isinstance(cb, _CommLogger) for cb in trainer.callbacks):
             trainer.callbacks.append(_CommLogger(self))
 
     def _grid(self):
-        """``(stages, ways)`` of the rank grid: one stage per process, no graph-parallel ways."""
-        return self.world_size, 1
+        """``(stages, ways, min_ways)`` of the rank grid: one stage per process (``None``: decided from the
+        model; graph-parallel ways are added when the model has fewer layers than devices)."""
+        return None, None, 1
 
     def _owner_rank(self, owners: Dict[str, int], name: Optional[str]) -> int:
         """The rank whose copy of parameter ``name`` is authoritative (way 0 of its stage)."""
@@ -210,6 +230,7 @@ class GNNPipeStrategy(DDPStrategy):
             self._kernels = None
         if self.engine is not None:
             self.plan_seconds = self.engine.plan_seconds
+            self.notes = list(self.engine.notes)
             self.engine.uninstall()
             self.engine = None
         if self.comm is not None:
@@ -262,7 +283,13 @@ class GNNPipeStrategy(DDPStrategy):
         return self._posting_errors(self._training_step, *args, **kwargs)
 
     def _training_step(self, *args: Any, **kwargs: Any):
-        out = super().training_step(*args, **kwargs)
+        if self.engine is not None:
+            self.engine.stage_hint = "train"
+        try:
+            out = super().training_step(*args, **kwargs)
+        finally:
+            if self.engine is not None:
+                self.engine.stage_hint = "eval"
         loss = out.get("loss") if isinstance(out, dict) else out
         if isinstance(loss, Tensor) and not bool(torch.isfinite(loss.detach()).all()):
             trainer = self.lightning_module.trainer
@@ -276,6 +303,8 @@ class GNNPipeStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         self._sync_parameters()
+        if self.checkpoint_history:
+            self._final_state = self._pipeline_state()
 
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
@@ -316,25 +345,37 @@ class GNNPipeStrategy(DDPStrategy):
         state["state"] = {k: merged[k] for k in sorted(merged)}
         return state
 
+    def _pipeline_state(self) -> Optional[dict]:
+        """Every rank's engine state (plan and history), gathered on every rank (a collective)."""
+        if self.engine is None or self.engine.plan is None:
+            return None
+        mine = self.engine.state_dict()
+        gathered: List[Any] = [mine]
+        if self.world_size > 1:
+            gathered = [None] * self.world_size if self.global_rank == 0 else None
+            dist.gather_object(mine, gathered, dst=0)  # only rank 0 writes checkpoints
+            if self.global_rank != 0:
+                return None
+        return {"plan": gathered[0]["plan"], "ranks": [g["rank"] for g in gathered], "world_size": self.world_size}
+
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        if self.engine is not None and self.checkpoint_history and self.world_size > 1:
-            gathered: List[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, self.engine.history_state())
-            checkpoint["pyg_pipe"] = {"history": gathered, "stages": self.world_size}
-        elif self.engine is not None and self.checkpoint_history:
-            checkpoint["pyg_pipe"] = {"history": [self.engine.history_state()], "stages": 1}
+        if self.checkpoint_history:
+            state = self._pipeline_state() if self.engine is not None else self._final_state
+            if state is not None:
+                checkpoint["pyg_pipe"] = state
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False if weights_only is None
                                              else weights_only)
         extra = checkpoint.get("pyg_pipe")
-        if extra and extra.get("stages") == self.world_size:
-            state = extra["history"][self.global_rank]
+        if extra:
+            same = extra.get("world_size") == self.world_size
+            state = {"plan": extra["plan"], "rank": extra["ranks"][self.global_rank] if same else None}
             if self.engine is not None:
-                self.engine.set_history_state(state)
+                self.engine.load_state_dict(state)
             else:
-                self._pending_history = state
+                self._pending_state = state
         return checkpoint
 
     # ----------------------------------------------------------------------- data checks
@@ -360,6 +401,28 @@ class GNNPipeStrategy(DDPStrategy):
         self._checked_batch = key
 
 
+class _ResultsLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn / fork launcher, also returning the pipeline's state and counters of rank 0 to
+    the main process (so ``trainer.save_checkpoint`` after ``fit`` includes the history)."""
+
+    def get_extra_results(self, trainer) -> Dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        s = self._strategy
+        buffer = io.BytesIO()
+        torch.save({"state": s._final_state, "comm_history": s.comm_history, "plan_seconds": s.plan_seconds,
+                    "notes": s.notes}, buffer)
+        extra["pyg_pipe"] = buffer.getvalue()
+        return extra
+
+    def update_main_process_results(self, trainer, extra: Dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        if "pyg_pipe" in extra:
+            got = torch.load(io.BytesIO(extra["pyg_pipe"]), weights_only=False)
+            s = self._strategy
+            s._final_state, s.comm_history, s.plan_seconds, s.notes = (got["state"], got["comm_history"],
+                                                                      got["plan_seconds"], got["notes"])
+
+
 class _CommLogger(Callback):
     """Logs the pipeline's communication of every training epoch: ``comm/bytes`` (summed over all
     ranks) and ``comm/<category>`` for each category of :mod:`pyg_pipe.engine.comm`."""
@@ -382,11 +445,24 @@ class _CommLogger(Callback):
         if not self._epoch:
             return
         self.strategy.comm_history.append(dict(self._epoch))
-        pl_module.log("comm/bytes", torch.tensor(float(self._epoch["total"]), dtype=torch.float64),
-                      on_step=False, on_epoch=True)
-        for cat in CATEGORIES:
-            pl_module.log(f"comm/{cat}", torch.tensor(float(self._epoch.get(cat, 0)), dtype=torch.float64),
-                          on_step=False, on_epoch=True)
+        # the counts are already summed over ranks (the same on every rank): sync_dist only keeps
+        # Lightning from asking for it
+        log = dict(on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
+        pl_module.log("comm/bytes", torch.tensor(float(self._epoch["total"]), dtype=torch.float64), **log)
+        for cat in self.categories:
+            pl_module.log(f"comm/{cat}", torch.tensor(float(self._epoch.get(cat, 0)), dtype=torch.float64), **log)
+
+    @property
+    def categories(self) -> List[str]:
+        """The categories this grid can send (pipeline ones with stages, halo ones with ways)."""
+        engine = self.strategy.engine
+        stages, ways = (engine.num_stages, engine.ways) if engine is not None and engine.grid is not None else (2, 2)
+        skip = set()
+        if stages == 1:
+            skip |= {"stage_activations", "stage_gradients", "carried"}
+        if ways == 1:
+            skip |= {"halo_forward", "halo_backward", "weight_allreduce"}
+        return [c for c in CATEGORIES if c not in skip]
 
 
 def _check_batch(batch: Any) -> None:

@@ -59,12 +59,12 @@ class HybridStrategy(GNNPipeStrategy):
                                            start_method=start_method)
 
     def _grid(self):
-        return self.stages, self.ways
+        return self.stages, self.ways, 2
 
     def _configure_launcher(self) -> None:
         # the device count is known here, in the main process: refuse a bad grid before any process starts
         P = self.num_nodes * self.num_processes
-        S, W = self._grid()
+        S, W, _ = self._grid()
         if S is not None and W is not None and S * W != P:
             raise ValueError(f"{type(self).__name__}(stages={S}, ways={W}) needs stages x ways = {S * W} devices, but "
                              f"the Trainer runs {P} (devices x num_nodes); make stages x ways equal the device count.")

@@ -1,0 +1,169 @@
+"""Degrees a layer computes from a chunk's local graph, completed to the whole graph's.
+
+PyG's normalising layers compute vertex degrees from the edge list they are given, in two functions:
+``gcn_norm`` (GCNConv, GCN2Conv, SGConv, APPNP, TAGConv, ARMAConv, SSGConv, FAConv, EGConv, LGConv,
+MixHopConv, DNAConv, PDNConv, ...) scales each edge by the in-degrees of its source and destination,
+``get_laplacian`` (ChebConv) by out-degrees. On a chunk (:mod:`pyg_pipe.graph.chunks`) a chunk row's
+in-degree is complete, since all its in-edges are local, but a halo vertex's is not; out-degrees are
+incomplete for every vertex.
+
+While the engine runs, both functions (wherever a loaded module holds them) are replaced by
+versions that compute exactly what PyG's compute, with the degrees completed:
+
+* **in-degree** (``gcn_norm``): the chunk's rows' degrees are computed locally, with self loops added
+  as PyG adds them, and the halo rows are exchanged like source rows (:mod:`.halo`) at a call site
+  ``module#invocation.degK``: fresh from other ways, from history for other chunks of a way. This
+  works for any weights (an input under any name, none, or weights the model computes, such as
+  PDNConv's): gradients reach the owners of the weights.
+* **out-degree** (``get_laplacian``): from the whole graph's weights, which must be a forward
+  argument (or none), cached per weight tensor and version; weights computed inside the model are
+  refused there.
+
+Outside the engine (no active chunk) the originals run unchanged.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..model.errors import UnsupportedModelError
+from .layers import active
+
+_swapped: list = []
+_installs = 0
+
+
+def _originals():
+    from torch_geometric.nn.conv import gcn_conv
+    from torch_geometric.utils import laplacian
+    return {"gcn_norm": gcn_conv.gcn_norm, "get_laplacian": laplacian.get_laplacian}
+
+
+_ORIGINAL = {}
+
+
+def install() -> None:
+    """Replaces ``gcn_norm`` and ``get_laplacian`` in every loaded module (reference counted)."""
+    global _installs
+    _installs += 1
+    if _installs > 1:
+        return
+    if not _ORIGINAL:
+        _ORIGINAL.update(_originals())
+    replacement = {"gcn_norm": gcn_norm, "get_laplacian": get_laplacian}
+    for module in list(sys.modules.values()):
+        for name, original in _ORIGINAL.items():
+            for attr in (name,):
+                if getattr(module, attr, None) is original:
+                    setattr(module, attr, replacement[name])
+                    _swapped.append((module, attr, original))
+
+
+def uninstall() -> None:
+    global _installs
+    _installs = max(0, _installs - 1)
+    if _installs:
+        return
+    while _swapped:
+        module, attr, original = _swapped.pop()
+        setattr(module, attr, original)
+
+
+def _site(kind: str):
+    """``(ctx, invocation)`` when called inside a layer running on a chunk, else ``None``."""
+    ctx = active()
+    if ctx is None or not ctx.stack:
+        return None
+    inv = ctx.stack[-1]
+    n = inv.norms
+    inv.norms += 1
+    return ctx, inv, f"{inv.name}#{inv.index}.{kind}{n}"
+
+
+def gcn_norm(edge_index, edge_weight: Optional[Tensor] = None, num_nodes: Optional[int] = None,
+             improved: bool = False, add_self_loops: bool = True, flow: str = "source_to_target",
+             dtype: Optional[torch.dtype] = None):
+    """PyG's ``gcn_norm`` with the in-degrees of halo vertices completed (see the module docstring)."""
+    hit = _site("deg")
+    if hit is None or type(edge_index).__name__ == "SparseTensor":
+        return _ORIGINAL["gcn_norm"](edge_index, edge_weight, num_nodes, improved, add_self_loops, flow, dtype)
+    from torch_geometric.utils import add_remaining_self_loops, add_self_loops as add_loops, is_torch_sparse_tensor, \
+        scatter, to_edge_index
+    from torch_geometric.utils.sparse import set_sparse_value
+    ctx, inv, site = hit
+    fill = 2.0 if improved else 1.0
+    if is_torch_sparse_tensor(edge_index):
+        adj_t = edge_index
+        if add_self_loops:
+            adj_t, _ = add_loops(adj_t, None, fill, num_nodes)
+        index, value = to_edge_index(adj_t)
+        col, row = index[0], index[1]
+        deg = _complete(ctx, inv, site, scatter(value, col, 0, dim_size=num_nodes, reduce="sum"))
+        dis = _inv_sqrt(deg)
+        return set_sparse_value(adj_t, dis[row] * value * dis[col]), None
+    if add_self_loops:
+        edge_index, edge_weight = add_remaining_self_loops(edge_index, edge_weight, fill, num_nodes)
+    if edge_weight is None:
+        edge_weight = torch.ones((edge_index.size(1),), dtype=dtype, device=edge_index.device)
+    row, col = edge_index[0], edge_index[1]
+    idx = col if flow == "source_to_target" else row
+    deg = _complete(ctx, inv, site, scatter(edge_weight, idx, dim=0, dim_size=num_nodes, reduce="sum"))
+    dis = _inv_sqrt(deg)
+    return edge_index, dis[row] * edge_weight * dis[col]
+
+
+def _complete(ctx, inv, site: str, deg: Tensor) -> Tensor:
+    if ctx.halo is None or deg.size(0) != inv.lg.num_local:
+        return deg
+    return ctx.halo.join(f"{site}:deg", inv.cg, inv.lg, deg.unsqueeze(-1), 0).squeeze(-1)
+
+
+def _inv_sqrt(deg: Tensor) -> Tensor:
+    out = deg.pow(-0.5)
+    return out.masked_fill(out == float("inf"), 0)
+
+
+def get_laplacian(edge_index: Tensor, edge_weight: Optional[Tensor] = None, normalization: Optional[str] = None,
+                  dtype: Optional[torch.dtype] = None, num_nodes: Optional[int] = None):
+    """PyG's ``get_laplacian`` with out-degrees taken from the whole graph (see the module docstring)."""
+    hit = _site("lap")
+    if hit is None:
+        return _ORIGINAL["get_laplacian"](edge_index, edge_weight, normalization, dtype, num_nodes)
+    from torch_geometric.utils import add_self_loops, remove_self_loops
+    ctx, inv, _ = hit
+    if normalization is not None:
+        assert normalization in ["sym", "rw"]  # 'Invalid normalization'
+    whole = None
+    if edge_weight is not None:
+        whole = ctx.edge_input(edge_weight)
+        if whole is None:
+            raise UnsupportedModelError(
+                f"Layer '{inv.name}' computes a graph Laplacian from edge weights computed inside forward; the "
+                f"out-degrees of a chunk's vertices need the weights of edges in other chunks, which pyg_pipe knows "
+                f"only for weights given as forward arguments. Pass the weights to forward, or use num_chunks=1 on "
+                f"one device.")
+    edge_index, edge_weight = remove_self_loops(edge_index, edge_weight)
+    if edge_weight is None:
+        edge_weight = torch.ones(edge_index.size(1), dtype=dtype, device=edge_index.device)
+    lg = inv.lg
+    if num_nodes is None or num_nodes != lg.num_local:
+        raise UnsupportedModelError(f"Layer '{inv.name}' asked for a Laplacian of {num_nodes} vertices on a chunk of "
+                                    f"{lg.num_local} local vertices; pyg_pipe cannot complete its degrees.")
+    deg = inv.cg.out_degree(whole, edge_weight.dtype)[lg.nodes]
+    row, col = edge_index[0], edge_index[1]
+    if normalization is None:
+        edge_index, _ = add_self_loops(edge_index, num_nodes=num_nodes)
+        edge_weight = torch.cat([-edge_weight, deg], dim=0)
+    elif normalization == "sym":
+        dis = _inv_sqrt(deg)
+        edge_weight = dis[row] * edge_weight * dis[col]
+        edge_index, edge_weight = add_self_loops(edge_index, -edge_weight, fill_value=1., num_nodes=num_nodes)
+    else:
+        deg_inv = 1.0 / deg
+        deg_inv = deg_inv.masked_fill(deg_inv == float("inf"), 0)
+        edge_weight = deg_inv[row] * edge_weight
+        edge_index, edge_weight = add_self_loops(edge_index, -edge_weight, fill_value=1., num_nodes=num_nodes)
+    return edge_index, edge_weight

@@ -1,0 +1,93 @@
+"""The rank grid: P = S stages x W graph-parallel ways, rank ``s·W + w`` runs stage ``s`` for way ``w``.
+
+==================== ======= ======= =============================================================
+mode                  S       W       what travels
+==================== ======= ======= =============================================================
+GNNPipe              P       1       stage-cut activations and their gradients (:mod:`.link`)
+graph parallel       1       P       halo rows among the ways at every propagate call (:mod:`.halo`)
+hybrid               S       W       both; weight gradients are summed over the ways of a stage
+==================== ======= ======= =============================================================
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch.distributed as dist
+
+
+class RankGrid:
+    """This rank's place in the S x W grid, and the process groups it needs.
+
+    Args:
+        rank: this process's global rank.
+        world_size: P.
+        stages: S.
+        ways: W (``S · W`` must equal ``P``).
+
+    Creating a grid with ``W > 1`` calls ``dist.new_group`` for every stage, on every rank, in the
+    same order (a collective requirement of ``torch.distributed``).
+    """
+
+    def __init__(self, rank: int, world_size: int, stages: int, ways: int):
+        if stages * ways != world_size:
+            raise ValueError(f"stages={stages} x ways={ways} = {stages * ways} ranks, but {world_size} processes "
+                             f"run; choose stages and ways whose product is the number of devices.")
+        self.rank, self.world_size = rank, world_size
+        self.stages, self.ways = stages, ways
+        self.stage, self.way = rank // ways, rank % ways
+        self.stage_group = None
+        if ways > 1 and dist.is_initialized():
+            for s in range(stages):
+                group = dist.new_group([s * ways + w for w in range(ways)])
+                if s == self.stage:
+                    self.stage_group = group
+
+    def rank_of(self, stage: int, way: Optional[int] = None) -> int:
+        """Global rank of ``(stage, way)`` (default: this rank's way)."""
+        return stage * self.ways + (self.way if way is None else way)
+
+    @property
+    def prev(self) -> Optional[int]:
+        """Rank of the previous stage on this way, or ``None`` on the first stage."""
+        return self.rank_of(self.stage - 1) if self.stage > 0 else None
+
+    @property
+    def next(self) -> Optional[int]:
+        """Rank of the next stage on this way, or ``None`` on the last stage."""
+        return self.rank_of(self.stage + 1) if self.stage + 1 < self.stages else None
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    @property
+    def owner_ranks(self) -> List[int]:
+        """The rank holding the authoritative copy of each stage's parameters (its way 0)."""
+        return [self.rank_of(s, 0) for s in range(self.stages)]
+
+    def way_ranks(self, stage: Optional[int] = None) -> List[int]:
+        """The ranks of every way of ``stage`` (default: this rank's stage)."""
+        s = self.stage if stage is None else stage
+        return [self.rank_of(s, w) for w in range(self.ways)]
+
+
+def default_grid(world_size: int, num_layers: int, stages: Optional[int] = None,
+                 ways: Optional[int] = None) -> tuple:
+    """``(S, W)`` for ``world_size`` devices and a model with ``num_layers`` pipeline units.
+
+    Given neither: one stage per device when the model is deep enough (GNNPipe), else the fewest
+    ways that leave every stage at least one unit (hybrid; graph parallel for a one-unit model).
+    Given one, the other is ``world_size`` divided by it.
+    """
+    P = world_size
+    if stages is None and ways is None:
+        ways = next(w for w in range(1, P + 1) if P % w == 0 and P // w <= max(num_layers, 1))
+    if stages is None:
+        if P % ways:
+            raise ValueError(f"ways={ways} does not divide the {P} devices; choose a divisor of the device count.")
+        stages = P // ways
+    if ways is None:
+        if P % stages:
+            raise ValueError(f"stages={stages} does not divide the {P} devices; choose a divisor of the device count.")
+        ways = P // stages
+    return stages, ways

@@ -1,0 +1,214 @@
+"""Halo rows at a propagate call site: from the other ways (exchanged) and from history.
+
+At a call site, a layer reads its source argument (``x`` for ``x_j``) at the sources of the chunk's
+local edges: the chunk's own rows, then its halo (:mod:`pyg_pipe.graph.chunks`). :meth:`HaloExchange.join`
+builds ``[rows | halo]`` for the chunk that runs now:
+
+* **ways** (W > 1): way ``w`` sends to every other way ``w'`` the rows of its current chunk that any
+  chunk of ``w'`` reads (its *mirrors*), and receives theirs; all ways of a stage are at the same
+  clock, so what arrives is fresh. ``halo_forward`` bytes: the mirror rows.
+* **history** (more than one chunk per way): the chunk writes its rows (and what it received) into
+  the site's buffer (:mod:`pyg_pipe.engine.history`) and reads its halo from it: rows of chunks
+  earlier in the order are fresh, the others historical (:mod:`pyg_pipe.engine.schedule`).
+* one chunk per way (graph parallelism, exact passes): every halo row is received now.
+
+Backward (:class:`_HaloJoin`): the gradient of every fresh halo row goes back to its owner, scaled
+by T3: to the site's gradient buffer ``G`` when the owner is an earlier chunk of this way, over the
+wire otherwise (``halo_backward`` bytes); stale reads are dropped. The chunk's own rows receive what
+other ways send for them and, from ``G``, what later chunks of this way read from them. Every send
+and receive of one call site is posted together (``batch_isend_irecv``). All routes of a step are
+computed before its first chunk runs, so the per-chunk loop has no host synchronisation.
+
+Recomputation during backward (``torch.utils.checkpoint``, reversible blocks that rebuild their
+inputs) calls the site again: it exchanges live with the other ways (which recompute at the same
+point) and reads the history as it is then, without writing its own rows.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+from torch import Tensor
+
+from ..graph.chunks import ChunkedGraph, LocalGraph
+from .comm import Comm
+from .grid import RankGrid
+from .history import HistoryStore
+from .schedule import Schedule
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (a recomputation of the forward, not the forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _HaloJoin(torch.autograd.Function):
+    """``[rows | halo]`` (vertex-first); the backward hands the halo gradient to its owners."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, halo: Tensor, exchange: "HaloExchange", token: tuple):
+        ctx.exchange, ctx.token = exchange, token
+        ctx.rows = rows.size(0)
+        return torch.cat([rows, halo.to(rows.dtype)])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        g_rows = ctx.exchange.backward(ctx.token, grad[:ctx.rows], grad[ctx.rows:])
+        return g_rows, None, None, None
+
+
+class _Routes:
+    """Where one chunk's halo gradients go at one step (device index tensors)."""
+
+    def __init__(self):
+        self.own_pos = self.own_scale = None
+        self.sends: List[Tuple[int, Tensor, Tensor]] = []                   # (way, halo positions, scale)
+        self.recvs: List[Tuple[int, int, Tensor, Tensor, Tensor, Tensor]] = []  # (way, n, cur sel, cur rows,
+        #                                                                        other sel, other ids)
+
+
+class HaloExchange:
+    """Source rows with halos for this rank's chunks (see the module docstring).
+
+    Args:
+        grid: the rank grid (ways of this stage exchange).
+        comm: counted transport.
+        schedule: chunk order and freshness.
+        history: the buffers of historical rows and pending gradients.
+    """
+
+    def __init__(self, grid: RankGrid, comm: Comm, schedule: Schedule, history: HistoryStore):
+        self.grid, self.comm, self.schedule, self.history = grid, comm, schedule, history
+        self.read_history = self.write_history = False
+        self.clock = torch.zeros(schedule.num_chunks, dtype=torch.long)
+        self._routes: Dict[Tuple[int, int], _Routes] = {}
+        self._static: Dict[Tuple[int, int, int], Tensor] = {}
+
+    # ------------------------------------------------------------------ runs
+    def begin(self, clock: Tensor, read_history: bool, write_history: bool) -> None:
+        """Starts a pass: ``clock`` is every chunk's position (all zeros for one chunk per way)."""
+        self.clock = clock
+        self.read_history, self.write_history = read_history, write_history
+        self._routes = {}
+
+    def prepare(self, graphs: List[ChunkedGraph]) -> None:
+        """Computes the backward routes of this rank's chunks of ``graphs`` for the current pass."""
+        for cg in graphs:
+            cpw = cg.chunks_per_way
+            for lg in cg.chunks[self.grid.way * cpw:(self.grid.way + 1) * cpw]:
+                self._route(cg, lg)
+
+    # ------------------------------------------------------------------ forward
+    def join(self, key: str, cg: ChunkedGraph, lg: LocalGraph, t: Tensor, vdim: int) -> Tensor:
+        """``t`` (``num_local`` rows along ``vdim``) with its halo rows replaced by the true ones."""
+        rows = t.narrow(vdim, 0, lg.rows).movedim(vdim, 0)
+        halo = self._halo(key, cg, lg, rows)
+        if torch.is_grad_enabled() and rows.requires_grad:
+            out = _HaloJoin.apply(rows, halo, self, (key, cg, lg))
+        else:
+            out = torch.cat([rows, halo.to(rows.dtype)])
+        return out.movedim(0, vdim)
+
+    def _halo(self, key: str, cg: ChunkedGraph, lg: LocalGraph, rows: Tensor) -> Tensor:
+        received = self._exchange_rows(cg, lg, rows) if self.grid.ways > 1 else []
+        if self.write_history:
+            if not in_backward():
+                self.history.write(key, lg.start, rows)
+            for _, ids, r in received:
+                self.history.write_ids(key, ids, r)
+        if self.read_history:
+            return self.history.read(key, lg.halo, rows)
+        if cg.chunks_per_way > 1:
+            raise RuntimeError("pyg_pipe: halo rows of other chunks of this way need history (internal error)")
+        halo = rows.new_empty((lg.halo.numel(), *rows.shape[1:]))
+        for w, ids, r in received:
+            halo[self._positions(cg, lg, w, ids)] = r
+        return halo
+
+    def _exchange_rows(self, cg: ChunkedGraph, lg: LocalGraph, rows: Tensor) -> List[Tuple[int, Tensor, Tensor]]:
+        """Sends this chunk's mirror rows to the other ways; returns ``(way, ids, rows)`` received."""
+        mirrors, cpw, me = cg.mirrors(), cg.chunks_per_way, self.grid.way
+        sends, recvs, ids_in, ways_in = [], [], [], []
+        for w in range(self.grid.ways):
+            if w == me:
+                continue
+            out_ids = mirrors[(lg.index, w)]
+            if out_ids.numel():
+                sends.append((rows[self._local(cg, lg, w, out_ids)], self.grid.rank_of(self.grid.stage, w)))
+            in_ids = mirrors[(w * cpw + lg.index % cpw, me)]
+            if in_ids.numel():
+                recvs.append(((in_ids.numel(), *rows.shape[1:]), rows.dtype, self.grid.rank_of(self.grid.stage, w)))
+                ids_in.append(in_ids)
+                ways_in.append(w)
+        got = self.comm.exchange(sends, recvs, "halo_forward")
+        return list(zip(ways_in, ids_in, got))
+
+    def _local(self, cg: ChunkedGraph, lg: LocalGraph, w: int, ids: Tensor) -> Tensor:
+        key = (id(cg), lg.index, -1 - w)
+        hit = self._static.get(key)
+        if hit is None:
+            hit = self._static[key] = ids - lg.start
+        return hit
+
+    def _positions(self, cg: ChunkedGraph, lg: LocalGraph, w: int, ids: Tensor) -> Tensor:
+        key = (id(cg), lg.index, w)
+        hit = self._static.get(key)
+        if hit is None:
+            hit = self._static[key] = torch.searchsorted(lg.halo, ids)
+        return hit
+
+    # ------------------------------------------------------------------ backward
+    def _route(self, cg: ChunkedGraph, lg: LocalGraph) -> _Routes:
+        hit = self._routes.get((id(cg), lg.index))
+        if hit is not None:
+            return hit
+        dev, cpw, me = lg.halo.device, cg.chunks_per_way, self.grid.way
+        clock, schedule = self.clock, self.schedule
+        r = _Routes()
+        owner = lg.halo_chunk.cpu()
+        fresh = schedule.fresh(clock, owner, lg.index)
+        scale = schedule.gradient_scale(owner, lg.index)
+        owner_way = owner // cpw
+        own = torch.nonzero(fresh & (owner_way == me)).view(-1)
+        if own.numel():
+            r.own_pos, r.own_scale = own.to(dev), scale[own].to(dev)
+        for w in range(self.grid.ways):
+            if w == me:
+                continue
+            pos = torch.nonzero(fresh & (owner_way == w)).view(-1)
+            if pos.numel():
+                r.sends.append((w, pos.to(dev), scale[pos].to(dev)))
+            reader = cg.chunks[w * cpw + lg.index % cpw]
+            o2 = reader.halo_chunk.cpu()
+            sel = schedule.fresh(clock, o2, reader.index) & (o2 // cpw == me)
+            ids = reader.halo.cpu()[sel]
+            if ids.numel():
+                cur = (ids >= lg.start) & (ids < lg.end)
+                r.recvs.append((w, ids.numel(), torch.nonzero(cur).view(-1).to(dev), (ids[cur] - lg.start).to(dev),
+                                torch.nonzero(~cur).view(-1).to(dev), ids[~cur].to(dev)))
+        self._routes[(id(cg), lg.index)] = r
+        return r
+
+    def backward(self, token: tuple, g_rows: Tensor, g_halo: Tensor) -> Tensor:
+        key, cg, lg = token
+        r = self._route(cg, lg)
+        g_rows = g_rows.clone()
+        pending = self.history.take_grad(key, lg.start, lg.end)
+        if pending is not None:
+            g_rows += pending.to(g_rows.dtype)
+        if r.own_pos is not None:
+            self.history.add_grad(key, lg.halo[r.own_pos], g_halo[r.own_pos] * _bcast(r.own_scale, g_halo))
+        stage = self.grid.stage
+        sends = [(g_halo[pos] * _bcast(scale, g_halo), self.grid.rank_of(stage, w)) for w, pos, scale in r.sends]
+        recvs = [((n, *g_halo.shape[1:]), g_halo.dtype, self.grid.rank_of(stage, w)) for w, n, *_ in r.recvs]
+        got = self.comm.exchange(sends, recvs, "halo_backward")
+        for (w, n, cur_sel, cur_rows, other_sel, other_ids), g in zip(r.recvs, got):
+            if cur_sel.numel():
+                g_rows.index_add_(0, cur_rows, g[cur_sel])
+            if other_sel.numel():
+                self.history.add_grad(key, other_ids, g[other_sel])
+        return g_rows
+
+
+def _bcast(scale: Tensor, like: Tensor) -> Tensor:
+    return scale.to(like.dtype).view(-1, *([1] * (like.dim() - 1)))

@@ -1,0 +1,130 @@
+"""The stage link: what travels between adjacent pipeline stages, chunk by chunk.
+
+Forward, stage ``s`` sends stage ``s+1`` (same way) the values crossing their cut
+(:func:`pyg_pipe.model.split.split`) for each chunk; backward, the gradients of those values go the
+other way. Values are tensors or tuples/lists of tensors of any shape (node rows, edge rows, an
+LSTM state of shape ``(1, rows, d)``): their structure and shapes are sent once, on the first step
+of a plan, with small headers, and recorded on both sides; later steps send the raw tensors only, so
+the per-chunk loop never waits on the host. A value whose shape changes between steps is reported
+by the sender before anything hangs.
+
+Bytes (:mod:`pyg_pipe.engine.comm`): the value feeding the next stage's first layer counts as
+``stage_activations`` / ``stage_gradients``, every other value as ``carried``; the last stage's
+output sent to the other ranks as ``output``.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from ..model.errors import UnsupportedModelError
+from .comm import Comm
+
+Spec = Tuple[Any, List[Optional[Tuple[Tuple[int, ...], torch.dtype]]]]   # (treespec, leaf shapes)
+
+
+class StageLink:
+    """Per-chunk transport to the next stage and from the previous one (same way).
+
+    Args:
+        comm: counted transport.
+        prev, next: ranks of the neighbouring stages (``None`` at the ends).
+    """
+
+    def __init__(self, comm: Comm, prev: Optional[int], next: Optional[int]):
+        self.comm, self.prev, self.next = comm, prev, next
+        self.sent: Dict[Tuple[Any, str], Spec] = {}        # structure and shapes, as told to the next stage
+        self.received: Dict[Tuple[Any, str], Spec] = {}    # as told by the previous stage
+        self._has_grad: List[bool] = []                     # per received tensor, this step
+        self._want: List[bool] = []                         # per sent tensor, this step
+
+    # ------------------------------------------------------------------ forward
+    def send(self, chunk: int, values: Dict[str, Any], activation: Optional[str]) -> None:
+        for name, value in values.items():
+            leaves, spec = pytree.tree_flatten(value)
+            shapes = [_shape(name, leaf) for leaf in leaves]
+            known = self.sent.get((chunk, name))
+            if known is None:
+                self.sent[(chunk, name)] = (spec, shapes)
+                self.comm.send_object((spec, shapes), self.next)
+            elif known[1] != shapes or known[0] != spec:
+                raise UnsupportedModelError(
+                    f"Value '{name}' crossing the pipeline cut changed shape between steps ({known[1]} -> {shapes}); "
+                    f"pyg_pipe needs the same shapes every step for a chunk.")
+            category = "stage_activations" if name == activation else "carried"
+            for leaf in leaves:
+                if leaf is not None:
+                    self.comm.send(leaf, self.next, category)
+
+    def recv(self, chunk: int, names: List[str], requires_grad: bool) -> Dict[str, Any]:
+        out = {}
+        for name in names:
+            known = self.received.get((chunk, name))
+            if known is None:
+                known = self.received[(chunk, name)] = self.comm.recv_object(self.prev)
+            spec, shapes = known
+            leaves = []
+            for shape in shapes:
+                if shape is None:
+                    leaves.append(None)
+                    continue
+                t = self.comm.recv(shape[0], shape[1], self.prev)
+                if requires_grad and t.is_floating_point():
+                    t.requires_grad_()
+                leaves.append(t)
+            out[name] = pytree.tree_unflatten(leaves, spec)
+        return out
+
+    # ------------------------------------------------------------------ backward
+    def send_grads(self, chunk, received: Dict[str, Any], activation: Optional[str], first: bool) -> None:
+        """Sends the gradients of the values received for ``chunk`` back to the previous stage.
+
+        Which received tensors got a gradient at all (a value the stage did not use has none, and
+        the previous stage must then not back-propagate, as one process would not: optimizers treat a
+        missing gradient and a zero one differently) is told once per step, with the first chunk.
+        """
+        leaves = [leaf for value in received.values() for leaf in pytree.tree_leaves(value)
+                  if isinstance(leaf, Tensor) and leaf.is_floating_point()]
+        if first:
+            self._has_grad = [leaf.grad is not None for leaf in leaves]
+            self.comm.send(torch.tensor(self._has_grad, dtype=torch.uint8, device=self.comm.device), self.prev, None)
+        names = [name for name, value in received.items() for leaf in pytree.tree_leaves(value)
+                 if isinstance(leaf, Tensor) and leaf.is_floating_point()]
+        for name, leaf, has in zip(names, leaves, self._has_grad):
+            if has:
+                g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                self.comm.send(g, self.prev, "stage_gradients" if name == activation else "carried")
+
+    def recv_grads(self, chunk, sent: Dict[str, Any], first: bool) -> Tuple[List[Tensor], List[Tensor]]:
+        """``(roots, grads)``: the float tensors sent for ``chunk`` that the next stage back-propagated
+        into, and their gradients."""
+        leaves = [leaf for value in sent.values() for leaf in pytree.tree_leaves(value)
+                  if isinstance(leaf, Tensor) and leaf.is_floating_point()]
+        if first:
+            flags = self.comm.recv((len(leaves),), torch.uint8, self.next)
+            self._want = [bool(f) for f in flags.tolist()]  # once per step, before the per-chunk loop's work
+        roots, grads = [], []
+        for leaf, want in zip(leaves, self._want):
+            if want:
+                g = self.comm.recv(tuple(leaf.shape), leaf.dtype, self.next)
+                if leaf.requires_grad:
+                    roots.append(leaf)
+                    grads.append(g)
+        return roots, grads
+
+
+def _shape(name: str, leaf) -> Optional[Tuple[Tuple[int, ...], torch.dtype]]:
+    if leaf is None:
+        return None
+    if not isinstance(leaf, Tensor):
+        raise UnsupportedModelError(
+            f"Value '{name}' crosses a pipeline cut but holds a {type(leaf).__name__}; only tensors (or tuples of "
+            f"tensors) can travel between stages. Compute it from the inputs without parameters or randomness "
+            f"(every stage then recomputes it), or pass it as a tensor.")
+    if leaf.layout != torch.strided:
+        raise UnsupportedModelError(f"Value '{name}' crossing a pipeline cut is a sparse tensor; only dense tensors "
+                                    f"travel between stages.")
+    return tuple(leaf.shape), leaf.dtype

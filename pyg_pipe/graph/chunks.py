@@ -1,0 +1,213 @@
+"""The graph cut into chunks: each chunk's local graph and its halo.
+
+After :func:`~pyg_pipe.graph.make_chunks` renumbers the vertices, chunk ``c`` owns the new ids
+``ptr[c]:ptr[c+1]`` (its *rows*). A layer computes a chunk's rows from the chunk's **local graph**::
+
+    local vertex ids   0 .. rows-1 | rows .. rows+H-1
+                       chunk rows  | halo
+
+    local edges        every edge into a chunk row, then the self loops of halo vertices
+                       (user edge ids kept in ``edge_ids``)
+
+The **halo** is every vertex outside the chunk with an edge into it. A layer's output at a chunk
+row depends on its in-edges and on what the layer reads at their sources, so with the true halo rows
+(:mod:`pyg_pipe.engine.halo`) the chunk's rows equal the full graph's. Two things a chunk cannot see
+locally are the degrees of its halo vertices (their other in-edges live in other chunks) and the
+out-degrees of its vertices (their out-edges into other chunks): layers that normalise by them are
+completed by :mod:`pyg_pipe.engine.degrees`, which is why halo self loops are kept (so the halo
+vertices' self-loop handling matches the full graph's).
+
+Everything here is vectorised over all chunks at once (sorting and counting, no per-chunk pass over
+the edges): building a :class:`ChunkedGraph` is O(E log E), whatever the number of chunks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class LocalGraph:
+    """One chunk's local view of the graph. All vertex ids are new (renumbered) ids.
+
+    Attributes:
+        index: chunk number ``c``.
+        start, end: the chunk's rows are the new ids ``start .. end-1``.
+        halo: [H] new ids of the halo vertices, ascending.
+        halo_chunk: [H] the chunk owning each halo vertex.
+        edge_index: [2, E_loc] local edges (source, destination in local ids).
+        edge_ids: [E_loc] user edge id of every local edge.
+    """
+
+    index: int
+    start: int
+    end: int
+    halo: Tensor
+    halo_chunk: Tensor
+    edge_index: Tensor
+    edge_ids: Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
+
+    @property
+    def num_local(self) -> int:
+        """Local vertices: chunk rows and halo."""
+        return self.rows + self.halo.numel()
+
+    @property
+    def num_edges(self) -> int:
+        return self.edge_index.size(1)
+
+    @property
+    def nodes(self) -> Tensor:
+        """[num_local] new ids of the local vertices."""
+        hit = getattr(self, "_nodes", None)
+        if hit is None:
+            hit = self._nodes = torch.cat([torch.arange(self.start, self.end, device=self.halo.device), self.halo])
+        return hit
+
+
+class ChunkedGraph:
+    """A graph in renumbered vertex ids, cut into contiguous chunks, with every chunk's local graph.
+
+    Args:
+        src, dst: [E] edge endpoints in the user's (original) vertex ids and edge order.
+        num_nodes: number of vertices N.
+        perm: [N] ``perm[new] = old``.
+        ptr: [C + 1] chunk boundaries in new ids.
+        ways: graph-parallel ways; chunk ``c`` belongs to way ``c // (C / ways)`` (for :meth:`mirrors`).
+
+    Per chunk: ``self.chunks[c]`` (a :class:`LocalGraph`). Whole graph: ``inv`` (old -> new id),
+    ``chunk_of`` (new id -> chunk).
+    """
+
+    def __init__(self, src: Tensor, dst: Tensor, num_nodes: int, perm: Tensor, ptr: Tensor, ways: int = 1):
+        device = src.device
+        N, E, C = int(num_nodes), src.numel(), ptr.numel() - 1
+        self.num_nodes, self.num_edges, self.num_chunks, self.ways = N, E, C, ways
+        self.device = device
+        self.src, self.dst = src, dst
+        self.perm = perm.to(device)
+        self.ptr = ptr.to(device)
+        self.inv = torch.empty_like(self.perm)
+        self.inv[self.perm] = torch.arange(N, device=device)
+        self.chunk_of = torch.bucketize(torch.arange(N, device=device), self.ptr[1:], right=True)
+        ptr_list = self.ptr.tolist()
+        starts = self.ptr[:-1]
+        rows = self.ptr[1:] - starts
+        s, d = self.inv[src], self.inv[dst]
+        self.new_src, self.new_dst = s, d
+        cs, cd = self.chunk_of[s], self.chunk_of[d]
+        cross = cs != cd
+
+        # halo pairs (chunk, vertex), sorted by chunk then vertex
+        pairs, pair_of_cross = torch.unique(cd[cross] * N + s[cross], return_inverse=True)
+        pair_chunk, pair_v = pairs // N, pairs % N
+        P = pairs.numel()
+        hptr = torch.searchsorted(pair_chunk, torch.arange(C + 1, device=device)).tolist()
+
+        # local ids of every edge's endpoints (w.r.t. its destination chunk)
+        hstart = torch.tensor(hptr[:-1], dtype=torch.long, device=device)
+        loc_src = torch.empty(E, dtype=torch.long, device=device)
+        loc_src[~cross] = s[~cross] - starts[cd[~cross]]
+        loc_src[cross] = rows[cd[cross]] + (pair_of_cross - hstart[cd[cross]])
+        loc_dst = d - starts[cd]
+
+        # self loops of halo vertices: every loop edge of h, once per chunk that has h in its halo
+        loop_e = torch.nonzero(s == d).view(-1)
+        loop_v, order = torch.sort(s[loop_e], stable=True)
+        loop_e = loop_e[order]
+        lo = torch.searchsorted(loop_v, pair_v)
+        cnt = torch.searchsorted(loop_v, pair_v, right=True) - lo
+        pl = torch.repeat_interleave(torch.arange(P, device=device), cnt)
+        first = torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt)
+        hl_edge = loop_e[lo[pl] + torch.arange(pl.numel(), device=device) - first]
+        hl_chunk = pair_chunk[pl]
+        hl_local = rows[hl_chunk] + (pl - hstart[hl_chunk])
+
+        chunk = torch.cat([cd, hl_chunk])
+        order = torch.argsort(chunk * 2 + torch.cat([torch.zeros_like(cd), torch.ones_like(hl_chunk)]), stable=True)
+        edge_ids = torch.cat([torch.arange(E, device=device), hl_edge])[order]
+        local_src = torch.cat([loc_src, hl_local])[order]
+        local_dst = torch.cat([loc_dst, hl_local])[order]
+        eptr = torch.searchsorted(chunk[order], torch.arange(C + 1, device=device)).tolist()
+        self.chunks: List[LocalGraph] = []
+        for c in range(C):
+            a, b = hptr[c], hptr[c + 1]
+            e0, e1 = eptr[c], eptr[c + 1]
+            self.chunks.append(LocalGraph(
+                index=c, start=ptr_list[c], end=ptr_list[c + 1], halo=pair_v[a:b],
+                halo_chunk=self.chunk_of[pair_v[a:b]], edge_index=torch.stack([local_src[e0:e1], local_dst[e0:e1]]),
+                edge_ids=edge_ids[e0:e1]))
+        self._mirrors: Optional[Dict[Tuple[int, int], Tensor]] = None
+        self._degrees: Dict = {}
+
+    # ------------------------------------------------------------------ edge tensors
+    def local_edges(self, lg: LocalGraph, value: Tensor) -> Tensor:
+        """[E_loc, ...] rows of an edge tensor (user edge order) for a chunk's local edges."""
+        return value.index_select(0, lg.edge_ids)
+
+    def local_adjacency(self, lg: LocalGraph, values: Optional[Tensor], layout, dtype: torch.dtype) -> Tensor:
+        """The chunk's local graph as a ``[num_local, num_local]`` sparse ``adj_t`` (rows are
+        destinations) of ``layout``, with the given edge values (ones for ``None``)."""
+        w = torch.ones(lg.num_edges, dtype=dtype, device=self.device) if values is None \
+            else self.local_edges(lg, values).to(dtype)
+        src, dst = lg.edge_index
+        adj = torch.sparse_coo_tensor(torch.stack([dst, src]), w, (lg.num_local, lg.num_local)).coalesce()
+        return adj.to_sparse_csr() if layout == torch.sparse_csr else adj
+
+    def out_degree(self, weight: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+        """[N] weighted out-degree of every vertex (new ids), self loops excluded, for a 1-D edge
+        weight in user edge order (ones for ``None``). Cached per weight tensor and version."""
+        key = (None if weight is None else id(weight), None if weight is None else weight._version, dtype)
+        hit = self._degrees.get(key)
+        if hit is not None and (weight is None or hit[0] is weight):
+            return hit[1]
+        w = torch.ones(self.num_edges, dtype=torch.float64, device=self.device) if weight is None \
+            else weight.detach().to(torch.float64)
+        w = torch.where(self.new_src == self.new_dst, torch.zeros_like(w), w)
+        deg = torch.zeros(self.num_nodes, dtype=torch.float64, device=self.device).index_add_(0, self.new_src, w)
+        if len(self._degrees) > 8:
+            self._degrees.clear()
+        self._degrees[key] = (weight, deg.to(dtype))
+        return self._degrees[key][1]
+
+    # ------------------------------------------------------------------ graph-parallel ways
+    @property
+    def chunks_per_way(self) -> int:
+        return self.num_chunks // self.ways
+
+    def mirrors(self) -> Dict[Tuple[int, int], Tensor]:
+        """``{(c, w): ids}``: the rows of chunk ``c`` (new ids, ascending) that chunks of another way
+        ``w`` read. Way ``c // cpw`` sends them to way ``w`` when chunk ``c`` runs."""
+        if self._mirrors is None:
+            cpw, N = self.chunks_per_way, self.num_nodes
+            out: Dict[Tuple[int, int], Tensor] = {}
+            if self.ways > 1:
+                pair_chunk = torch.cat([torch.full_like(lg.halo, lg.index) for lg in self.chunks])
+                pair_v = torch.cat([lg.halo for lg in self.chunks])
+                reader = pair_chunk // cpw
+                keep = self.chunk_of[pair_v] // cpw != reader
+                key = torch.unique(reader[keep] * N + pair_v[keep])     # sorted by reader way, then vertex
+                rw, v = key // N, key % N
+                gkey = self.chunk_of[v] * self.ways + rw
+                order = torch.argsort(gkey, stable=True)
+                gkey, v = gkey[order], v[order]
+                b = torch.searchsorted(gkey, torch.arange(self.num_chunks * self.ways + 1, device=self.device)).tolist()
+                for c in range(self.num_chunks):
+                    for w in range(self.ways):
+                        if w != c // cpw:
+                            out[(c, w)] = v[b[c * self.ways + w]:b[c * self.ways + w + 1]]
+            self._mirrors = out
+        return self._mirrors
+
+
+def way_ptr(ptr: Tensor, ways: int) -> Tensor:
+    """Chunk boundaries of the *way chunking*: each way's chunks merged into one chunk."""
+    cpw = (ptr.numel() - 1) // ways
+    return ptr[::cpw].clone()

@@ -1,0 +1,286 @@
+"""The arguments of a call of the user's model, and how each is cut down to one chunk.
+
+The engine replaces ``model(...)`` while it trains; every call's arguments are classified once:
+
+========== ========================================================================================
+graph      ``edge_index`` (a ``[2, E]`` integer tensor) or a sparse ``adj_t`` -> the chunk's local graph
+node       one row per vertex (``x``, ``y``, masks, ...)           -> the chunk's rows
+edge       one row per edge (``edge_weight``, ``edge_attr``, ...)  -> the chunk's local edges
+other      anything else (``None``, numbers, other tensors)       -> unchanged
+========== ========================================================================================
+
+A ``Data`` argument (``forward(self, data)``) is cut attribute by attribute, with PyG's own notion of
+node and edge attributes. Node inputs handed to the model are *clean*: a layer that receives one
+unchanged gets its true halo rows from the whole input, with no exchange (:mod:`pyg_pipe.engine.layers`).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..graph.chunks import ChunkedGraph, LocalGraph
+from .errors import UnsupportedModelError
+
+EDGE_NAMES = ("edge_weight", "edge_attr", "edge_type", "edge_label", "edge_mask")
+
+
+def is_graph_tensor(value: Any) -> bool:
+    """True for ``edge_index`` ([2, E] integer tensor) and sparse adjacency matrices."""
+    if isinstance(value, Tensor):
+        if value.layout != torch.strided:
+            return True
+        return value.dim() == 2 and value.size(0) == 2 and not value.is_floating_point() \
+            and value.dtype != torch.bool
+    return type(value).__name__ == "SparseTensor"
+
+
+def graph_edges(graph: Tensor) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """``(src, dst, values)`` of an ``edge_index`` or of a sparse ``adj_t`` (rows are destinations)."""
+    if type(graph).__name__ == "SparseTensor":
+        raise UnsupportedModelError(
+            "torch_sparse.SparseTensor adjacencies are not supported by pyg_pipe yet; pass edge_index or a "
+            "torch.sparse CSR/COO adj_t (torch_geometric.transforms.ToSparseTensor(layout=torch.sparse_csr)).")
+    if graph.layout == torch.strided:
+        return graph[0], graph[1], None
+    coo = graph.to_sparse_coo().coalesce()
+    dst, src = coo.indices()
+    return src, dst, coo.values()
+
+
+class CallInputs:
+    """One call's arguments, with the graph tensors and sizes found in them.
+
+    Attributes:
+        args, kwargs: as given.
+        graphs: every graph tensor (top level or inside a ``Data``), in order; ``graphs[0]`` is the
+            primary graph, which chunks the vertices.
+        num_nodes, num_edges: |V| and the primary graph's |E|.
+    """
+
+    def __init__(self, args: tuple, kwargs: dict):
+        self.args, self.kwargs = args, kwargs
+        self.graphs: List[Tensor] = []
+        self.data = []
+        for value in list(args) + list(kwargs.values()):
+            self._scan(value)
+        if not self.graphs:
+            raise UnsupportedModelError(
+                "The pipelined model was called without a graph (an edge_index [2, E] tensor or a sparse adj_t "
+                "among its arguments, or a Data object holding one). pyg_pipe needs the graph to cut it into "
+                "chunks: pass it to forward (forward(x, edge_index) or forward(data)), rather than reading a "
+                "global variable inside forward.")
+        self.primary = self.graphs[0]
+        self.num_nodes = self._num_nodes()
+        src, _, _ = graph_edges(self.primary)
+        self.num_edges = src.numel()
+
+    def _scan(self, value) -> None:
+        from torch_geometric.data import Data
+        if is_graph_tensor(value):
+            if not any(value is g for g in self.graphs):
+                self.graphs.append(value)
+        elif isinstance(value, Data):
+            self.data.append(value)
+            for _, v in value.items():
+                if is_graph_tensor(v):
+                    self._scan(v)
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                self._scan(v)
+
+    def _num_nodes(self) -> int:
+        if self.data:
+            return int(self.data[0].num_nodes)
+        g = self.primary
+        if g.layout != torch.strided:
+            return g.size(0)
+        for v in list(self.args) + list(self.kwargs.values()):
+            if isinstance(v, Tensor) and v.dim() > 0 and v.layout == torch.strided and not is_graph_tensor(v) \
+                    and v.is_floating_point():
+                return v.size(0)
+        return int(g.max()) + 1 if g.numel() else 0
+
+    def edge_tensors(self) -> List[Tensor]:
+        """The call's per-edge inputs (edge weights, attributes, sparse adjacency values), in order."""
+        from torch_geometric.data import Data
+        out: List[Tensor] = []
+
+        def scan(v):
+            if isinstance(v, Tensor) and v.layout != torch.strided:
+                out.append(graph_edges(v)[2])
+            elif isinstance(v, Tensor) and v.dim() > 0 and not is_graph_tensor(v) and v.size(0) == self.num_edges \
+                    and v.size(0) != self.num_nodes:
+                out.append(v)
+            elif isinstance(v, Data):
+                for _, a in v.items():
+                    scan(a)
+            elif isinstance(v, (tuple, list)):
+                for a in v:
+                    scan(a)
+
+        for v in list(self.args) + list(self.kwargs.values()):
+            scan(v)
+        return out
+
+    def requires_grad(self) -> Optional[str]:
+        """The name of an input that requires grad (pyg_pipe does not back-propagate into inputs)."""
+        for i, v in enumerate(self.args):
+            if isinstance(v, Tensor) and v.requires_grad:
+                return f"argument {i}"
+        for k, v in self.kwargs.items():
+            if isinstance(v, Tensor) and v.requires_grad:
+                return k
+        return None
+
+
+class Localizer:
+    """Cuts :class:`CallInputs` down to one chunk of a chunking.
+
+    Args:
+        inputs: the call's arguments.
+        chunked: the :class:`ChunkedGraph` of every graph in ``inputs.graphs`` (same order).
+    """
+
+    def __init__(self, inputs: CallInputs, chunked: List[ChunkedGraph], cache: Optional[Dict] = None):
+        self.inputs = inputs
+        self.chunked = chunked
+        self.cg = chunked[0]
+        self._adjacency: Dict = {} if cache is None else cache  # local sparse adjacencies, kept across calls
+
+    def localize(self, c: int, ctx) -> Tuple[tuple, dict]:
+        """``(args, kwargs)`` for chunk ``c``; registers clean node inputs, edge inputs and local graphs in ``ctx``."""
+        lg = self.cg.chunks[c]
+        memo: Dict[int, Any] = {}
+        args = tuple(self._cut(v, lg, ctx, memo) for v in self.inputs.args)
+        kwargs = {k: self._cut(v, lg, ctx, memo, name=k) for k, v in self.inputs.kwargs.items()}
+        return args, kwargs
+
+    def _cut(self, value, lg: LocalGraph, ctx, memo: Dict[int, Any], name: str = "", kind: Optional[str] = None):
+        from torch_geometric.data import Data
+        if id(value) in memo:
+            return memo[id(value)]
+        out = value
+        if is_graph_tensor(value):
+            out = self.local_graph(value, lg)
+        elif isinstance(value, Data):
+            out = type(value)()
+            for key, v in value.items():
+                k = "node" if value.is_node_attr(key) else "edge" if value.is_edge_attr(key) else "other"
+                out[key] = self._cut(v, lg, ctx, memo, name=key, kind=k)
+            if "num_nodes" in value._store:
+                out.num_nodes = lg.rows
+        elif isinstance(value, (tuple, list)):
+            out = type(value)(self._cut(v, lg, ctx, memo) for v in value)
+        elif isinstance(value, Tensor) and value.dim() > 0 and value.layout == torch.strided:
+            kind = kind or self._kind(value, name)
+            if kind == "node":
+                out = value.index_select(0, _rows_index(self.cg, lg))
+                ctx.add_clean(out, _extender(value))
+            elif kind == "edge":
+                out = self.cg.local_edges(lg, value)
+                ctx.add_edge_input(out, value)
+        memo[id(value)] = out
+        return out
+
+    def _kind(self, value: Tensor, name: str) -> str:
+        n, e, N = value.size(0), self.inputs.num_edges, self.inputs.num_nodes
+        if n == e and (n != N or name in EDGE_NAMES or name.startswith("edge_")):
+            return "edge"
+        if n == N:
+            return "node"
+        if N in value.shape[1:]:
+            raise UnsupportedModelError(
+                f"Argument '{name or 'of the model'}' has shape {tuple(value.shape)}: one row per vertex along "
+                f"dimension {list(value.shape).index(N)}, not 0. pyg_pipe cuts inputs into chunks along "
+                f"dimension 0; pass per-vertex inputs with vertices first (e.g. x.transpose(0, 1)).")
+        return "other"
+
+    def local_graph(self, graph: Tensor, lg_primary: LocalGraph):
+        """The local form of one of the input graphs for the chunk of ``lg_primary``."""
+        i = next(i for i, g in enumerate(self.inputs.graphs) if g is graph)
+        cg = self.chunked[i]
+        lg = cg.chunks[lg_primary.index]
+        if graph.layout == torch.strided:
+            return lg.edge_index
+        key = (id(cg), lg.index)
+        hit = self._adjacency.get(key)
+        if hit is None or hit[0] is not graph or hit[1] != graph._version:  # new values: cut again
+            _, _, values = graph_edges(graph)
+            dtype = values.dtype if values.is_floating_point() else torch.get_default_dtype()
+            hit = (graph, graph._version, cg.local_adjacency(lg, values, graph.layout, dtype))
+            self._adjacency[key] = hit
+        return hit[2]
+
+    def resolver(self, c: int, derived: Callable[[ChunkedGraph, str], ChunkedGraph]):
+        """The graph resolver for chunk ``c`` (see :class:`GraphResolver`)."""
+        return GraphResolver(self, c, derived)
+
+
+class GraphResolver:
+    """Tells which local graph a layer's graph argument is, for one chunk.
+
+    Known: the local graphs handed out with the inputs, the whole input graphs themselves (a layer
+    given ``data.edge_index`` directly), and transposes of the local edge lists (``flip(0)``), which
+    map to the chunking of the transposed whole graph (``derived(cg, "flip")``).
+    """
+
+    def __init__(self, localizer: Localizer, c: int, derived: Callable[[ChunkedGraph, str], ChunkedGraph]):
+        self.localizer, self.c, self.derived = localizer, c, derived
+        self.known: Dict[int, Tuple[Any, ChunkedGraph, LocalGraph, Any]] = {}
+        primary = localizer.cg.chunks[c]
+        for graph, cg in zip(localizer.inputs.graphs, localizer.chunked):
+            lg = cg.chunks[c]
+            local = localizer.local_graph(graph, primary)
+            self.known[id(local)] = (local, cg, lg, local)
+            self.known[id(graph)] = (graph, cg, lg, local)
+
+    def resolve(self, value):
+        hit = self.known.get(id(value))
+        if hit is not None and hit[0] is value:
+            return hit[1], hit[2], hit[3]
+        if isinstance(value, Tensor) and value.layout == torch.strided:
+            for obj, cg, lg, local in self.known.values():  # a detached copy (recomputation in backward)
+                if obj.layout == torch.strided and obj.data_ptr() == value.data_ptr() and obj.shape == value.shape \
+                        and obj.stride() == value.stride():
+                    return cg, lg, local
+            for obj, cg, lg, local in list(self.known.values()):
+                if obj is local and local.layout == torch.strided and local.shape == value.shape \
+                        and torch.equal(local.flip(0), value):
+                    tcg = self.derived(cg, "flip")
+                    tlg = tcg.chunks[self.c]
+                    self.known[id(value)] = (value, tcg, tlg, tlg.edge_index)
+                    return tcg, tlg, tlg.edge_index
+        return None
+
+
+def _rows_index(cg: ChunkedGraph, lg: LocalGraph) -> Tensor:
+    idx = getattr(lg, "_rows_index", None)
+    if idx is None:
+        idx = lg._rows_index = cg.perm[lg.start:lg.end]
+    return idx
+
+
+def _extender(whole: Tensor):
+    """The rows of input ``whole`` beyond a chunk, for any chunked graph of the same chunking."""
+    def extend(cg: ChunkedGraph, lg: LocalGraph) -> Tensor:
+        idx = getattr(lg, "_halo_index", None)
+        if idx is None:
+            idx = lg._halo_index = cg.perm[lg.halo]
+        return whole.index_select(0, idx)
+    return extend
+
+
+def bind_names(fn: Callable, module: torch.nn.Module, args: tuple, kwargs: dict) -> Dict[str, Any]:
+    """``{parameter name: value}`` of a forward call (for tracing and error messages)."""
+    sig = inspect.signature(fn)
+    bound = sig.bind(module, *args, **kwargs)
+    bound.apply_defaults()
+    out = dict(bound.arguments)
+    out.pop("self", None)
+    for name, p in sig.parameters.items():
+        if p.kind == p.VAR_KEYWORD and name in out:
+            out.update(out.pop(name))
+    return out

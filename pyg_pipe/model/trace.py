@@ -1,0 +1,236 @@
+"""A model's forward as a program of units, for cutting it into pipeline stages (torch.fx).
+
+Only pipelines (more than one stage) need this; graph parallelism runs the forward as it is.
+:func:`trace` records the forward with ``torch.fx``, keeping as one opaque *unit*:
+
+* every ``MessagePassing`` layer and every ``torch.nn`` built-in module,
+* every graph-wide statistics module (BatchNorm, GraphNorm, ...),
+* every submodule whose own forward does not trace (Python control flow on tensor values, such as
+  ``DeepGCNLayer(block="res+", ckpt_grad=...)``): it is found from the failure, made a unit, and
+  the trace is retried, so a model traces as finely as it can.
+
+If the top-level forward itself does not trace, the model cannot be split (the error says how to
+fix it). ``torch_geometric.nn.Sequential`` models are read from their declared dataflow
+(``'x, x0, edge_index -> x'``) instead of traced. Split points follow the convention of
+``torch.distributed.pipelining``: ``pipe_split()`` calls in the forward, or
+``split_points={"layers.4": SplitPoint.BEGINNING}``.
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set
+
+import torch
+import torch.fx as fx
+from torch.distributed.pipelining import SplitPoint, pipe_split
+from torch_geometric.nn import MessagePassing
+
+from .errors import UnsupportedModelError
+
+__all__ = ["Program", "trace", "pipe_split", "SplitPoint", "forward_function"]
+
+_torch_pipe_split = pipe_split
+_TRACING: List["_Tracer"] = []
+
+
+def pipe_split() -> None:
+    """Marks a pipeline stage boundary in a model's forward (a no-op when the model runs).
+
+    The convention of ``torch.distributed.pipelining``, whose ``pipe_split`` is understood too::
+
+        def forward(self, x, edge_index):
+            x = self.convs[0](x, edge_index).relu()
+            pyg_pipe.pipe_split()            # stage 1 starts here
+            ...
+    """
+    if _TRACING:
+        _TRACING[-1].create_proxy("call_function", pipe_split, (), {})
+
+
+_PIPE_SPLIT_TARGETS = (pipe_split, _torch_pipe_split)
+_RANDOM = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "rand",
+           "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli", "bernoulli_",
+           "normal", "normal_", "uniform_", "multinomial", "dropout_edge", "dropout_node", "dropout_adj",
+           "dropout_path"}
+
+
+@dataclass
+class Program:
+    """A traced forward.
+
+    Attributes:
+        root: the traced module.
+        graph: the fx graph (nodes in execution order).
+        units: the call_module nodes that contain a ``MessagePassing`` layer (the pipeline's layers).
+        splits: nodes where the user marked a stage boundary (``pipe_split()``), in order.
+        modules: qualified name -> module for every call_module target.
+    """
+
+    root: torch.nn.Module
+    graph: fx.Graph
+    units: List[fx.Node]
+    splits: List[fx.Node]
+    modules: Dict[str, torch.nn.Module] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> List[fx.Node]:
+        return [n for n in self.graph.nodes if n.op not in ("placeholder", "output")]
+
+    @property
+    def output(self) -> fx.Node:
+        return next(n for n in self.graph.nodes if n.op == "output")
+
+    @property
+    def placeholders(self) -> List[fx.Node]:
+        return [n for n in self.graph.nodes if n.op == "placeholder"]
+
+    def module_of(self, node: fx.Node) -> Optional[torch.nn.Module]:
+        return self.modules.get(node.target) if node.op == "call_module" else None
+
+    def recomputable(self, node: fx.Node, memo: Dict[str, bool]) -> bool:
+        """Whether ``node`` depends only on the inputs through parameter-free, non-random operations:
+        any stage can then compute it itself instead of receiving it (``data.x``, ``x.size(0)``,
+        ``edge_index.flip(0)``)."""
+        if node.name in memo:
+            return memo[node.name]
+        if node.op == "placeholder":
+            ok = True
+        elif node.op in ("call_function", "call_method"):
+            name = getattr(node.target, "__name__", str(node.target))
+            ok = name not in _RANDOM and node.target not in _PIPE_SPLIT_TARGETS and all(
+                self.recomputable(a, memo) for a in node.all_input_nodes)
+        else:
+            ok = False
+        memo[node.name] = ok
+        return ok
+
+
+def forward_function(model: torch.nn.Module):
+    """The plain function behind ``model.forward`` (PyG's ``Sequential`` keeps one per instance)."""
+    inst = model.__dict__.get("forward")
+    if inst is not None and getattr(inst, "__self__", None) is model:
+        return inst.__func__
+    return type(model).forward
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, leaves: Set[str]):
+        super().__init__()
+        self.leaves = leaves
+        self.failed: Optional[str] = None
+
+    def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+        from ..engine.statistics import needs_statistics
+        return (isinstance(m, MessagePassing) or qualname in self.leaves or needs_statistics(m)
+                or super().is_leaf_module(m, qualname))
+
+    def call_module(self, m, forward, args, kwargs):
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed is None:
+                self.failed = self.path_of_module(m)
+            raise
+
+
+def trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> Program:
+    """Traces ``model`` for a call with ``args`` / ``kwargs`` (tensors and ``Data`` become inputs;
+    ``None`` and Python values are baked in, as fx's ``concrete_args``)."""
+    fn = forward_function(model)
+    if _is_generic_sequential(model, fn):
+        graph = _sequential_graph(model)
+    else:
+        graph = _trace_with_fallback(model, fn, args, kwargs)
+    modules = dict(model.named_modules())
+    units, splits = [], []
+    for node in graph.nodes:
+        if node.op == "call_module":
+            m = modules[node.target]
+            if any(isinstance(x, MessagePassing) for x in m.modules()):
+                units.append(node)
+        elif node.op == "call_function" and node.target in _PIPE_SPLIT_TARGETS:
+            splits.append(node)
+    if not units:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} calls no MessagePassing layer in its forward, so there is nothing to "
+            f"pipeline. pyg_pipe splits models whose layers are torch_geometric MessagePassing modules.")
+    return Program(model, graph, units, splits, modules)
+
+
+def _trace_with_fallback(model, fn, args, kwargs) -> fx.Graph:
+    from torch import Tensor
+    from torch_geometric.data import Data
+    sig = inspect.signature(fn)
+    bound = sig.bind(model, *args, **kwargs)
+    bound.apply_defaults()
+    concrete = {k: v for k, v in bound.arguments.items()
+                if k != "self" and not isinstance(v, (Tensor, Data)) and sig.parameters[k].kind not in
+                (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)}
+    cls = type(model)
+    leaves: Set[str] = set()
+    apply = torch.autograd.Function.__dict__["apply"]
+    while True:
+        tracer = _Tracer(leaves)
+        if fn is not cls.forward:  # trace the instance's own forward: swap in a subclass for the duration
+            model.__class__ = type(cls.__name__, (cls,), {"forward": fn})
+        # fx would trace into a custom autograd Function (reversible blocks, checkpointing) and lose its
+        # backward: such a call makes its module a unit instead
+        torch.autograd.Function.apply = classmethod(_refuse_custom_function)
+        # torch's pipe_split (a no-argument call fx would not record) is swapped for ours in the forward's globals
+        swapped = [k for k, v in fn.__globals__.items() if v is _torch_pipe_split]
+        for k in swapped:
+            fn.__globals__[k] = pipe_split
+        _TRACING.append(tracer)
+        try:
+            return tracer.trace(model, concrete_args=concrete or None)
+        except Exception as exc:  # noqa: BLE001 - a unit that does not trace, or a refusal with advice
+            if tracer.failed is not None and tracer.failed not in leaves:
+                leaves.add(tracer.failed)  # run that submodule whole, as one unit
+                continue
+            raise UnsupportedModelError(
+                f"pyg_pipe cannot split {type(model).__name__} into pipeline stages: torch.fx cannot trace its "
+                f"forward ({type(exc).__name__}: {exc}). A submodule that does not trace runs whole as one pipeline "
+                f"unit, but the top-level forward must chain its units without Python control flow on tensor values "
+                f"or item assignment: move that code into a submodule (then pipe_split() or split_points={{...}} "
+                f"choose where stages start), or use strategy='graph_parallel' (or one stage), which runs any "
+                f"forward as it is.") from exc
+        finally:
+            model.__class__ = cls
+            torch.autograd.Function.apply = apply
+            _TRACING.pop()
+            for k in swapped:
+                fn.__globals__[k] = _torch_pipe_split
+
+
+def _refuse_custom_function(cls, *args, **kwargs):
+    raise fx.proxy.TraceError(f"custom autograd Function {cls.__name__} cannot be traced")
+
+
+def _is_generic_sequential(model: torch.nn.Module, fn) -> bool:
+    from torch_geometric.nn import Sequential
+    return isinstance(model, Sequential) and any(
+        p.kind == p.VAR_POSITIONAL for p in inspect.signature(fn).parameters.values())
+
+
+def _sequential_graph(model: torch.nn.Module) -> fx.Graph:
+    """The dataflow of a ``torch_geometric.nn.Sequential`` as an fx graph, read from its descriptors
+    (``'x, x0, edge_index -> x'``): the names already say what flows where."""
+    graph = fx.Graph()
+    values: Dict[str, Any] = {name: graph.placeholder(name) for name in model.signature.param_dict}
+    out = None
+    for child in model._children:
+        module = getattr(model, child.name)
+        args = tuple(values[n] for n in child.param_names)
+        if isinstance(module, torch.nn.Module):
+            out = graph.call_module(child.name, args)
+        else:
+            out = graph.call_function(module, args)
+        if len(child.return_names) == 1:
+            values[child.return_names[0]] = out
+        else:
+            for i, name in enumerate(child.return_names):
+                values[name] = graph.call_function(operator.getitem, (out, i))
+    graph.output(out)
+    return graph

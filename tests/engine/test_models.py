@@ -1,0 +1,69 @@
+"""The model shapes people write (:mod:`tests.shapes`: JumpingKnowledge, ResGCN+ with and without
+checkpointing, reversible blocks, an LSTM state, ``forward(data)``, control flow, graph-wide norms, an
+edge encoder, a transposed graph, zero-initialised layers, K-hop layers, Graph U-Net) in every mode,
+against one process. float64; one process launch per mode.
+
+Exact where the algorithm is (graph parallel, one chunk per way); at several chunks, the training
+forward at lr = 0 equals one process; what cannot run is refused with a message naming the module
+and the fix.
+"""
+import json
+
+import pytest
+import torch
+
+from tests import harness
+from tests.dist import run_distributed
+from tests.shapes import SHAPES, graph
+
+UNSPLITTABLE = ["cannot split ControlFlow", "submodule", "graph_parallel"]
+POOLING = ["'pools.0' (TopKPooling)", "builds a new graph"]
+STATS = ["normalises with statistics over all vertices", "per_chunk_statistics=True"]
+TOO_SHALLOW = ["1 message-passing layers but the pipeline has 2 stages", "gnnpipe_hybrid"]
+
+# mode -> case -> words of the expected refusal (every other case must be exact)
+REFUSED = {
+    "graph_parallel": {"GraphUNet": POOLING},
+    "pipeline": {"GraphUNet": POOLING, "control-flow": UNSPLITTABLE, "APPNP": TOO_SHALLOW},
+    "chunks": {"GraphUNet": POOLING, "control-flow": UNSPLITTABLE, "APPNP": TOO_SHALLOW,
+               "GCN-batchnorm": STATS + ["BatchNorm1d"], "GCN-graphnorm": STATS + ["GraphNorm"],
+               "GCN-pyg-layernorm-graph": STATS + ["LayerNorm"]},
+    "graph_parallel_chunks": {"GraphUNet": POOLING, "GCN-batchnorm": STATS, "GCN-graphnorm": STATS,
+                              "GCN-pyg-layernorm-graph": STATS},
+}
+
+
+def _sweep(rank, world, mode, path):
+    torch.set_default_dtype(torch.float64)
+    g = graph()
+    _, _, y, mask = g
+    results = {}
+    for name, (make, inputs) in SHAPES.items():
+        kw = inputs(g)
+        if mode == "graph_parallel":
+            results[name] = harness.check_exact(make, kw, y, mask, 1, world)
+        elif mode == "pipeline":
+            results[name] = harness.check_exact(make, kw, y, mask, world, 1)
+        elif mode == "chunks":
+            results[name] = harness.check_lr0(make, kw, y, mask, world, 1, 4, partition=harness.ranges,
+                                              shuffle_chunks=False)
+        else:  # one stage, 2 ways, 2 chunks per way
+            results[name] = harness.check_lr0(make, kw, y, mask, 1, world, 4)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(results, f)
+
+
+@pytest.mark.parametrize("mode", ["graph_parallel", "pipeline", "chunks", "graph_parallel_chunks"])
+def test_every_model_shape_is_exact_or_refused(mode, tmp_path):
+    path = tmp_path / "shapes.json"
+    run_distributed(_sweep, 2, mode, str(path), timeout=600)
+    results = json.loads(path.read_text())
+    wrong = {}
+    for name, outcome in results.items():
+        words = REFUSED[mode].get(name)
+        if words is None and outcome != "exact":
+            wrong[name] = outcome
+        elif words is not None and not (outcome.startswith("refused") and all(w in outcome for w in words)):
+            wrong[name] = f"expected a refusal naming {words}, got: {outcome}"
+    assert not wrong, json.dumps(wrong, indent=1)

@@ -1,0 +1,66 @@
+"""Every PyG conv class, each in a three-layer model, is exact or refused in every mode: never different.
+
+One process launch per mode runs the whole zoo (:mod:`tests.zoo`); float64, so "exact" means within
+1e-5 absolutely even where sums grow large. Modes:
+
+* ``graph_parallel``: 2 ways; three SGD+momentum steps equal one process (outputs, gradients,
+  parameters, inference).
+* ``pipeline``: 2 stages, one chunk; the same.
+* ``chunks``: 2 stages, 4 chunks of consecutive vertices, no shuffling: the first chunk to run is a
+  whole connected component (no halo) while the others read each other's rows; lr = 0, so every
+  training forward equals one process (history starts exact and weights never change).
+* ``hybrid``: 2 stages x 2 ways, 8 chunks, shuffled, greedy partition; lr = 0.
+"""
+import json
+
+import pytest
+import torch
+
+from tests import harness
+from tests.dist import run_distributed
+from tests.zoo import ZOO, ZooNet, zoo_graph
+
+# (case, mode kind) -> the words the refusal must contain; everything else must be exact
+REFUSED = {
+    ("GINConv-batchnorm", "chunks"): ["BatchNorm1d", "per_chunk_statistics=True", "num_chunks="],
+    ("GENConv", "chunks"): ["BatchNorm1d", "per_chunk_statistics=True"],
+}
+
+
+def _sweep(rank, world, mode, path):
+    from functools import partial
+    torch.set_default_dtype(torch.float64)
+    x, g, y, mask = zoo_graph()
+    inputs = dict(x=x, **g)
+    results = {}
+    for name in ZOO:
+        make = partial(ZooNet, name)
+        if mode == "graph_parallel":
+            results[name] = harness.check_exact(make, inputs, y, mask, 1, world)
+        elif mode == "pipeline":
+            results[name] = harness.check_exact(make, inputs, y, mask, world, 1)
+        elif mode == "chunks":
+            results[name] = harness.check_lr0(make, inputs, y, mask, world, 1, 4, partition=harness.ranges,
+                                              shuffle_chunks=False)
+        else:
+            results[name] = harness.check_lr0(make, inputs, y, mask, 2, 2, 8)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(results, f)
+
+
+@pytest.mark.parametrize("mode,world", [("graph_parallel", 2), ("pipeline", 2), ("chunks", 2), ("hybrid", 4)])
+def test_every_conv_class_is_exact_or_refused(mode, world, tmp_path):
+    path = tmp_path / "zoo.json"
+    run_distributed(_sweep, world, mode, str(path), timeout=600)
+    results = json.loads(path.read_text())
+    kind = "chunks" if mode in ("chunks", "hybrid") else "one"
+    wrong = {}
+    for name, outcome in results.items():
+        words = REFUSED.get((name, kind))
+        if words is None and outcome != "exact":
+            wrong[name] = outcome
+        elif words is not None and not (outcome.startswith("refused") and all(w in outcome for w in words)):
+            wrong[name] = f"expected a refusal naming {words}, got: {outcome}"
+    assert not wrong, json.dumps(wrong, indent=1)
+    assert len(results) == len(ZOO)

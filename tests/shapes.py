@@ -1,0 +1,247 @@
+"""Model shapes people write, built from PyG's own classes and building blocks (nothing pyg_pipe-specific).
+
+``SHAPES`` maps a name to ``(make, inputs)``: ``make()`` builds the model, ``inputs(graph)`` the keyword
+arguments of its forward from :func:`graph` (plain tensors, or a ``Data`` for ``forward(data)``).
+All dropout is 0 so that the exactness checks can compare with one process.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch_geometric import nn as gnn
+from torch_geometric.data import Data
+from torch_geometric.nn import GAT, GCN, GIN, GraphSAGE
+
+from tests.zoo import zoo_graph
+
+H = 12
+
+
+def graph(seed: int = 0):
+    """The zoo's graph with components (``x``, ``y``, ``mask`` and every edge tensor)."""
+    return zoo_graph(seed=seed)
+
+
+def _plain(g):
+    x, e, _, _ = g
+    return dict(x=x, edge_index=e["edge_index"])
+
+
+class ResGCNPlus(nn.Module):
+    """ResGCN+ (the GNNPipe paper's model) from PyG's DeepGCNLayer(block="res+"): an edge encoder ahead
+    of the first layer, the first layer's conv used before the blocks and its norm after them."""
+
+    def __init__(self, layers: int = 4, ckpt_grad: bool = False):
+        super().__init__()
+        self.node_encoder = nn.Linear(8, H)
+        self.edge_encoder = nn.Linear(3, H)
+        self.layers = nn.ModuleList(
+            gnn.DeepGCNLayer(gnn.GENConv(H, H, aggr="softmax", t=1.0, learn_t=True, num_layers=2, norm="layer"),
+                             nn.LayerNorm(H), nn.ReLU(), block="res+", dropout=0.0,
+                             ckpt_grad=ckpt_grad and i % 2 == 1)
+            for i in range(layers))
+        self.lin = nn.Linear(H, 3)
+
+    def forward(self, x, edge_index, edge_attr):
+        x = self.node_encoder(x)
+        edge_attr = self.edge_encoder(edge_attr)
+        x = self.layers[0].conv(x, edge_index, edge_attr)
+        for layer in self.layers[1:]:
+            x = layer(x, edge_index, edge_attr)
+        x = self.layers[0].act(self.layers[0].norm(x))
+        return self.lin(x)
+
+
+class RevBlock(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(channels)
+        self.conv = gnn.SAGEConv(channels, channels)
+
+    def forward(self, x, edge_index, mask):
+        return self.conv(self.norm(x).relu() * mask, edge_index)
+
+
+class RevGNN(nn.Module):
+    """Reversible blocks (PyG's GroupAddRev: channels split in two groups, inputs rebuilt in backward)
+    sharing one multiplicative mask."""
+
+    def __init__(self, blocks: int = 3):
+        super().__init__()
+        self.lin1 = nn.Linear(8, H)
+        self.convs = nn.ModuleList(gnn.GroupAddRev(RevBlock(H // 2), num_groups=2) for _ in range(blocks))
+        self.lin2 = nn.Linear(H, 3)
+
+    def forward(self, x, edge_index):
+        x = self.lin1(x)
+        mask = torch.ones_like(x)
+        for conv in self.convs:
+            x = conv(x, edge_index, mask)
+        return self.lin2(x.relu())
+
+
+class LSTMDepth(nn.Module):
+    """GAT breadth layers with an LSTM carrying its state ``(1, N, d)`` across them (vertex dim 1)."""
+
+    def __init__(self, layers: int = 3):
+        super().__init__()
+        self.lin1 = nn.Linear(8, H)
+        self.breadth = nn.ModuleList(gnn.GATConv(H, H, heads=1) for _ in range(layers))
+        self.depth = nn.ModuleList(nn.LSTM(H, H) for _ in range(layers))
+        self.lin2 = nn.Linear(H, 3)
+
+    def forward(self, x, edge_index):
+        x = self.lin1(x)
+        h = torch.zeros(1, x.shape[0], H, device=x.device)
+        c = torch.zeros(1, x.shape[0], H, device=x.device)
+        for breadth, depth in zip(self.breadth, self.depth):
+            x = torch.tanh(breadth(x, edge_index))
+            x, (h, c) = depth(x[None, :], (h, c))
+            x = x[0]
+        return self.lin2(x)
+
+
+class DataNet(nn.Module):
+    """``forward(self, data)``, as PyG's citation benchmarks write it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = gnn.GCNConv(8, H)
+        self.conv2 = gnn.GCNConv(H, H)
+        self.conv3 = gnn.GCNConv(H, 3)
+
+    def forward(self, data):
+        x, edge_index, edge_weight = data.x, data.edge_index, data.edge_weight
+        x = F.relu(self.conv1(x, edge_index, edge_weight))
+        x = F.relu(self.conv2(x, edge_index, edge_weight))
+        return F.log_softmax(self.conv3(x, edge_index, edge_weight), dim=1)
+
+
+class ControlFlow(nn.Module):
+    """Python control flow on tensor values and item assignment between layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList([gnn.SAGEConv(8, H), gnn.SAGEConv(H, H), gnn.SAGEConv(H, 3)])
+
+    def forward(self, x, edge_index):
+        for i, conv in enumerate(self.convs):
+            x = conv(x, edge_index)
+            if i < 2:
+                x = x.clone()
+                x[x < 0] = 0.1 * x[x < 0]              # item assignment: a leaky ReLU
+                if x.abs().max() > 1e3:                 # control flow on a tensor value
+                    x = x / 1e3
+        return x
+
+
+class NormNet(nn.Module):
+    """GCN layers with a graph-wide norm between them."""
+
+    def __init__(self, norm: str):
+        super().__init__()
+        self.convs = nn.ModuleList([gnn.GCNConv(8, H), gnn.GCNConv(H, H), gnn.GCNConv(H, 3)])
+        make = {"batch": lambda: gnn.BatchNorm(H), "layer": lambda: nn.LayerNorm(H),
+                "graph": lambda: gnn.GraphNorm(H), "pyg_layer_graph": lambda: gnn.LayerNorm(H, mode="graph")}[norm]
+        self.norms = nn.ModuleList([make(), make()])
+
+    def forward(self, x, edge_index):
+        for i, conv in enumerate(self.convs):
+            x = conv(x, edge_index)
+            if i < 2:
+                x = self.norms[i](x).relu()
+        return x
+
+
+class EdgeEncoder(nn.Module):
+    """An edge encoder ahead of GINE layers: an edge tensor computed in forward, used by every layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.edge_lin = nn.Linear(3, H)
+        self.lin = nn.Linear(8, H)
+        self.convs = nn.ModuleList(gnn.GINEConv(nn.Sequential(nn.Linear(H, H), nn.ReLU(), nn.Linear(H, H)))
+                                   for _ in range(3))
+        self.out = nn.Linear(H, 3)
+
+    def forward(self, x, edge_index, edge_attr):
+        e = self.edge_lin(edge_attr).relu()
+        x = self.lin(x)
+        for conv in self.convs:
+            x = conv(x, edge_index, e).relu()
+        return self.out(x)
+
+
+class Flipped(nn.Module):
+    """Both edge directions: ``edge_index.flip(0)`` computed in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fwd = nn.ModuleList([gnn.GCNConv(8, H), gnn.GCNConv(H, 3)])
+        self.bwd = nn.ModuleList([gnn.GCNConv(8, H), gnn.GCNConv(H, 3)])
+
+    def forward(self, x, edge_index):
+        rev = edge_index.flip(0)
+        x = F.relu(self.fwd[0](x, edge_index) + self.bwd[0](x, rev))
+        return self.fwd[1](x, edge_index) + self.bwd[1](x, rev)
+
+
+class ZeroInit(nn.Module):
+    """Residual GCN blocks whose convs start at zero weight (a common stabiliser): a decision taken from
+    values at the start would treat them as reading no neighbours."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, H)
+        self.convs = nn.ModuleList(gnn.GCNConv(H, H) for _ in range(3))
+        for conv in self.convs:
+            nn.init.zeros_(conv.lin.weight)
+        self.out = nn.Linear(H, 3)
+
+    def forward(self, x, edge_index, ew):
+        x = self.lin(x)
+        for conv in self.convs:
+            x = (x + conv(x, edge_index, ew)).relu()
+        return self.out(x)
+
+
+def _gcnii():
+    layers = [(nn.Linear(8, H), "x -> x"), nn.ReLU(), (lambda x: (x, x), "x -> x, x0")]
+    for i in range(4):
+        layers += [(gnn.GCN2Conv(H, alpha=0.1, theta=0.5, layer=i + 1), "x, x0, edge_index -> x"), nn.ReLU()]
+    layers += [(nn.Linear(H, 3), "x -> x")]
+    return gnn.Sequential("x, edge_index", layers)
+
+
+def _data_inputs(g):
+    x, e, y, _ = g
+    return dict(data=Data(x=x, edge_index=e["edge_index"], edge_weight=e["edge_weight"], y=y))
+
+
+SHAPES = {
+    "GCN-jk-cat": (lambda: GCN(8, H, 3, 3, jk="cat"), _plain),
+    "GraphSAGE-jk-max": (lambda: GraphSAGE(8, H, 3, 3, jk="max"), _plain),
+    "GAT-jk-lstm": (lambda: GAT(8, H, 3, 3, jk="lstm", heads=2), _plain),
+    "GIN": (lambda: GIN(8, H, 3, 3), _plain),
+    "GCN-batchnorm": (lambda: NormNet("batch"), _plain),
+    "GCN-layernorm": (lambda: NormNet("layer"), _plain),
+    "GCN-graphnorm": (lambda: NormNet("graph"), _plain),
+    "GCN-pyg-layernorm-graph": (lambda: NormNet("pyg_layer_graph"), _plain),
+    "GCNII": (_gcnii, _plain),
+    "ResGCN+": (lambda: ResGCNPlus(4), lambda g: dict(x=g[0], edge_index=g[1]["edge_index"],
+                                                     edge_attr=g[1]["edge_attr"])),
+    "ResGCN+-ckpt": (lambda: ResGCNPlus(4, ckpt_grad=True), lambda g: dict(x=g[0], edge_index=g[1]["edge_index"],
+                                                                          edge_attr=g[1]["edge_attr"])),
+    "GroupAddRev": (lambda: RevGNN(3), _plain),
+    "LSTM-state": (lambda: LSTMDepth(3), _plain),
+    "forward(data)": (DataNet, _data_inputs),
+    "control-flow": (ControlFlow, _plain),
+    "edge-encoder": (EdgeEncoder, lambda g: dict(x=g[0], edge_index=g[1]["edge_index"], edge_attr=g[1]["edge_attr"])),
+    "flipped-edge_index": (Flipped, _plain),
+    "zero-init-residual": (ZeroInit, lambda g: dict(x=g[0], edge_index=g[1]["edge_index"], ew=g[1]["edge_weight"])),
+    "APPNP": (lambda: gnn.Sequential("x, edge_index", [(nn.Linear(8, H), "x -> x"), nn.ReLU(),
+                                                        (nn.Linear(H, 3), "x -> x"),
+                                                        (gnn.APPNP(K=4, alpha=0.1), "x, edge_index -> x")]), _plain),
+    "GraphUNet": (lambda: gnn.GraphUNet(8, H, 3, depth=2), _plain),
+}

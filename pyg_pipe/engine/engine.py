@@ -49,8 +49,9 @@ from .statistics import Statistics, StatisticsHooks, needs_statistics
 
 log = logging.getLogger("pyg_pipe")
 
-_GRAPH_BUILDERS = ("TopKPooling", "SAGPooling", "EdgePooling", "ASAPooling", "PANPooling", "MemPooling",
-                   "ClusterPooling")
+#: modules that build a new graph from vertex values (pooling): refused in every mode
+GRAPH_BUILDERS = ("TopKPooling", "SAGPooling", "EdgePooling", "ASAPooling", "PANPooling", "MemPooling",
+                  "ClusterPooling")
 
 
 @dataclass
@@ -186,7 +187,7 @@ class GNNPipeEngine:
         P, rank, dev = self.comm.world_size, self.comm.rank, self.comm.device
         cfg = self.config
         saved = (self.saved or {}).get("plan")
-        self._refuse_graph_builders()
+        refuse_graph_builders(self.module)
         S, W, program, groups, forced = self._grid_shape(inputs)
         if self.grid is None:
             self.grid = RankGrid(rank, P, S, W)
@@ -309,14 +310,6 @@ class GNNPipeEngine:
         if S2 == 1:
             return S2, W2, None, None, False
         return S2, W2, program, groups, forced
-
-    def _refuse_graph_builders(self) -> None:
-        for name, m in self.module.named_modules():
-            if type(m).__name__ in _GRAPH_BUILDERS:
-                raise UnsupportedModelError(
-                    f"Module '{name}' ({type(m).__name__}) builds a new graph from the vertices' values (pooling); "
-                    f"pyg_pipe cuts one fixed graph into chunks and cannot follow graphs built during the forward. "
-                    f"Train this model on one device (no pyg_pipe strategy).")
 
     def _check_model(self, plan: Plan) -> None:
         """Refusals decided by structure, before any step: the same on every rank."""
@@ -557,6 +550,16 @@ class GNNPipeEngine:
         self.saved = state
         if self.plan is not None:  # already planned: re-plan on the next call, from the saved state
             self.plan = None
+
+
+def refuse_graph_builders(module: torch.nn.Module) -> None:
+    """Refuses modules that build a new graph from the vertices' values (pooling), naming the module."""
+    for name, m in module.named_modules():
+        if type(m).__name__ in GRAPH_BUILDERS:
+            raise UnsupportedModelError(
+                f"Module '{name}' ({type(m).__name__}) builds a new graph from the vertices' values (pooling); "
+                f"pyg_pipe cuts one fixed graph into chunks and cannot follow graphs built during the forward. "
+                f"Train this model on one device (no pyg_pipe strategy).")
 
 
 def _checksum(tensors: List[Tensor]) -> tuple:

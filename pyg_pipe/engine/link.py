@@ -18,12 +18,34 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
-from torch.utils import _pytree as pytree
 
 from ..model.errors import UnsupportedModelError
 from .comm import Comm
 
-Spec = Tuple[Any, List[Optional[Tuple[Tuple[int, ...], torch.dtype]]]]   # (treespec, leaf shapes)
+Spec = Tuple[Any, List[Optional[Tuple[Tuple[int, ...], torch.dtype]]]]   # (structure, leaf shapes)
+
+
+def flatten(value) -> Tuple[List[Any], Any]:
+    """``(leaves, structure)`` of a tensor or nested tuples/lists of tensors (and ``None``)."""
+    if isinstance(value, (tuple, list)):
+        leaves, parts = [], []
+        for v in value:
+            sub, spec = flatten(v)
+            leaves += sub
+            parts.append((len(sub), spec))
+        return leaves, (type(value).__name__, parts)
+    return [value], None
+
+
+def unflatten(leaves: List[Any], structure) -> Any:
+    if structure is None:
+        return leaves[0]
+    kind, parts = structure
+    out, i = [], 0
+    for n, spec in parts:
+        out.append(unflatten(leaves[i:i + n], spec))
+        i += n
+    return tuple(out) if kind == "tuple" else out
 
 
 class StageLink:
@@ -44,7 +66,7 @@ class StageLink:
     # ------------------------------------------------------------------ forward
     def send(self, chunk: int, values: Dict[str, Any], activation: Optional[str]) -> None:
         for name, value in values.items():
-            leaves, spec = pytree.tree_flatten(value)
+            leaves, spec = flatten(value)
             shapes = [_shape(name, leaf) for leaf in leaves]
             known = self.sent.get((chunk, name))
             if known is None:
@@ -75,7 +97,7 @@ class StageLink:
                 if requires_grad and t.is_floating_point():
                     t.requires_grad_()
                 leaves.append(t)
-            out[name] = pytree.tree_unflatten(leaves, spec)
+            out[name] = unflatten(leaves, spec)
         return out
 
     # ------------------------------------------------------------------ backward
@@ -86,12 +108,12 @@ class StageLink:
         the previous stage must then not back-propagate, as one process would not: optimizers treat a
         missing gradient and a zero one differently) is told once per step, with the first chunk.
         """
-        leaves = [leaf for value in received.values() for leaf in pytree.tree_leaves(value)
+        leaves = [leaf for value in received.values() for leaf in flatten(value)[0]
                   if isinstance(leaf, Tensor) and leaf.is_floating_point()]
         if first:
             self._has_grad = [leaf.grad is not None for leaf in leaves]
             self.comm.send(torch.tensor(self._has_grad, dtype=torch.uint8, device=self.comm.device), self.prev, None)
-        names = [name for name, value in received.items() for leaf in pytree.tree_leaves(value)
+        names = [name for name, value in received.items() for leaf in flatten(value)[0]
                  if isinstance(leaf, Tensor) and leaf.is_floating_point()]
         for name, leaf, has in zip(names, leaves, self._has_grad):
             if has:
@@ -101,7 +123,7 @@ class StageLink:
     def recv_grads(self, chunk, sent: Dict[str, Any], first: bool) -> Tuple[List[Tensor], List[Tensor]]:
         """``(roots, grads)``: the float tensors sent for ``chunk`` that the next stage back-propagated
         into, and their gradients."""
-        leaves = [leaf for value in sent.values() for leaf in pytree.tree_leaves(value)
+        leaves = [leaf for value in sent.values() for leaf in flatten(value)[0]
                   if isinstance(leaf, Tensor) and leaf.is_floating_point()]
         if first:
             flags = self.comm.recv((len(leaves),), torch.uint8, self.next)

@@ -12,11 +12,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch import Tensor
 from torch_geometric.data import Batch, Data, HeteroData
 from torch_geometric.nn import MessagePassing
 
 from ..engine import CATEGORIES, Comm, GNNPipeEngine, PipelineConfig, sync_module_state
+from ..engine.engine import refuse_graph_builders
 from ..model import UnsupportedModelError
 
 
@@ -135,6 +137,26 @@ class GNNPipeStrategy(DDPStrategy):
         super()._configure_launcher()
         if type(self._launcher) is _MultiProcessingLauncher:  # spawn / fork: bring rank 0's results home
             self._launcher.__class__ = _ResultsLauncher
+        elif type(self._launcher) is _SubprocessScriptLauncher:  # popen: check the model before starting
+            self._launcher.__class__ = _CheckedScriptLauncher
+
+    def check_before_launch(self) -> None:
+        """Refusals that the model's structure decides, raised in the launching process before any
+        worker starts (the workers would each raise them after starting)."""
+        if self.lightning_module is None:
+            return
+        target = self._find_model()
+        refuse_graph_builders(target)
+        stages, ways, _ = self._grid()
+        devices = self.num_nodes * self.num_processes
+        if stages is None and ways is not None and devices % ways == 0:
+            stages = devices // ways
+        layers = _count_layers(target)
+        if stages is not None and stages > layers:
+            raise UnsupportedModelError(
+                f"{type(self).__name__}: {stages} pipeline stages but the model has {layers} message-passing layers; "
+                f"every stage needs at least one. Use stages <= {layers} (e.g. pyg_pipe.HybridStrategy("
+                f"stages={max(1, layers)}, ways=...)) or strategy='gnnpipe', which adds graph-parallel ways by itself.")
 
     # ----------------------------------------------------------------------- setup / teardown
     @property
@@ -146,6 +168,10 @@ class GNNPipeStrategy(DDPStrategy):
         """No DistributedDataParallel wrapper: each stage owns its own parameters."""
 
     def setup(self, trainer) -> None:
+        if trainer.log_every_n_steps == 50:
+            # Lightning's default; with one optimizer step per epoch it would log the training loss every
+            # 50 epochs (and warn about it): log every step, i.e. every epoch
+            trainer.log_every_n_steps = 1
         if self.fused_kernels and self._kernels is None:
             from .. import ops
             self._kernels = ops.fused_kernels()
@@ -401,9 +427,28 @@ class GNNPipeStrategy(DDPStrategy):
         self._checked_batch = key
 
 
+def _count_layers(module: torch.nn.Module) -> int:
+    """Message-passing layers of a model (those not inside another message-passing layer)."""
+    names = [n for n, m in module.named_modules() if isinstance(m, MessagePassing)]
+    return sum(1 for n in names if not any(n.startswith(o + ".") for o in names))
+
+
+class _CheckedScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's script (popen) launcher, checking the model before it starts the other processes."""
+
+    def launch(self, function, *args, trainer=None, **kwargs):
+        if trainer is not None:
+            trainer.strategy.check_before_launch()
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
 class _ResultsLauncher(_MultiProcessingLauncher):
     """Lightning's spawn / fork launcher, also returning the pipeline's state and counters of rank 0 to
     the main process (so ``trainer.save_checkpoint`` after ``fit`` includes the history)."""
+
+    def launch(self, function, *args, trainer=None, **kwargs):
+        self._strategy.check_before_launch()
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def get_extra_results(self, trainer) -> Dict[str, Any]:
         extra = super().get_extra_results(trainer)

@@ -1,8 +1,10 @@
-"""``strategy="gnnpipe"`` through a real Lightning Trainer, on spawned gloo processes.
+"""``strategy="gnnpipe"`` through a real Lightning Trainer, on spawned gloo processes, with Lightning's
+defaults (sanity check, checkpointing, logger, progress bar) unless a test is about one of them.
 
 Transparency (one chunk: parameters in the user's model after fit equal single-process PyG),
 validation metrics on every rank, the logged communication against the formula, checkpoints that
-load into the plain model and resume exactly.
+load into the plain model and resume exactly, a module in eval mode, and what a resume with other
+settings says.
 """
 import copy
 import os
@@ -19,12 +21,10 @@ from tests.lit import NodeClassifier, graph_loader
 from tests.models import as_data, make_model, small_graph
 
 
-def trainer(devices=2, max_epochs=3, callbacks=(), clip=None, **strategy_kw):
+def trainer(root, devices=2, max_epochs=3, callbacks=(), clip=None, **strategy_kw):
     strategy = GNNPipeStrategy(start_method="spawn", comm_timeout=60, **strategy_kw)
-    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=max_epochs, logger=False,
-                      gradient_clip_val=clip,
-                      enable_checkpointing=bool(callbacks), callbacks=list(callbacks), enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0)
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=max_epochs,
+                      default_root_dir=str(root), gradient_clip_val=clip, callbacks=list(callbacks))
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +53,13 @@ def test_string_strategy_is_registered():
 
 
 @pytest.mark.parametrize("devices,clip", [(2, None), (4, 0.05)])
-def test_fit_matches_single_process_and_logs_bytes(data, devices, clip):
+def test_fit_matches_single_process_and_logs_bytes(data, devices, clip, tmp_path):
     """With clip: gradient-norm clipping uses the norm over all stages, as on one device."""
     torch.manual_seed(0)
     model = make_model("gcn")
     ref = reference_fit(model, data, epochs=3, clip=clip)
     lit = NodeClassifier(model)
-    t = trainer(devices=devices, num_chunks=1, clip=clip)
+    t = trainer(tmp_path, devices=devices, num_chunks=1, clip=clip)
     t.fit(lit, train_dataloaders=graph_loader(data), val_dataloaders=graph_loader(data))
     # the user's model object in the main process holds every trained parameter
     for (name, p), q in zip(lit.model.named_parameters(), ref.parameters()):
@@ -69,17 +69,18 @@ def test_fit_matches_single_process_and_logs_bytes(data, devices, clip):
         out = ref.eval()(data.x, data.edge_index)
     acc = (out.argmax(-1)[data.val_mask] == data.y[data.val_mask]).float().mean()
     assert float(t.callback_metrics["val_acc"]) == pytest.approx(float(acc), abs=1e-6)
-    # communication: the formula of design.md §1 (GCN hidden 16 at every cut, 3 classes)
+    # communication: GCN hidden 16 at every cut, 3 classes
     want = gnnpipe_bytes(data.num_nodes, devices, width=16, out_width=3)
     for key in ("stage_activations", "stage_gradients", "carried", "output"):
         assert float(t.callback_metrics[f"comm/{key}"]) == want[key], key
     assert float(t.callback_metrics["comm/bytes"]) == want["total"]
+    assert "comm/halo_forward" not in t.callback_metrics  # no graph-parallel ways: not logged
 
 
-def test_gcnii_carries_x0_and_counts_it(data):
+def test_gcnii_carries_x0_and_counts_it(data, tmp_path):
     torch.manual_seed(0)
     lit = NodeClassifier(make_model("gcnii"), optimizer="adam", lr=0.01)
-    t = trainer(num_chunks=4, max_epochs=2)
+    t = trainer(tmp_path, num_chunks=4, max_epochs=2)
     t.fit(lit, train_dataloaders=graph_loader(data))
     want = gnnpipe_bytes(data.num_nodes, 2, width=16, out_width=3, carried_width=16)
     assert float(t.callback_metrics["comm/carried"]) == want["carried"] > 0
@@ -92,12 +93,12 @@ def test_checkpoint_loads_into_plain_model_and_resume_is_exact(data, tmp_path):
     model = make_model("gcnii")
     # straight run: 4 epochs
     straight = NodeClassifier(copy.deepcopy(model), optimizer="adam", lr=0.01)
-    trainer(max_epochs=4, **kw).fit(straight, train_dataloaders=graph_loader(data))
+    trainer(tmp_path / "a", max_epochs=4, **kw).fit(straight, train_dataloaders=graph_loader(data))
     # interrupted run: 2 epochs, checkpoint, resume to 4
     ckpt_dir = str(tmp_path / "ckpt")
     first = NodeClassifier(copy.deepcopy(model), optimizer="adam", lr=0.01)
     cb = ModelCheckpoint(dirpath=ckpt_dir, save_last=True)
-    trainer(max_epochs=2, callbacks=[cb], **kw).fit(first, train_dataloaders=graph_loader(data))
+    trainer(tmp_path / "b", max_epochs=2, callbacks=[cb], **kw).fit(first, train_dataloaders=graph_loader(data))
     ckpt = torch.load(os.path.join(ckpt_dir, "last.ckpt"), weights_only=False)
     # the checkpoint's model state loads, strictly, into the plain single-device model
     plain = NodeClassifier(make_model("gcnii"))
@@ -105,11 +106,49 @@ def test_checkpoint_loads_into_plain_model_and_resume_is_exact(data, tmp_path):
     for p, q in zip(plain.parameters(), first.parameters()):
         torch.testing.assert_close(p, q)
     assert len(ckpt["optimizer_states"][0]["state"]) == len(list(model.parameters()))
+    assert ckpt["pyg_pipe"]["plan"]["num_chunks"] == 4 and len(ckpt["pyg_pipe"]["ranks"]) == 2
     resumed = NodeClassifier(copy.deepcopy(model), optimizer="adam", lr=0.01)
-    trainer(max_epochs=4, callbacks=[ModelCheckpoint(dirpath=ckpt_dir)], **kw).fit(
+    trainer(tmp_path / "c", max_epochs=4, callbacks=[ModelCheckpoint(dirpath=ckpt_dir)], **kw).fit(
         resumed, train_dataloaders=graph_loader(data), ckpt_path=os.path.join(ckpt_dir, "last.ckpt"))
     for (name, p), q in zip(resumed.named_parameters(), straight.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
+    # a resume with other settings says which one differs
+    other = NodeClassifier(copy.deepcopy(model), optimizer="adam", lr=0.01)
+    with pytest.raises(Exception, match=r"saved with num_chunks = 4, but this run has 8"):
+        trainer(tmp_path / "d", max_epochs=4, num_chunks=8).fit(
+            other, train_dataloaders=graph_loader(data), ckpt_path=os.path.join(ckpt_dir, "last.ckpt"))
+
+
+def test_save_checkpoint_after_fit_keeps_the_pipeline_state(data, tmp_path):
+    """``trainer.save_checkpoint`` after ``fit`` (in the main process, spawn launcher) writes the plan
+    and every rank's history, so a resume from it continues the same pipeline."""
+    torch.manual_seed(0)
+    t = trainer(tmp_path, num_chunks=4, max_epochs=2)
+    t.fit(NodeClassifier(make_model("gcn")), train_dataloaders=graph_loader(data))
+    t.save_checkpoint(str(tmp_path / "after.ckpt"))
+    ckpt = torch.load(str(tmp_path / "after.ckpt"), weights_only=False)
+    state = ckpt["pyg_pipe"]
+    assert state["world_size"] == 2 and state["plan"]["num_chunks"] == 4
+    assert all(rank["history"]["buffers"] for rank in state["ranks"])
+
+
+class EvalModeClassifier(NodeClassifier):
+    """Puts its model in eval mode for training (dropout off), as some users do for fine-tuning."""
+
+    def on_train_epoch_start(self):
+        self.model.eval()
+
+
+def test_module_in_eval_mode_trains_as_on_one_device(data, tmp_path):
+    from torch_geometric.nn import GCN
+    torch.manual_seed(0)
+    model = GCN(8, 16, 4, 3, dropout=0.5)
+    ref = copy.deepcopy(model).eval()
+    ref = reference_fit(ref, data, epochs=3)
+    lit = EvalModeClassifier(model)
+    trainer(tmp_path, num_chunks=1).fit(lit, train_dataloaders=graph_loader(data))
+    for (name, p), q in zip(lit.model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
 
 
 def test_monitoring_callbacks_see_the_metric_on_every_rank(data, tmp_path):
@@ -119,8 +158,8 @@ def test_monitoring_callbacks_see_the_metric_on_every_rank(data, tmp_path):
 
     torch.manual_seed(0)
     stop = EarlyStopping(monitor="val_loss", patience=1, min_delta=100.0)  # never "improves": stops early
-    best = ModelCheckpoint(dirpath=str(tmp_path), monitor="val_acc", mode="max", save_top_k=1)
-    t = trainer(max_epochs=10, callbacks=[stop, best], num_chunks=4)
+    best = ModelCheckpoint(dirpath=str(tmp_path / "best"), monitor="val_acc", mode="max", save_top_k=1)
+    t = trainer(tmp_path, max_epochs=10, callbacks=[stop, best], num_chunks=4)
     t.fit(NodeClassifier(make_model("sage")), train_dataloaders=graph_loader(data), val_dataloaders=graph_loader(data))
     assert t.current_epoch < 10
     assert os.path.exists(t.checkpoint_callback.best_model_path)

@@ -2,7 +2,8 @@
 
 Exact where the algorithm is (graph parallelism; hybrid with one chunk per way): the parameters in
 the user's model after ``fit`` and the validation metric equal single-process PyG, and the logged
-bytes equal design.md §1's formulas for the partition actually used, halo rows counted exactly.
+bytes equal the formulas of :mod:`pyg_pipe.engine.formulas` for the partition actually used, halo
+rows counted exactly.
 """
 import lightning.pytorch as pl
 import pytest
@@ -18,10 +19,9 @@ from tests.models import as_data, make_model, small_graph
 from tests.strategies.test_gnnpipe import reference_fit
 
 
-def trainer(strategy, devices, max_epochs=3, clip=None):
-    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=max_epochs, logger=False,
-                      gradient_clip_val=clip, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0)
+def trainer(strategy, devices, root, max_epochs=3, clip=None):
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=max_epochs,
+                      default_root_dir=str(root), gradient_clip_val=clip)
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +37,12 @@ def test_strategies_are_registered():
     assert isinstance(pyg_pipe.GraphParallelStrategy(), HybridStrategy)
 
 
-def _fit_and_check(data, strategy, devices, stages, ways, clip=None):
+def _fit_and_check(data, strategy, devices, stages, ways, root, clip=None):
     torch.manual_seed(0)
     model = make_model("gcn")
     ref = reference_fit(model, data, epochs=3, clip=clip)
     lit = NodeClassifier(model)
-    t = trainer(strategy, devices, clip=clip)
+    t = trainer(strategy, devices, root, clip=clip)
     t.fit(lit, train_dataloaders=graph_loader(data), val_dataloaders=graph_loader(data))
     for (name, p), q in zip(lit.model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
@@ -50,33 +50,42 @@ def _fit_and_check(data, strategy, devices, stages, ways, clip=None):
         out = ref.eval()(data.x, data.edge_index)
     acc = (out.argmax(-1)[data.val_mask] == data.y[data.val_mask]).float().mean()
     assert float(t.callback_metrics["val_acc"]) == pytest.approx(float(acc), abs=1e-6)
-    # bytes: GCN with 4 layers, hidden 16, 3 classes; layers 2-4 exchange their 16-wide input
+    # bytes: GCN with 4 layers, hidden 16, 3 classes. Layers 2-4 exchange the rows they propagate,
+    # lin(x): 16, 16 and 3 wide; every layer exchanges its halo vertices' degrees (1 wide)
     perm, ptr = make_way_chunks(data.edge_index, data.num_nodes, ways, 1, seed=0)
     halo = halo_rows(data.edge_index, perm, ptr)
     assert halo > 0
-    want = graph_parallel_bytes(data.num_nodes, halo, [16, 16, 16], sum(p.numel() for p in model.parameters()),
-                                ways, out_width=3, num_stages=stages, width=16)
+    want = graph_parallel_bytes(data.num_nodes, halo, [16, 16, 3, 1, 1, 1, 1],
+                                sum(p.numel() for p in model.parameters()), ways, out_width=3, num_stages=stages,
+                                width=16)
+    # the degrees need no gradient: halo_backward carries the three feature sites only
+    want["halo_backward"] = (16 + 16 + 3) * halo * 4
+    want["total"] = sum(v for k, v in want.items() if k != "total")
     for key, value in want.items():
+        if value == 0 and key in ("stage_activations", "stage_gradients", "carried") and stages == 1:
+            assert f"comm/{key}" not in t.callback_metrics, key  # categories this grid cannot send: not logged
+            continue
         name = "comm/bytes" if key == "total" else f"comm/{key}"
         assert float(t.callback_metrics[name]) == value, key
 
 
 @pytest.mark.parametrize("devices,clip", [(2, None), (4, 0.05)])
-def test_graph_parallel_fit_matches_single_process_and_logs_bytes(data, devices, clip):
-    _fit_and_check(data, GraphParallelStrategy(start_method="spawn", comm_timeout=60), devices, 1, devices, clip)
+def test_graph_parallel_fit_matches_single_process_and_logs_bytes(data, devices, clip, tmp_path):
+    _fit_and_check(data, GraphParallelStrategy(start_method="spawn", comm_timeout=60), devices, 1, devices, tmp_path,
+                   clip)
 
 
-def test_hybrid_one_chunk_per_way_matches_single_process_and_logs_bytes(data):
+def test_hybrid_one_chunk_per_way_matches_single_process_and_logs_bytes(data, tmp_path):
     strategy = HybridStrategy(stages=2, ways=2, num_chunks=2, start_method="spawn", comm_timeout=60)
-    _fit_and_check(data, strategy, 4, 2, 2)
+    _fit_and_check(data, strategy, 4, 2, 2, tmp_path)
 
 
-def test_hybrid_serves_a_shallow_model(data):
+def test_hybrid_serves_a_shallow_model(data, tmp_path):
     """2 layers on 4 devices: the default grid is 2 stages x 2 ways; with several chunks per way the
     loss still falls, and validation (exact inference) equals the model's own plain forward."""
     torch.manual_seed(0)
     lit = NodeClassifier(make_model("sage", num_layers=2), optimizer="adam", lr=0.02)
-    t = trainer(HybridStrategy(num_chunks=8, start_method="spawn", comm_timeout=60), 4, max_epochs=8)
+    t = trainer(HybridStrategy(num_chunks=8, start_method="spawn", comm_timeout=60), 4, tmp_path, max_epochs=8)
     t.fit(lit, train_dataloaders=graph_loader(data), val_dataloaders=graph_loader(data))
     with torch.no_grad():
         out = lit.model.eval()(data.x, data.edge_index)
@@ -87,3 +96,20 @@ def test_hybrid_serves_a_shallow_model(data):
     assert float(F.cross_entropy(out[data.train_mask], data.y[data.train_mask])) < float(loss0)
     assert float(t.callback_metrics["comm/halo_forward"]) > 0
     assert float(t.callback_metrics["comm/stage_activations"]) == 1 * data.num_nodes * 16 * 4
+
+
+def test_gnnpipe_on_a_shallow_model_adds_graph_parallel_ways(data, tmp_path):
+    """One message-passing layer on 2 devices: strategy="gnnpipe" runs 1 stage x 2 ways, says so, and is exact."""
+    from torch_geometric.nn import APPNP, Sequential
+    from torch import nn
+    torch.manual_seed(0)
+    model = Sequential("x, edge_index", [(nn.Linear(8, 3), "x -> x"), (APPNP(K=3, alpha=0.1), "x, edge_index -> x")])
+    ref = reference_fit(model, data, epochs=3)
+    lit = NodeClassifier(model)
+    strategy = pyg_pipe.GNNPipeStrategy(start_method="spawn", comm_timeout=60)
+    t = trainer(strategy, 2, tmp_path)
+    t.fit(lit, train_dataloaders=graph_loader(data))
+    assert any("1 message-passing layers for 2 devices" in note and "2 graph-parallel ways" in note
+               for note in strategy.notes), strategy.notes
+    for (name, p), q in zip(lit.model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)

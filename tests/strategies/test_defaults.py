@@ -1,0 +1,35 @@
+"""Every strategy with a completely default Trainer (``devices=2, accelerator="cpu"``), as a user's
+script runs it (Lightning's default popen launcher): ``validate`` before ``fit`` (no plan yet), the
+sanity check, checkpointing, logger and progress bar at their defaults, ``test`` and ``predict`` after
+``fit``, ``trainer.save_checkpoint`` after ``fit``, and no warning of pyg_pipe's making on the way."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "default_trainer.py")
+
+
+def _ours(warning) -> bool:
+    """A warning pyg_pipe caused: raised from its code, or Lightning's about pyg_pipe's own logging or
+    about the one-step-per-epoch loop pyg_pipe's full-graph training always has."""
+    return ("/pyg_pipe/" in warning["file"] or "comm/" in warning["message"]
+            or "number of training batches" in warning["message"])
+
+
+@pytest.mark.parametrize("strategy", ["gnnpipe", "graph_parallel", "gnnpipe_hybrid"])
+def test_a_default_trainer_just_works(strategy, tmp_path):
+    out = subprocess.run([sys.executable, SCRIPT, strategy], capture_output=True, text=True, timeout=300,
+                         cwd=str(tmp_path), env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))
+    result = json.loads(line[len("RESULT "):])
+    assert result["predict_rows"] == 60
+    assert 0.0 <= result["val_before"] <= 1.0 and 0.0 <= result["test_after"] <= 1.0
+    assert result["history_in_checkpoint"], "trainer.save_checkpoint after fit must keep the pipeline state"
+    assert result["checkpoints"], "the default ModelCheckpoint wrote nothing"
+    ours = [w for w in result["warnings"] if _ours(w)]
+    assert not ours, json.dumps(ours, indent=1)

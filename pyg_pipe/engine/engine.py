@@ -63,6 +63,7 @@ class _Record:
     received: Dict[str, Any]
     sent: Dict[str, Any]
     out: Optional[Tensor]
+    activation: Optional[str]
 
 
 class _Fill(torch.autograd.Function):
@@ -115,6 +116,7 @@ class GNNPipeEngine:
         self._specs: Dict[str, tuple] = {}
         self._inputs: Optional[CallInputs] = None
         self._instance_forward = None
+        self._runners: Dict[tuple, tuple] = {}  # per call signature: (this stage's program, all stages)
 
     # ------------------------------------------------------------------ grid facts
     @property
@@ -223,11 +225,12 @@ class GNNPipeEngine:
             plan.program, plan.sizes = program, sizes
             plan.stage_list = _split(program, groups, sizes)
             plan.param_stages = _param_stages(self.module, plan)
-            self.runner = StageProgram(program, plan.stage_list[grid.stage], self.fn, grid.is_last)
+            self._runners = {_signature(self.module, inputs): (StageProgram(program, plan.stage_list[grid.stage],
+                                                                            self.fn, grid.is_last), plan.stage_list)}
         else:
             plan.param_stages = {n: {0} for n, _ in list(self.module.named_parameters())
                                  + list(self.module.named_buffers())}
-            self.runner = WholeForward(self.module, self.fn)
+            self._runners = {}
         mine = (self.saved or {}).get("rank")
         if mine:
             plan.sites = dict(mine["sites"])
@@ -248,6 +251,35 @@ class GNNPipeEngine:
             plan.edge_inputs = tuple((id(t), t._version) for t in tensors) + (_checksum(tensors),)
         self.saved = None
         return plan
+
+    def _runner(self, plan: Plan, inputs: CallInputs):
+        """What this stage runs for a call: the forward itself (one stage), or this stage's part of the
+        program traced for this call's mode (train / eval) and kinds of arguments (a traced forward
+        bakes ``self.training`` and ``None`` arguments in), with the plan's stage split."""
+        return self._program(plan, inputs)[0]
+
+    def _activation_of_next(self, plan: Plan, inputs: CallInputs) -> Optional[str]:
+        """The value feeding the next stage's first layer (its traffic counts as stage activations)."""
+        stages = self._program(plan, inputs)[1]
+        return stages[self.grid.stage + 1].activation if stages and self.grid.next is not None else None
+
+    def _program(self, plan: Plan, inputs: CallInputs) -> tuple:
+        if plan.program is None:
+            return WholeForward(self.module, self.fn), None
+        key = _signature(self.module, inputs)
+        hit = self._runners.get(key)
+        if hit is None:
+            program = trace(self.module, inputs.args, inputs.kwargs)
+            groups, forced = stage_groups(program, self.config.split_points)
+            if len(groups) != (len(plan.sizes) if forced else sum(plan.sizes)):
+                raise UnsupportedModelError(
+                    f"{type(self.module).__name__} runs {len(groups)} pipeline units for this call but "
+                    f"{sum(plan.sizes)} for the first one (in {'training' if self.module.training else 'eval'} "
+                    f"mode, or with other arguments given); pyg_pipe needs the same layers in every call.")
+            stages = _split(program, groups, plan.sizes)
+            hit = self._runners[key] = (StageProgram(program, stages[self.grid.stage], self.fn, self.grid.is_last),
+                                        stages)
+        return hit
 
     def _refresh_history(self, plan: Plan, inputs: CallInputs) -> None:
         """New per-edge inputs (edge weights, attributes, adjacency values) on the same graph change what
@@ -368,83 +400,101 @@ class GNNPipeEngine:
         self.halo.begin(torch.zeros(grid.ways, dtype=torch.long), read_history=False, write_history=init)
         localizer = Localizer(inputs, cgs, plan.adjacency)
         ctx = self._context(plan, cgs, w, localizer, one_per_way=True, init=init)
-        key = f"exact:{w}"
-        stage = plan.stage_list[grid.stage] if plan.stage_list else None
+        runner = self._runner(plan, inputs)
+        stage = getattr(runner, "stage", None)
+        key = (f"exact:{w}", _signature(self.module, inputs))
         with ctx:
             args, kwargs = localizer.localize(w, ctx)
             received = self.link.recv(key, stage.inputs, False) if stage is not None and grid.prev is not None else {}
-            sent, out = self.runner.run(args, kwargs, received)
+            sent, out = runner.run(args, kwargs, received)
         self._check_sites(ctx.sites, plan, None)
         if grid.next is not None:
-            self.link.send(key, sent, plan.stage_list[grid.stage + 1].activation)
+            self.link.send(key, sent, self._activation_of_next(plan, inputs))
         lg = cgs[0].chunks[w]
         full = self._share_output(plan, out, lg.start, lg.end, "exact")
         self.comm.flush()
         return full[cgs[0].inv]
 
     def _fill(self):
-        plan, inputs, grid = self.plan, self._inputs, self.grid
+        """The forward of one training step: this rank's chunks in the step's order (see :mod:`.schedule`)."""
+        plan, grid = self.plan, self.grid
         step = self.step
-        order = self.schedule.order(step, grid.way)
         clock = self.schedule.clocks(step)
         use_history = plan.chunks_per_way > 1
         if use_history:
             self.history.begin_step(step, self.config.snapshot_period)
         self.halo.begin(clock, read_history=use_history, write_history=use_history)
-        localizer = Localizer(inputs, plan.chunked, plan.adjacency)
-        stage = plan.stage_list[grid.stage] if plan.stage_list else None
+        localizer = Localizer(self._inputs, plan.chunked, plan.adjacency)
+        span = way_ptr(plan.ptr, grid.ways)[grid.way:grid.way + 2].tolist()
         self.comm.counting = True
         records: List[_Record] = []
-        span = way_ptr(plan.ptr, grid.ways)[grid.way:grid.way + 2].tolist()
-        mine = None
-        reference = None
-        for c in order:
-            ctx = self._context(plan, plan.chunked, c, localizer, one_per_way=not use_history)
-            with ctx:
-                args, kwargs = localizer.localize(c, ctx)
-                received = self.link.recv(c, stage.inputs, True) if stage is not None and grid.prev is not None else {}
-                sent, out = self.runner.run(args, kwargs, received)
-            reference = self._check_sites(ctx.sites, plan, reference)
-            lg = ctx.lg
-            if grid.is_last:
-                out = _check_output(out, lg.rows)
-                if mine is None:
-                    mine = out.new_empty((span[1] - span[0], *out.shape[1:]))
-                mine[lg.start - span[0]:lg.end - span[0]] = out.detach()
-            else:
-                self.link.send(c, sent, plan.stage_list[grid.stage + 1].activation)
-            records.append(_Record(c, ctx, received, sent, out if grid.is_last else None))
-        full = self._share_output(plan, mine, span[0], span[1], "train")
+        runner = self._runner(plan, self._inputs)
+        run = {"mine": None, "sites": None, "span": span, "runner": runner,
+               "next": self._activation_of_next(plan, self._inputs)}
+        for c in self.schedule.order(step, grid.way):
+            records.append(self._forward_chunk(plan, c, localizer, run))
+        full = self._share_output(plan, run["mine"], span[0], span[1], "train")
         self.comm.flush()
         self.comm.counting = False
         return full[plan.graph.inv], (records, clock)
 
+    def _forward_chunk(self, plan: Plan, c: int, localizer: Localizer, run: dict) -> _Record:
+        """One chunk through this rank's stage: inputs cut to the chunk, values from the previous stage,
+        the stage's program, values to the next stage (or the output rows, on the last stage)."""
+        grid = self.grid
+        runner = run["runner"]
+        stage = getattr(runner, "stage", None)
+        ctx = self._context(plan, plan.chunked, c, localizer, one_per_way=plan.chunks_per_way == 1)
+        with ctx:
+            args, kwargs = localizer.localize(c, ctx)
+            received = self.link.recv(c, stage.inputs, True) if stage is not None and grid.prev is not None else {}
+            sent, out = runner.run(args, kwargs, received)
+        run["sites"] = self._check_sites(ctx.sites, plan, run["sites"])
+        lg, span = ctx.lg, run["span"]
+        if grid.is_last:
+            out = _check_output(out, lg.rows)
+            if run["mine"] is None:
+                run["mine"] = out.new_empty((span[1] - span[0], *out.shape[1:]))
+            run["mine"][lg.start - span[0]:lg.end - span[0]] = out.detach()
+        else:
+            self.link.send(c, sent, run["next"])
+        return _Record(c, ctx, received, sent, out if grid.is_last else None, stage.activation if stage else None)
+
     def _drain(self, grad: Tensor, state) -> None:
+        """The backward of one training step: the chunks in reverse order, then the weight gradients
+        summed where several ranks hold parts of them."""
         records, clock = state
         plan, grid = self.plan, self.grid
         use_history = plan.chunks_per_way > 1
         self.halo.begin(clock, read_history=use_history, write_history=use_history)
         self.halo.prepare(plan.training_graphs())
-        stage = plan.stage_list[grid.stage] if plan.stage_list else None
         self.comm.counting = True
         grad_new = grad[plan.graph.perm] if grid.is_last else None
+        if not grid.is_last:
+            self.link.expect_grads(records[-1].sent)
         for i, rec in enumerate(reversed(records)):
-            lg = rec.ctx.lg
-            with rec.ctx:
-                if grid.is_last:
-                    roots = [rec.out] if rec.out.requires_grad else []
-                    grads = [grad_new[lg.start:lg.end].to(rec.out.dtype)] if roots else []
-                else:
-                    roots, grads = self.link.recv_grads(rec.chunk, rec.sent, first=i == 0)
-                if roots:
-                    torch.autograd.backward(roots, grads)
-            if grid.prev is not None:
-                self.link.send_grads(rec.chunk, rec.received, stage.activation, first=i == 0)
+            self._backward_chunk(plan, rec, grad_new, first=i == 0)
         self.comm.flush()
         self._reduce_gradients(plan)
         self.comm.counting = False
         self.history.clear_grads()
         self.step += 1
+
+    def _backward_chunk(self, plan: Plan, rec: _Record, grad_new: Optional[Tensor], first: bool) -> None:
+        """One chunk's backward: gradients of what it sent (or of its output rows), then the gradients
+        of what it received back to the previous stage."""
+        grid = self.grid
+        lg = rec.ctx.lg
+        with rec.ctx:
+            if grid.is_last:
+                roots = [rec.out] if rec.out.requires_grad else []
+                grads = [grad_new[lg.start:lg.end].to(rec.out.dtype)] if roots else []
+            else:
+                roots, grads = self.link.recv_grads(rec.chunk, rec.sent)
+            if roots:
+                torch.autograd.backward(roots, grads)
+        if grid.prev is not None:
+            self.link.send_grads(rec.chunk, rec.received, rec.activation, first=first)
 
     # ------------------------------------------------------------------ output and gradients
     def _share_output(self, plan: Plan, mine: Optional[Tensor], start: int, end: int, mode: str) -> Tensor:
@@ -560,6 +610,26 @@ def refuse_graph_builders(module: torch.nn.Module) -> None:
                 f"Module '{name}' ({type(m).__name__}) builds a new graph from the vertices' values (pooling); "
                 f"pyg_pipe cuts one fixed graph into chunks and cannot follow graphs built during the forward. "
                 f"Train this model on one device (no pyg_pipe strategy).")
+
+
+def _signature(module: torch.nn.Module, inputs: CallInputs) -> tuple:
+    """What a traced program depends on besides tensor values: the module's mode, and which arguments
+    are ``None``, tensors, ``Data`` (with which attributes) or Python values (baked in by tracing)."""
+    from torch_geometric.data import Data
+
+    def kind(v):
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return repr(v)
+        if isinstance(v, Tensor):
+            return "tensor"
+        if isinstance(v, Data):
+            return "data:" + ",".join(sorted(v.keys()))
+        if isinstance(v, (tuple, list)):
+            return tuple(kind(x) for x in v)
+        return type(v).__name__
+
+    return (module.training, tuple(kind(a) for a in inputs.args),
+            tuple(sorted((k, kind(v)) for k, v in inputs.kwargs.items())))
 
 
 def _checksum(tensors: List[Tensor]) -> tuple:

@@ -49,7 +49,7 @@ class _HaloJoin(torch.autograd.Function):
     def forward(ctx, rows: Tensor, halo: Tensor, exchange: "HaloExchange", token: tuple):
         ctx.exchange, ctx.token = exchange, token
         ctx.rows = rows.size(0)
-        return torch.cat([rows, halo.to(rows.dtype)])
+        return torch.cat([rows, halo])
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -101,13 +101,15 @@ class HaloExchange:
     # ------------------------------------------------------------------ forward
     def join(self, key: str, cg: ChunkedGraph, lg: LocalGraph, t: Tensor, vdim: int) -> Tensor:
         """``t`` (``num_local`` rows along ``vdim``) with its halo rows replaced by the true ones."""
-        rows = t.narrow(vdim, 0, lg.rows).movedim(vdim, 0)
+        rows = t.narrow(vdim, 0, lg.rows)
+        if vdim:
+            rows = rows.movedim(vdim, 0)
         halo = self._halo(key, cg, lg, rows)
         if torch.is_grad_enabled() and rows.requires_grad:
             out = _HaloJoin.apply(rows, halo, self, (key, cg, lg))
         else:
-            out = torch.cat([rows, halo.to(rows.dtype)])
-        return out.movedim(0, vdim)
+            out = torch.cat([rows, halo])
+        return out.movedim(0, vdim) if vdim else out
 
     def _halo(self, key: str, cg: ChunkedGraph, lg: LocalGraph, rows: Tensor) -> Tensor:
         received = self._exchange_rows(cg, lg, rows) if self.grid.ways > 1 else []

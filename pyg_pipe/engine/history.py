@@ -57,8 +57,8 @@ class HistoryStore:
         self.buffer(key, rows)[ids] = rows.detach()
 
     def read(self, key: str, ids: Tensor, like: Tensor) -> Tensor:
-        """The stored rows ``ids`` (a copy), in ``like``'s dtype."""
-        return self.buffer(key, like)[ids].to(like.dtype)
+        """The stored rows ``ids`` (a copy)."""
+        return self.buffer(key, like)[ids]
 
     # ------------------------------------------------------------------ gradients of fresh reads
     def add_grad(self, key: str, ids: Tensor, grad: Tensor) -> None:

@@ -59,6 +59,7 @@ class Invocation:
     lg: LocalGraph
     clean: bool
     parent: Optional["Invocation"] = None
+    graph: Any = None
     calls: int = 0
     norms: int = 0
     propagated: bool = False
@@ -227,7 +228,7 @@ def _entry(name: str):
         if ctx.stack:  # a layer called inside another layer: already on the local graph
             parent = ctx.stack[-1]
             ctx.stack.append(Invocation(name, index, parent.cg, parent.lg, parent.clean and not parent.propagated,
-                                        parent=parent))
+                                        parent=parent, graph=parent.graph))
             return None
         return _enter(ctx, name, index, module, args, kwargs)
     return hook
@@ -240,7 +241,7 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
             f"destination vertex and supports flow='source_to_target' only. Reverse edge_index in the data "
             f"and use the default flow.")
     args, kwargs = list(args), dict(kwargs)
-    cg, lg = _resolve_graph(ctx, name, module, args, kwargs)
+    cg, lg, graph = _resolve_graph(ctx, name, module, args, kwargs)
     rows = lg.rows
     node_args: List[Tuple[Any, Tensor]] = []
 
@@ -274,7 +275,7 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
 
     args = [replace(a) for a in args]
     kwargs = {k: replace(v) for k, v in kwargs.items()}
-    inv = Invocation(name, index, cg, lg, clean)
+    inv = Invocation(name, index, cg, lg, clean, graph=graph)
     _swap_cache(ctx, inv, module)
     ctx.stack.append(inv)
     return tuple(args), kwargs
@@ -381,7 +382,7 @@ def _is_graph(value) -> bool:
 
 
 def _resolve_graph(ctx: ChunkContext, name: str, module: MessagePassing, args: list, kwargs: dict):
-    """Finds the layer's graph argument, swaps in the local graph, returns ``(cg, lg)``."""
+    """Finds the layer's graph argument, swaps in the local graph, returns ``(cg, lg, local graph)``."""
     found = None
     for container, keys in ((args, range(len(args))), (kwargs, list(kwargs))):
         for k in keys:
@@ -398,7 +399,7 @@ def _resolve_graph(ctx: ChunkContext, name: str, module: MessagePassing, args: l
             cg, lg, local = hit
             container[k] = local
             if found is None:
-                found = (cg, lg)
+                found = (cg, lg, local)
     if found is None:
         raise UnsupportedModelError(
             f"Layer '{name}' ({type(module).__name__}) was called without a graph argument (edge_index or adj_t) "

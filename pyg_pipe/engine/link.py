@@ -120,14 +120,18 @@ class StageLink:
                 g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 self.comm.send(g, self.prev, "stage_gradients" if name == activation else "carried")
 
-    def recv_grads(self, chunk, sent: Dict[str, Any], first: bool) -> Tuple[List[Tensor], List[Tensor]]:
+    def expect_grads(self, sent: Dict[str, Any]) -> None:
+        """Before a step's drain: which of the tensors sent per chunk the next stage back-propagated into
+        (told once per step, read on the host here, outside the per-chunk loop)."""
+        leaves = [leaf for value in sent.values() for leaf in flatten(value)[0]
+                  if isinstance(leaf, Tensor) and leaf.is_floating_point()]
+        self._want = [bool(f) for f in self.comm.recv((len(leaves),), torch.uint8, self.next).tolist()]
+
+    def recv_grads(self, chunk, sent: Dict[str, Any]) -> Tuple[List[Tensor], List[Tensor]]:
         """``(roots, grads)``: the float tensors sent for ``chunk`` that the next stage back-propagated
         into, and their gradients."""
         leaves = [leaf for value in sent.values() for leaf in flatten(value)[0]
                   if isinstance(leaf, Tensor) and leaf.is_floating_point()]
-        if first:
-            flags = self.comm.recv((len(leaves),), torch.uint8, self.next)
-            self._want = [bool(f) for f in flags.tolist()]  # once per step, before the per-chunk loop's work
         roots, grads = [], []
         for leaf, want in zip(leaves, self._want):
             if want:

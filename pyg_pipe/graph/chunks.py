@@ -161,10 +161,47 @@ class ChunkedGraph:
         adj = torch.sparse_coo_tensor(torch.stack([dst, src]), w, (lg.num_local, lg.num_local)).coalesce()
         return adj.to_sparse_csr() if layout == torch.sparse_csr else adj
 
+    @property
+    def repeated_loops(self) -> bool:
+        """Whether some vertex has more than one self loop."""
+        hit = getattr(self, "_repeated_loops", None)
+        if hit is None:
+            loops = self.new_src[self.new_src == self.new_dst]
+            hit = self._repeated_loops = bool(torch.unique(loops).numel() != loops.numel())
+        return hit
+
+    def in_degree(self, weight: Optional[Tensor], add_self_loops: bool, fill: float, dtype: torch.dtype) -> Tensor:
+        """[N] the degree ``gcn_norm`` computes for every vertex (new ids) on the whole graph, for a 1-D
+        edge weight in user edge order (``None``: ones). With ``add_self_loops`` a vertex's self loop
+        keeps its weight and a vertex without one gets ``fill`` (with no weights every loop weighs 1,
+        as in PyG). Needs at most one self loop per vertex (:attr:`repeated_loops`). Cached."""
+        key = ("in", None if weight is None else id(weight), None if weight is None else weight._version,
+               add_self_loops, fill, dtype)
+        hit = self._degrees.get(key)
+        if hit is not None and (weight is None or hit[0] is weight):
+            return hit[1]
+        loop = self.new_src == self.new_dst
+        w = torch.ones(self.num_edges, dtype=torch.float64, device=self.device) if weight is None \
+            else weight.detach().to(torch.float64)
+        if add_self_loops:
+            has_loop = torch.zeros(self.num_nodes, dtype=torch.bool, device=self.device)
+            has_loop[self.new_src[loop]] = True
+            extra = torch.where(has_loop, 0.0, 1.0 if weight is None else float(fill)).to(torch.float64)
+            if weight is None:  # PyG replaces every loop by one of weight 1
+                w = torch.where(loop, torch.zeros_like(w), w)
+                extra = torch.ones(self.num_nodes, dtype=torch.float64, device=self.device)
+        else:
+            extra = torch.zeros(self.num_nodes, dtype=torch.float64, device=self.device)
+        deg = extra.index_add_(0, self.new_dst, w)
+        if len(self._degrees) > 16:
+            self._degrees.clear()
+        self._degrees[key] = (weight, deg.to(dtype))
+        return self._degrees[key][1]
+
     def out_degree(self, weight: Optional[Tensor], dtype: torch.dtype) -> Tensor:
         """[N] weighted out-degree of every vertex (new ids), self loops excluded, for a 1-D edge
         weight in user edge order (ones for ``None``). Cached per weight tensor and version."""
-        key = (None if weight is None else id(weight), None if weight is None else weight._version, dtype)
+        key = ("out", None if weight is None else id(weight), None if weight is None else weight._version, dtype)
         hit = self._degrees.get(key)
         if hit is not None and (weight is None or hit[0] is weight):
             return hit[1]

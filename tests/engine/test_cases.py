@@ -171,3 +171,59 @@ def test_new_edge_values_on_the_same_graph(mode, sparse):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_model_in_eval_mode_trains(mode):
     run_distributed(_eval_mode, 2, mode, timeout=240)
+
+
+def _repeated_loops(rank, world, mode):
+    """A vertex with several self loops: PyG keeps one of them when it adds self loops, which the
+    degrees taken from the inputs would not know; they are exchanged instead, and stay exact."""
+    torch.set_default_dtype(torch.float64)
+    x, g, y, mask = zoo_graph()
+    ei = torch.cat([g["edge_index"], torch.tensor([[3, 3, 40], [3, 3, 40]])], 1)
+    w = torch.rand(ei.size(1), generator=torch.Generator().manual_seed(2)) + 0.1
+    torch.manual_seed(0)
+    model = Weighted()
+    plain = copy.deepcopy(model)
+    engine = _engine(model, mode)
+    engine.install()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for weights in (None, w):
+        with torch.no_grad():
+            engine.uninstall()
+            want = plain(x, ei, weights)
+            engine.install()
+        out = _step(model, opt, y, mask, x=x, graph=ei, ew=weights)
+        torch.testing.assert_close(out, want, atol=ATOL, rtol=0, msg=f"{mode}, weights={weights is not None}")
+    engine.uninstall()
+
+
+@pytest.mark.parametrize("mode", ["graph_parallel", "chunks"])
+def test_repeated_self_loops(mode):
+    run_distributed(_repeated_loops, 2, mode, timeout=240)
+
+
+def _train_then_eval(rank, world, mode):
+    """A forward with ``F.dropout(..., training=self.training)``: training uses dropout, validation
+    afterwards does not (a traced pipeline must not keep the training mode it was traced in), and
+    equals the plain model with the trained weights."""
+    x, g, y, mask = zoo_graph()
+    ei = g["edge_index"]
+    torch.manual_seed(0)
+    model = Dropping()
+    engine = _engine(model, mode)
+    engine.install()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(2):
+        _step(model, opt, y, mask, x=x, edge_index=ei)
+    sync_module_state(model, engine.owners, engine.owner_ranks)
+    model.eval()
+    with torch.no_grad():
+        got = model(x, ei)
+    engine.uninstall()
+    with torch.no_grad():
+        want = model(x, ei)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "chunks"])
+def test_validation_after_training_uses_eval_mode(mode):
+    run_distributed(_train_then_eval, 2, mode, timeout=240)

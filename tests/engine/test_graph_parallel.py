@@ -111,11 +111,11 @@ def _lr0_worker(rank, world, name):
     engine = GNNPipeEngine(model, PipelineConfig(num_chunks=8), Comm(torch.device("cpu")), num_stages=2, ways=2)
     engine.install()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    # rows exchanged per site: GCN sends lin(x) (16, 16, 3 wide for layers 2-4; layer 1 reads the input
-    # features) and every layer's degrees (1 wide); GCNII sends its 16-wide input at layers 2-4 (the
-    # first layer's input is x0's transform, computed by the model) and 4 degrees.
-    widths, grad_widths = ([16, 16, 3, 1, 1, 1, 1], [16, 16, 3]) if name == "gcn" else \
-        ([16, 16, 16, 16, 1, 1, 1, 1], [16, 16, 16, 16])
+    # rows exchanged per site: GCN sends lin(x), 16, 16 and 3 wide for layers 2-4 (layer 1 reads the
+    # input features); GCNII sends its 16-wide input at all 4 layers (even the first layer's input is
+    # computed by the model). Degrees come from the inputs, nothing is exchanged for them.
+    widths = [16, 16, 3] if name == "gcn" else [16, 16, 16, 16]
+    grad_widths = widths
     for step in range(4):
         engine.comm.reset_counters()
         out, loss = forward_backward(model, opt, x, edge_index, y, mask)
@@ -132,3 +132,44 @@ def _lr0_worker(rank, world, name):
 @pytest.mark.parametrize("name", ["gcn", "gcnii"])
 def test_hybrid_with_history_keeps_exact_forward_at_lr0(name):
     run_distributed(_lr0_worker, 4, name, timeout=240)
+
+
+def _allreduce_worker(rank, world, stages, ways):
+    """The ``weight_allreduce`` counter against what ``all_reduce`` is actually given (a ring all-reduce
+    of n values over W ranks moves 2·(W-1)·n values in all)."""
+    import torch.distributed as dist
+    given = []
+    original = dist.all_reduce
+
+    def recording(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        size = dist.get_world_size(group)
+        if tensor.is_floating_point() and tensor.numel() > 2:  # not the small planning collectives
+            given.append(2 * (size - 1) * tensor.numel() * tensor.element_size() / size)
+        return original(tensor, op=op, group=group, async_op=async_op)
+
+    x, edge_index, y, mask = small_graph()
+    torch.manual_seed(0)
+    model = make_model("gcn", num_layers=4)
+    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=ways), Comm(torch.device("cpu")), num_stages=stages,
+                           ways=ways)
+    engine.install()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    forward_backward(model, opt, x, edge_index, y, mask)  # plans first (planning collectives not counted)
+    engine.comm.reset_counters()
+    dist.all_reduce = recording
+    try:
+        forward_backward(model, opt, x, edge_index, y, mask)
+    finally:
+        dist.all_reduce = original
+    counted = engine.comm.totals()["weight_allreduce"]
+    total_given = torch.tensor([sum(given)], dtype=torch.float64)
+    dist.all_reduce(total_given)
+    assert counted == round(float(total_given)) > 0, (counted, float(total_given))
+    if stages == 1:  # graph parallel: every parameter, summed over all ways
+        assert counted == 2 * (ways - 1) * sum(p.numel() for p in model.parameters()) * 4
+    engine.uninstall()
+
+
+@pytest.mark.parametrize("stages,ways", [(1, 2), (2, 2)])
+def test_weight_allreduce_bytes_are_what_all_reduce_is_given(stages, ways):
+    run_distributed(_allreduce_worker, stages * ways, stages, ways, timeout=240)

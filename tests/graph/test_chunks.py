@@ -75,3 +75,27 @@ def test_out_degrees_follow_the_weights():
     torch.testing.assert_close(deg, want[perm])
     w2 = w * 2
     torch.testing.assert_close(g.out_degree(w2, torch.float64), 2 * want[perm])  # new values: recomputed
+
+
+def test_in_degrees_match_pyg_normalisation():
+    """The whole-graph degrees gcn_norm computes (self loops kept or filled, PyG's rule for no weights),
+    for every combination of weights, added self loops and fill value."""
+    from torch_geometric.utils import add_remaining_self_loops, scatter
+    x, edge_index = _graph()
+    perm, ptr = make_chunks(edge_index, 60, 3, method="random")
+    g = ChunkedGraph(edge_index[0], edge_index[1], 60, perm, ptr)
+    w = torch.rand(edge_index.size(1), dtype=torch.float64) + 0.5
+    for weight in (None, w):
+        for loops in (True, False):
+            for fill in (1.0, 2.0):
+                ei, ew = edge_index, weight
+                if loops:
+                    ei, ew = add_remaining_self_loops(ei, ew, fill, 60)
+                if ew is None:
+                    ew = torch.ones(ei.size(1), dtype=torch.float64)
+                want = scatter(ew, ei[1], 0, dim_size=60, reduce="sum")
+                got = g.in_degree(weight, loops, fill, torch.float64)
+                torch.testing.assert_close(got, want[perm], msg=f"weights={weight is not None} loops={loops} {fill}")
+    assert not g.repeated_loops
+    twice = torch.cat([edge_index, torch.tensor([[0, 0], [0, 0]])], 1)
+    assert ChunkedGraph(twice[0], twice[1], 60, perm, ptr).repeated_loops

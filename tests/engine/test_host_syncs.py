@@ -1,0 +1,82 @@
+"""NCCL-readiness, checked on CPU: the per-chunk loop never waits on the host.
+
+Every operation a rank runs while it processes one chunk (forward: inputs, stage link, layers, halo
+exchange, history; backward: gradients, routing, stage link) is recorded with a ``TorchDispatchMode``;
+reading a tensor's value on the host (``aten._local_scalar_dense``: ``.item()``, ``int(t)``,
+``.tolist()``) or ``aten.nonzero`` would stall a GPU stream and is counted. After the first step
+(planning: shapes are learned once with small headers) the count must be zero, in a hybrid grid that
+exercises everything: 2 stages x 2 ways, 4 chunks per way, degrees, history, cross-way gradients.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch_geometric.nn import GCNConv, GraphConv
+
+from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
+from pyg_pipe.engine.engine import GNNPipeEngine as Engine
+from tests.dist import run_distributed
+from tests.zoo import zoo_graph
+
+SYNCS = {"_local_scalar_dense", "nonzero"}
+
+
+class HostSyncs(TorchDispatchMode):
+    def __init__(self, counts):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in SYNCS:
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList([GraphConv(8, 12), GCNConv(12, 12), GraphConv(12, 12), GCNConv(12, 3)])
+
+    def forward(self, x, edge_index):
+        for i, conv in enumerate(self.convs):
+            x = conv(x, edge_index)
+            if i < 3:
+                x = x.relu()
+        return x
+
+
+def _worker(rank, world):
+    counts = {}
+    forward, backward = Engine._forward_chunk, Engine._backward_chunk
+
+    def counted(fn):
+        def run(self, *args, **kwargs):
+            if self.step == 0:
+                return fn(self, *args, **kwargs)
+            with HostSyncs(counts):
+                return fn(self, *args, **kwargs)
+        return run
+
+    Engine._forward_chunk, Engine._backward_chunk = counted(forward), counted(backward)
+    try:
+        x, g, y, mask = zoo_graph()
+        torch.manual_seed(0)
+        model = Net()
+        engine = GNNPipeEngine(model, PipelineConfig(num_chunks=8, balance="layers"), Comm(torch.device("cpu")),
+                               num_stages=2, ways=2)
+        engine.install()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(3):
+            out = model(x, g["edge_index"])
+            opt.zero_grad()
+            F.cross_entropy(out[mask], y[mask]).backward()
+            opt.step()
+        engine.uninstall()
+    finally:
+        Engine._forward_chunk, Engine._backward_chunk = forward, backward
+    assert counts == {}, f"rank {rank}: host synchronisations in the per-chunk loop: {counts}"
+
+
+def test_no_host_synchronisation_in_the_per_chunk_loop():
+    run_distributed(_worker, 4, timeout=240)

@@ -41,7 +41,7 @@ def _lr0_worker(rank, world, names, chunks):
         engine.uninstall()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2])
 def test_lr0_loss_equals_single_process(world):
     run_distributed(_lr0_worker, world, MODELS + ["gcn_cached"], 8, timeout=240)
 
@@ -69,7 +69,7 @@ def _inference_worker(rank, world, names):
             torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=f"{name}, {chunks} chunks")
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2])
 def test_validation_after_chunked_training_equals_plain_model(world):
     run_distributed(_inference_worker, world, MODELS, timeout=240)
 

@@ -123,7 +123,7 @@ def test_save_checkpoint_after_fit_keeps_the_pipeline_state(data, tmp_path):
     """``trainer.save_checkpoint`` after ``fit`` (in the main process, spawn launcher) writes the plan
     and every rank's history, so a resume from it continues the same pipeline."""
     torch.manual_seed(0)
-    t = trainer(tmp_path, num_chunks=4, max_epochs=2)
+    t = trainer(tmp_path, num_chunks=4, max_epochs=2, balance="layers")  # 2 + 2 layers: both stages keep history
     t.fit(NodeClassifier(make_model("gcn")), train_dataloaders=graph_loader(data))
     t.save_checkpoint(str(tmp_path / "after.ckpt"))
     ckpt = torch.load(str(tmp_path / "after.ckpt"), weights_only=False)

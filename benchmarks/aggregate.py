@@ -1,6 +1,6 @@
 """Fused CSR aggregation against PyG's default path, torch.sparse.mm and torch-sparse, side by side.
 
-Setting (issue 4): 100,000 vertices and 2,000,000 edges, uniform or power-law degrees; feature widths
+Setting: 100,000 vertices and 2,000,000 edges, uniform or power-law degrees; feature widths
 16, 64, 128, 256; reductions sum, mean and max; forward alone and forward + backward (gradient w.r.t. the
 features). Compared in one run, interleaved (each repeat runs every method once, so load from other
 processes hits all of them alike; the table shows medians and the ratios of medians):

@@ -106,20 +106,22 @@ def main():
         for k in ("nodes", "degree", "layers", "hidden", "epochs"):
             cmd += [f"--{k}", str(getattr(args, k))]
         with tempfile.TemporaryDirectory() as tmp:
-            out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=dict(os.environ, OMP_NUM_THREADS="1"))
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp,
+                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
         if out.returncode != 0:
             raise RuntimeError(out.stderr[-3000:])
-        res = json.loads(next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))[7:])
-        peaks = [res["peak_mb_rank0"]] + [json.loads(l[5:])["peak_mb"] for l in out.stdout.splitlines()
-                                           if l.startswith("PEAK ")]
+        res = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+        peaks = [res["peak_mb_rank0"]] + [json.loads(ln[5:])["peak_mb"] for ln in out.stdout.splitlines()
+                                           if ln.startswith("PEAK ")]
         res["peak_mb"] = max(peaks)
         res["epoch_s"] = statistics.median(res["times"][len(res["times"]) // 2:])
         res["bubble"] = 1 / (c + 1)  # (S-1)/(C+S-1) with S = 2
         rows.append(res)
-        print(f"chunks {c:>2}: test acc {res['test_acc']:.3f}, epoch {res['epoch_s']:.3f} s, peak {res['peak_mb']:.0f} MB",
-              flush=True)
+        print(f"chunks {c:>2}: test acc {res['test_acc']:.3f}, epoch {res['epoch_s']:.3f} s, "
+              f"peak {res['peak_mb']:.0f} MB", flush=True)
     best = max(max(r["val"]) for r in rows)
-    print(f"\n| num_chunks | test accuracy | epochs to 90% of best val ({0.9 * best:.3f}) | epoch (s) | time vs 1 chunk "
+    print(f"\n| num_chunks | test accuracy | epochs to 90% of best val ({0.9 * best:.3f}) | epoch (s) "
+          f"| time vs 1 chunk "
           f"| bubble | peak MB per process |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     t1 = rows[0]["epoch_s"]

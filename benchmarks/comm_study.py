@@ -6,7 +6,7 @@ strategy, one after the other, so the modes are measured side by side on the sam
 Reported per run:
 
 * bytes of one training epoch, by category, from the strategy's own counters (``comm/<category>``),
-  and beside them the prediction of the formulas in design.md §1 for the partition actually used
+  and beside them the prediction of the formulas (pyg_pipe/engine/formulas.py) for the partition actually used
   (:func:`pyg_pipe.engine.gnnpipe_bytes`, :func:`pyg_pipe.engine.graph_parallel_bytes` with the
   exact halo count :func:`pyg_pipe.engine.halo_rows`); hybrid's backward halo traffic depends on the
   chunk order, so its prediction is the expectation over random orders;
@@ -133,11 +133,15 @@ def build_model(name: str, c_in: int, hidden: int, c_out: int, layers: int):
     raise ValueError(name)
 
 
-def exchanged_widths(model: str, hidden: int, layers: int):
-    """Width of the value every layer exchanges with halos in one step (design.md §1's ``d`` per layer):
-    GCN/GraphSAGE read the input features (every rank has them) in their first layer, the others
-    read hidden values in all layers; GCNII's ``x0`` is used row by row and never exchanged."""
-    return [hidden] * (layers - 1 if model in ("gcn", "sage") else layers)
+def exchanged_widths(model: str, hidden: int, layers: int, out: int):
+    """Width of the rows every propagate call exchanges with halos in one step: what the layer
+    propagates. GCN propagates ``lin(x)`` (its output width: the last layer's is the class count) and
+    GraphSAGE its input, and both read the input features (every rank has them) in their first layer;
+    GCNII and ResGCN+ read computed values in every layer. GCNII's ``x0`` is used row by row and never
+    exchanged; degrees come from the inputs."""
+    if model == "gcn":
+        return [hidden] * (layers - 2) + [out]
+    return [hidden] * (layers - 1 if model == "sage" else layers)
 
 
 def predicted(mode: str, model: str, data, P: int, args, num_params: int) -> dict:
@@ -150,7 +154,7 @@ def predicted(mode: str, model: str, data, P: int, args, num_params: int) -> dic
     carried = d if model == "gcnii" else 0
     if mode == "gnnpipe":
         return gnnpipe_bytes(N, P, d, out, carried_width=carried)
-    widths = exchanged_widths(model, d, args.layers)
+    widths = exchanged_widths(model, d, args.layers, out)
     if mode == "graph_parallel":
         perm, ptr = make_way_chunks(data.edge_index, N, P, 1, seed=0)
         return graph_parallel_bytes(N, halo_rows(data.edge_index, perm, ptr), widths, num_params, P, out)

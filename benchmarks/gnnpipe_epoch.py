@@ -1,6 +1,6 @@
 """GNNPipe against single-process PyG: epoch time, peak memory and communication, side by side.
 
-Default setting (issue 2): a 32-layer GCNII, hidden 64, on a generated 50,000-vertex graph with about
+Default setting: a 32-layer GCNII, hidden 64, on a generated 50,000-vertex graph with about
 1,000,000 edges (``--graph community``: 400 communities with 90% of edges inside, or ``--graph random``:
 8 random blocks); gnnpipe on 2 processes with one thread each (``strategy="gnnpipe"`` through a real
 Lightning Trainer) against one process with two threads running plain PyG on its fastest path (a

@@ -39,11 +39,12 @@ class NodeClassifier(pl.LightningModule):
 
     def validation_step(self, data, batch_idx):
         out = self(data.x, data.edge_index)
-        self.log("val_acc", self._accuracy(out, data, data.val_mask), batch_size=1, prog_bar=True)
+        # every rank holds the whole output, so the metric is the same everywhere; sync_dist only says so
+        self.log("val_acc", self._accuracy(out, data, data.val_mask), batch_size=1, prog_bar=True, sync_dist=True)
 
     def test_step(self, data, batch_idx):
         out = self(data.x, data.edge_index)
-        self.log("test_acc", self._accuracy(out, data, data.test_mask), batch_size=1)
+        self.log("test_acc", self._accuracy(out, data, data.test_mask), batch_size=1, sync_dist=True)
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)

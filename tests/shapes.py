@@ -240,7 +240,7 @@ SHAPES = {
     "edge-encoder": (EdgeEncoder, lambda g: dict(x=g[0], edge_index=g[1]["edge_index"], edge_attr=g[1]["edge_attr"])),
     "flipped-edge_index": (Flipped, _plain),
     "zero-init-residual": (ZeroInit, lambda g: dict(x=g[0], edge_index=g[1]["edge_index"], ew=g[1]["edge_weight"])),
-    "APPNP": (lambda: gnn.Sequential("x, edge_index", [(nn.Linear(8, H), "x -> x"), nn.ReLU(),
+    "APPNP-one-layer": (lambda: gnn.Sequential("x, edge_index", [(nn.Linear(8, H), "x -> x"), nn.ReLU(),
                                                         (nn.Linear(H, 3), "x -> x"),
                                                         (gnn.APPNP(K=4, alpha=0.1), "x, edge_index -> x")]), _plain),
     "GraphUNet": (lambda: gnn.GraphUNet(8, H, 3, depth=2), _plain),

@@ -591,7 +591,8 @@ class GNNPipeEngine:
         if self.plan is None:
             return {}
         return {"plan": self.plan.state(),
-                "rank": {"sites": dict(self.plan.sites), "history": self.history.state_dict() if self.history else None}}
+                "rank": {"sites": dict(self.plan.sites),
+                         "history": self.history.state_dict() if self.history else None}}
 
     def load_state_dict(self, state: dict) -> None:
         """Resumes from :meth:`state_dict`: the next plan reuses the saved one (and checks it still fits)."""

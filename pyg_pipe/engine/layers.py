@@ -221,7 +221,12 @@ def _entry(name: str):
         if ctx is None:
             return None
         if in_backward():  # recomputed during backward (checkpointing, reversible blocks): the forward's call
-            index = max(ctx.counts.get(name, 1) - 1, 0)
+            if ctx.counts.get(name, 0) > 1:
+                raise UnsupportedModelError(
+                    f"Layer '{name}' ({type(module).__name__}) runs again during backward (checkpointing or a "
+                    f"reversible block) but was called {ctx.counts[name]} times in the forward, so pyg_pipe cannot "
+                    f"tell which call is recomputed. Give each call its own module, or do not checkpoint it.")
+            index = 0
         else:
             index = ctx.counts.get(name, 0)
             ctx.counts[name] = index + 1

@@ -177,7 +177,8 @@ def partition(config: PipelineConfig, inputs: CallInputs, num_chunks: int, ways:
     part = config.partition
     if not callable(part):
         both = root_decides(lambda: torch.cat(_partition(config, src, dst, N, num_chunks, ways)),
-                            torch.empty(N + num_chunks + 1, dtype=torch.long), rank, root, device, "partitioning the graph")
+                            torch.empty(N + num_chunks + 1, dtype=torch.long), rank, root, device,
+                            "partitioning the graph")
         return both[:N], both[N:]
     perm, ptr = part(torch.stack([src, dst]).cpu(), N, num_chunks)
     perm, ptr = torch.as_tensor(perm, dtype=torch.long), torch.as_tensor(ptr, dtype=torch.long)

@@ -25,7 +25,6 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import Tensor
 
 from .layers import Rerouted, active
@@ -118,12 +117,12 @@ def _batch_norm(module, original, stats: Statistics, x: Tensor) -> Tensor:
     n = float((sum(stats.way_rows) if stats.group is not None else rows.size(0)) * per_row)
     s = rows.sum(dims)
     if stats.group is not None:
-        s = dist_fn.all_reduce(s, group=stats.group)
+        s = _AllReduce.apply(s, stats.group)
     shape = [1, -1] + [1] * (x.dim() - 2)
     mean = s / n
     sq = ((rows - mean.view(shape)) ** 2).sum(dims)
     if stats.group is not None:
-        sq = dist_fn.all_reduce(sq, group=stats.group)
+        sq = _AllReduce.apply(sq, stats.group)
     var = sq / n
     y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + module.eps)
     if module.affine:
@@ -167,14 +166,46 @@ def _gathered(module, original, stats: Statistics, x: Tensor, *args, **kwargs):
     return out
 
 
+class _AllReduce(torch.autograd.Function):
+    """Sum over the group; the gradient of every rank's input is the sum of all ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, group):
+        ctx.group = group
+        out = t.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _AllGather(torch.autograd.Function):
+    """Every rank's (equally sized) tensor, concatenated in rank order; the gradient of a rank's part is
+    the sum over ranks of the gradients they give that part."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, group, size: int):
+        ctx.group, ctx.n = group, t.size(0)
+        parts = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        me = dist.get_rank(ctx.group)
+        return grad[me * ctx.n:(me + 1) * ctx.n], None, None
+
+
 def _all_gather_rows(rows: Tensor, stats: Statistics) -> Tensor:
     """All ways' rows in way order (the ways own consecutive new-id ranges), differentiably."""
     biggest = max(stats.way_rows)
     pad = rows.new_zeros((biggest - rows.size(0), *rows.shape[1:]))
     padded = torch.cat([rows, pad])
-    if padded.is_floating_point():
-        parts = dist_fn.all_gather(padded, group=stats.group)
-    else:
-        parts = [torch.empty_like(padded) for _ in stats.way_rows]
-        dist.all_gather(parts, padded, group=stats.group)
-    return torch.cat([p[:n] for p, n in zip(parts, stats.way_rows)])
+    full = _AllGather.apply(padded, stats.group, len(stats.way_rows))
+    return torch.cat([full[i * biggest:i * biggest + n] for i, n in enumerate(stats.way_rows)])

@@ -1,6 +1,6 @@
 """Graph partitioning and chunking: reorder vertices so that every chunk is one contiguous id range.
 
-GNNPipe (design §2) processes a graph chunk by chunk. A chunk is a set of vertices that should have
+GNNPipe processes a graph chunk by chunk. A chunk is a set of vertices that should have
 many edges inside it (those neighbours are fresh when the chunk is computed) and few to other chunks
 (those may be historical). Following the authors, the graph is cut into ``parts_per_chunk * C``
 parts (METIS, vertex weight ``50 + degree``), the parts are shuffled and grouped

@@ -24,7 +24,7 @@ from ..model import UnsupportedModelError
 
 class GNNPipeStrategy(DDPStrategy):
     """Trains an unchanged PyG model with GNNPipe: its layers split into one pipeline stage per
-    device, the graph cut into chunks that flow through the stages (design.md §2-3).
+    device, the graph cut into chunks that flow through the stages (see docs/gnnpipe.md).
 
     Every process loads the same whole graph (use :class:`pyg_pipe.FullGraphDataModule` or a
     ``DataLoader([data], batch_size=None)``); the model's forward returns the full output on every

@@ -1,5 +1,5 @@
 """``strategy="graph_parallel"`` and ``strategy="gnnpipe_hybrid"``: partition-parallel and hybrid
-(pipeline stages x graph-parallel ways) full-graph training (design.md §1, §4).
+(pipeline stages x graph-parallel ways) full-graph training (see docs/graph_parallel.md).
 
 Both run on the GNNPipe engine's rank grid (:mod:`pyg_pipe.engine.pipeline`): ``S`` stages x ``W``
 ways, rank ``s·W + w``. Graph parallelism is one stage (``S = 1``, ``W = P``) with one chunk per way:

@@ -6,7 +6,8 @@
   of a sparse ``adj_t`` (degrees and normalisation must follow the values each call receives);
 * a model in ``eval()`` mode trains (gradients flow, eval-mode layers), as on one device.
 
-Every case runs in graph_parallel (2 ways), a pipeline with one chunk and a pipeline with chunks.
+Every case runs in graph_parallel (2 ways), a pipeline with one chunk, a pipeline with chunks and a hybrid
+grid (2 ways with 2 chunks each: history and exchange among ways together).
 """
 import copy
 
@@ -24,7 +25,7 @@ from tests.zoo import zoo_graph
 
 ATOL = 1e-5
 MODES = {"graph_parallel": dict(num_stages=1, ways=2, chunks=2), "pipeline": dict(num_stages=2, ways=1, chunks=1),
-         "chunks": dict(num_stages=2, ways=1, chunks=4)}
+         "chunks": dict(num_stages=2, ways=1, chunks=4), "hybrid": dict(num_stages=1, ways=2, chunks=4)}
 
 
 def _engine(model, mode, **cfg):
@@ -145,7 +146,7 @@ def _eval_mode(rank, world, mode):
     ref = copy.deepcopy(model)
     engine = _engine(model, mode)
     engine.install()
-    lr = 0.0 if mode == "chunks" else 0.05
+    lr = 0.0 if MODES[mode]["chunks"] > MODES[mode]["ways"] else 0.05
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
     for step in range(3):
@@ -227,3 +228,44 @@ def _train_then_eval(rank, world, mode):
 @pytest.mark.parametrize("mode", ["pipeline", "chunks"])
 def test_validation_after_training_uses_eval_mode(mode):
     run_distributed(_train_then_eval, 2, mode, timeout=240)
+
+
+def _per_chunk_statistics(rank, world):
+    """BatchNorm with several chunks per way, opted into per-chunk statistics: it trains (loss falls,
+    running statistics move) although it is approximate by design; without the opt-in it is refused."""
+    from torch_geometric.nn import GCN
+
+    from pyg_pipe import UnsupportedModelError
+    x, g, y, mask = zoo_graph()
+    ei = g["edge_index"]
+    torch.manual_seed(0)
+    refused = GCN(8, 12, 3, 3, norm="batch_norm")
+    engine = _engine(refused, "chunks")
+    engine.install()
+    with pytest.raises(UnsupportedModelError, match="per_chunk_statistics=True"):
+        refused(x, ei)
+    engine.uninstall()
+    torch.manual_seed(0)
+    model = GCN(8, 12, 3, 3, norm="batch_norm")
+    engine = _engine(model, "chunks", per_chunk_statistics=True, shuffle_chunks=True)
+    engine.install()
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    norm = model.norms[0].module
+    before = norm.running_mean.clone()
+    losses = []
+    for _ in range(15):
+        out = model(x, ei)
+        loss = F.cross_entropy(out[mask], y[mask])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    engine.uninstall()
+    owner = engine.owners["norms.0.module.running_mean"]
+    if owner == engine.stage_index:
+        assert not torch.equal(before, norm.running_mean)
+    assert losses[-1] < losses[0], losses
+
+
+def test_per_chunk_statistics_is_an_explicit_opt_in():
+    run_distributed(_per_chunk_statistics, 2, timeout=240)

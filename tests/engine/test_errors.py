@@ -96,7 +96,8 @@ class DataDependent(nn.Module):
 
 
 CASES = {
-    "too_few_layers": (lambda: GCN(8, 16, 1, 3), r"1 message-passing layers but the pipeline has 2 stages.*gnnpipe_hybrid"),
+    "too_few_layers": (lambda: GCN(8, 16, 1, 3),
+                       r"1 message-passing layers but the pipeline has 2 stages.*gnnpipe_hybrid"),
     "no_message_passing": (MLP, "calls no MessagePassing layer"),
     "untraceable": (DataDependent, "cannot split DataDependent into pipeline stages.*graph_parallel"),
 }

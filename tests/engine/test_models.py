@@ -24,8 +24,8 @@ TOO_SHALLOW = ["1 message-passing layers but the pipeline has 2 stages", "gnnpip
 # mode -> case -> words of the expected refusal (every other case must be exact)
 REFUSED = {
     "graph_parallel": {"GraphUNet": POOLING},
-    "pipeline": {"GraphUNet": POOLING, "control-flow": UNSPLITTABLE, "APPNP": TOO_SHALLOW},
-    "chunks": {"GraphUNet": POOLING, "control-flow": UNSPLITTABLE, "APPNP": TOO_SHALLOW,
+    "pipeline": {"GraphUNet": POOLING, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW},
+    "chunks": {"GraphUNet": POOLING, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW,
                "GCN-batchnorm": STATS + ["BatchNorm1d"], "GCN-graphnorm": STATS + ["GraphNorm"],
                "GCN-pyg-layernorm-graph": STATS + ["LayerNorm"]},
     "graph_parallel_chunks": {"GraphUNet": POOLING, "GCN-batchnorm": STATS, "GCN-graphnorm": STATS,

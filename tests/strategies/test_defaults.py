@@ -25,7 +25,7 @@ def test_a_default_trainer_just_works(strategy, tmp_path):
     out = subprocess.run([sys.executable, SCRIPT, strategy], capture_output=True, text=True, timeout=300,
                          cwd=str(tmp_path), env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr[-3000:]
-    line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
     result = json.loads(line[len("RESULT "):])
     assert result["predict_rows"] == 60
     assert 0.0 <= result["val_before"] <= 1.0 and 0.0 <= result["test_after"] <= 1.0

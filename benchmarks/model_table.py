@@ -32,17 +32,7 @@ def _sweep(rank, world, mode, path):
     x, e, y, mask = g
     cases = [(name, make, inputs(g)) for name, (make, inputs) in SHAPES.items()]
     cases += [(name, partial(ZooNet, name), dict(x=x, **e)) for name in ZOO]
-    results = {}
-    for name, make, kw in cases:
-        if mode == "graph_parallel":
-            results[name] = harness.check_exact(make, kw, y, mask, 1, world)
-        elif mode == "pipeline":
-            results[name] = harness.check_exact(make, kw, y, mask, world, 1)
-        elif mode == "chunks":
-            results[name] = harness.check_lr0(make, kw, y, mask, world, 1, 4, partition=harness.ranges,
-                                              shuffle_chunks=False)
-        else:
-            results[name] = harness.check_lr0(make, kw, y, mask, 2, 2, 8)
+    results = {name: harness.check_mode(mode, make, kw, y, mask, world) for name, make, kw in cases}
     if rank == 0:
         with open(path, "w") as f:
             json.dump(results, f)

@@ -142,3 +142,28 @@ def check_lr0(make: Callable[[], torch.nn.Module], inputs: Dict, y, mask, stages
     finally:
         engine.uninstall()
     return _agree(outcome)
+
+
+#: the modes the sweeps run, and the world size each needs
+MODES = {"graph_parallel": 2, "pipeline": 2, "chunks": 2, "graph_parallel_chunks": 2, "hybrid": 4}
+
+
+def check_mode(mode: str, make: Callable[[], torch.nn.Module], inputs: Dict, y, mask, world: int) -> str:
+    """One model in one mode of the sweeps:
+
+    * ``graph_parallel``: ``world`` ways, one chunk each: :func:`check_exact`;
+    * ``pipeline``: ``world`` stages, one chunk: :func:`check_exact`;
+    * ``chunks``: ``world`` stages, 4 chunks of consecutive vertices, not shuffled (the first chunk to
+      run can be a whole component, with no halo): :func:`check_lr0`;
+    * ``graph_parallel_chunks``: one stage, ``world`` ways of 2 chunks each: :func:`check_lr0`;
+    * ``hybrid``: 2 stages x 2 ways, 8 chunks, shuffled, greedy partition: :func:`check_lr0`.
+    """
+    if mode == "graph_parallel":
+        return check_exact(make, inputs, y, mask, 1, world)
+    if mode == "pipeline":
+        return check_exact(make, inputs, y, mask, world, 1)
+    if mode == "chunks":
+        return check_lr0(make, inputs, y, mask, world, 1, 4, partition=ranges, shuffle_chunks=False)
+    if mode == "graph_parallel_chunks":
+        return check_lr0(make, inputs, y, mask, 1, world, 2 * world)
+    return check_lr0(make, inputs, y, mask, 2, 2, 8)

@@ -36,7 +36,7 @@ from ..model.errors import UnsupportedModelError
 from ..model.inputs import CallInputs, Localizer
 from ..model.trace import forward_function, trace
 from .comm import Comm
-from .grid import RankGrid
+from .grid import RankGrid, grid_shape, ways_for_layers
 from .halo import HaloExchange
 from .history import HistoryStore
 from .layers import ChunkContext, LayerHooks, Rerouted, Site
@@ -303,24 +303,8 @@ class GNNPipeEngine:
         """``(S, W, program, groups, forced)``: the grid for this model and, when S > 1, its traced
         program cut into layer groups (``forced``: cut at the user's split points)."""
         P = self.comm.world_size
-        S, W, _ = self.requested
-        explicit = S is not None
-        if S is None and W is None:
-            W = self.min_ways
-            while P % W:
-                W += 1
-            S = P // W
-        elif S is None:
-            if P % W:
-                raise ValueError(f"ways={W} does not divide the {P} processes; choose a divisor of the device count.")
-            S = P // W
-        elif W is None:
-            if P % S:
-                raise ValueError(f"stages={S} does not divide the {P} processes; choose a divisor of the device count.")
-            W = P // S
-        if S * W != P:
-            raise ValueError(f"stages={S} x ways={W} = {S * W} ranks, but {P} processes run; choose stages and ways "
-                             f"whose product is the number of devices.")
+        S, W = grid_shape(P, self.requested[0], self.requested[1], self.min_ways)
+        explicit = self.requested[0] is not None
         if S == 1:
             return S, W, None, None, False
         program = trace(self.module, inputs.args, inputs.kwargs)
@@ -333,8 +317,7 @@ class GNNPipeEngine:
                 f"The model has {L} message-passing layers but the pipeline has {S} stages; every stage needs at least "
                 f"one layer. Use at most {L} stages, strategy='gnnpipe_hybrid' (stages x graph-parallel ways), or a "
                 f"deeper model.")
-        W2 = next(w for w in range(W, P + 1) if P % w == 0 and P // w <= L)
-        S2 = P // W2
+        S2, W2 = ways_for_layers(P, L, W)
         note = (f"pyg_pipe: the model has {L} message-passing layers for {P} devices: running {S2} pipeline "
                 f"stage{'s' if S2 > 1 else ''} x {W2} graph-parallel ways.")
         self.notes.append(note)

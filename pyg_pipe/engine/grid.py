@@ -10,7 +10,7 @@ hybrid               S       W       both; weight gradients are summed over the 
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -71,23 +71,29 @@ class RankGrid:
         return [self.rank_of(s, w) for w in range(self.ways)]
 
 
-def default_grid(world_size: int, num_layers: int, stages: Optional[int] = None,
-                 ways: Optional[int] = None) -> tuple:
-    """``(S, W)`` for ``world_size`` devices and a model with ``num_layers`` pipeline units.
-
-    Given neither: one stage per device when the model is deep enough (GNNPipe), else the fewest
-    ways that leave every stage at least one unit (hybrid; graph parallel for a one-unit model).
-    Given one, the other is ``world_size`` divided by it.
-    """
+def grid_shape(world_size: int, stages: Optional[int], ways: Optional[int], min_ways: int = 1) -> Tuple[int, int]:
+    """``(S, W)`` for ``world_size`` devices: as given, the other one derived from the one given, or (both
+    ``None``) the fewest ways ``>= min_ways`` that divide the devices, one stage per remaining device."""
     P = world_size
     if stages is None and ways is None:
-        ways = next(w for w in range(1, P + 1) if P % w == 0 and P // w <= max(num_layers, 1))
+        ways = next(w for w in range(max(min_ways, 1), P + 1) if P % w == 0)
     if stages is None:
         if P % ways:
-            raise ValueError(f"ways={ways} does not divide the {P} devices; choose a divisor of the device count.")
+            raise ValueError(f"ways={ways} does not divide the {P} processes; choose a divisor of the device count.")
         stages = P // ways
     if ways is None:
         if P % stages:
-            raise ValueError(f"stages={stages} does not divide the {P} devices; choose a divisor of the device count.")
+            raise ValueError(f"stages={stages} does not divide the {P} processes; choose a divisor of the device "
+                             f"count.")
         ways = P // stages
+    if stages * ways != P:
+        raise ValueError(f"stages={stages} x ways={ways} = {stages * ways} ranks, but {P} processes run; choose "
+                         f"stages and ways whose product is the number of devices.")
     return stages, ways
+
+
+def ways_for_layers(world_size: int, layers: int, min_ways: int = 1) -> Tuple[int, int]:
+    """``(S, W)`` with the fewest ways ``>= min_ways`` that leave every stage at least one of ``layers``."""
+    P = world_size
+    ways = next(w for w in range(max(min_ways, 1), P + 1) if P % w == 0 and P // w <= max(layers, 1))
+    return P // ways, ways

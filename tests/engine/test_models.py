@@ -37,18 +37,8 @@ def _sweep(rank, world, mode, path):
     torch.set_default_dtype(torch.float64)
     g = graph()
     _, _, y, mask = g
-    results = {}
-    for name, (make, inputs) in SHAPES.items():
-        kw = inputs(g)
-        if mode == "graph_parallel":
-            results[name] = harness.check_exact(make, kw, y, mask, 1, world)
-        elif mode == "pipeline":
-            results[name] = harness.check_exact(make, kw, y, mask, world, 1)
-        elif mode == "chunks":
-            results[name] = harness.check_lr0(make, kw, y, mask, world, 1, 4, partition=harness.ranges,
-                                              shuffle_chunks=False)
-        else:  # one stage, 2 ways, 2 chunks per way
-            results[name] = harness.check_lr0(make, kw, y, mask, 1, world, 4)
+    results = {name: harness.check_mode(mode, make, inputs(g), y, mask, world)
+               for name, (make, inputs) in SHAPES.items()}
     if rank == 0:
         with open(path, "w") as f:
             json.dump(results, f)

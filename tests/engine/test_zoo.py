@@ -32,18 +32,7 @@ def _sweep(rank, world, mode, path):
     torch.set_default_dtype(torch.float64)
     x, g, y, mask = zoo_graph()
     inputs = dict(x=x, **g)
-    results = {}
-    for name in ZOO:
-        make = partial(ZooNet, name)
-        if mode == "graph_parallel":
-            results[name] = harness.check_exact(make, inputs, y, mask, 1, world)
-        elif mode == "pipeline":
-            results[name] = harness.check_exact(make, inputs, y, mask, world, 1)
-        elif mode == "chunks":
-            results[name] = harness.check_lr0(make, inputs, y, mask, world, 1, 4, partition=harness.ranges,
-                                              shuffle_chunks=False)
-        else:
-            results[name] = harness.check_lr0(make, inputs, y, mask, 2, 2, 8)
+    results = {name: harness.check_mode(mode, partial(ZooNet, name), inputs, y, mask, world) for name in ZOO}
     if rank == 0:
         with open(path, "w") as f:
             json.dump(results, f)

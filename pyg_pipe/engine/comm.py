@@ -128,18 +128,6 @@ class Comm:
         n = int(self.recv([1], torch.long, src))
         return pickle.loads(self.recv([n], torch.uint8, src).cpu().numpy().tobytes())
 
-    def send_with_header(self, tensor: Tensor, dst: int) -> None:
-        """Sends shape and dtype first, then the tensor (uncounted; used when shapes are unknown)."""
-        header = torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape], dtype=torch.long)
-        self.send(torch.tensor([header.numel()], dtype=torch.long, device=self.device), dst, None)
-        self.send(header.to(self.device), dst, None)
-        self.send(tensor, dst, None)
-
-    def recv_with_header(self, src: int) -> Tensor:
-        n = int(self.recv([1], torch.long, src))
-        header = self.recv([n], torch.long, src).tolist()
-        return self.recv(header[2:], _DTYPES[header[0]], src)
-
     def flush(self) -> None:
         """Waits for every posted send."""
         pending, self._pending = self._pending, []
@@ -199,7 +187,3 @@ class Comm:
         out = {c: int(v) for c, v in zip(CATEGORIES, vals.tolist())}
         out["total"] = sum(out[c] for c in CATEGORIES)
         return out
-
-
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
-           torch.uint8, torch.int8, torch.int16]

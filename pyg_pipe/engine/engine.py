@@ -34,6 +34,7 @@ from torch import Tensor
 from ..graph.chunks import ChunkedGraph, way_ptr
 from ..model.errors import UnsupportedModelError
 from ..model.inputs import CallInputs, Localizer
+from ..model.split import parameter_stages, split
 from ..model.trace import forward_function, trace
 from .comm import Comm
 from .grid import RankGrid, grid_shape, ways_for_layers
@@ -117,6 +118,7 @@ class GNNPipeEngine:
         self._inputs: Optional[CallInputs] = None
         self._instance_forward = None
         self._runners: Dict[tuple, tuple] = {}  # per call signature: (this stage's program, all stages)
+        self._verify: set = set()
 
     # ------------------------------------------------------------------ grid facts
     @property
@@ -223,8 +225,8 @@ class GNNPipeEngine:
                 sizes = choose_sizes(cfg, groups, S, lambda: self._profile(program, groups, inputs), rank,
                                      grid.rank_of(0, 0), dev)
             plan.program, plan.sizes = program, sizes
-            plan.stage_list = _split(program, groups, sizes)
-            plan.param_stages = _param_stages(self.module, plan)
+            plan.stage_list = split(program, groups, sizes)
+            plan.param_stages = parameter_stages(self.module, plan.stage_list)
             self._runners = {_signature(self.module, inputs): (StageProgram(program, plan.stage_list[grid.stage],
                                                                             self.fn, grid.is_last), plan.stage_list)}
         else:
@@ -234,6 +236,7 @@ class GNNPipeEngine:
         mine = (self.saved or {}).get("rank")
         if mine:
             plan.sites = dict(mine["sites"])
+            self._verify = set(plan.sites)  # the first pass of each mode checks it meets the saved call sites
         self.schedule = Schedule(C, W, cfg.shuffle_chunks, cfg.seed, cfg.unbiased_gradients)
         self.history = HistoryStore(inputs.num_nodes, dev)
         resumed = bool(mine and mine.get("history"))
@@ -276,7 +279,7 @@ class GNNPipeEngine:
                     f"{type(self.module).__name__} runs {len(groups)} pipeline units for this call but "
                     f"{sum(plan.sizes)} for the first one (in {'training' if self.module.training else 'eval'} "
                     f"mode, or with other arguments given); pyg_pipe needs the same layers in every call.")
-            stages = _split(program, groups, plan.sizes)
+            stages = split(program, groups, plan.sizes)
             hit = self._runners[key] = (StageProgram(program, stages[self.grid.stage], self.fn, self.grid.is_last),
                                         stages)
         return hit
@@ -554,6 +557,12 @@ class GNNPipeEngine:
                     f"data. pyg_pipe needs the same layer calls for every chunk of a step.")
             return keys
         mode = "train" if self.module.training else "eval"
+        if mode in self._verify:
+            self._verify.discard(mode)
+            if keys != plan.sites[mode]:
+                raise UnsupportedModelError(
+                    "The model makes other layer calls than when the checkpoint was saved (the model or its "
+                    "arguments changed); resume with the same model, or start a new run without ckpt_path.")
         if mode not in plan.sites:
             plan.sites[mode] = keys
             if self.grid.ways > 1:
@@ -634,16 +643,6 @@ def _check_output(out, rows: int) -> Tensor:
             f"chunk of {rows} vertices. Return the node embeddings or logits only (compute auxiliary losses outside "
             f"the model).")
     return out
-
-
-def _split(program, groups, sizes):
-    from ..model.split import split
-    return split(program, groups, sizes)
-
-
-def _param_stages(module, plan: Plan):
-    from ..model.split import parameter_stages
-    return parameter_stages(module, plan.stage_list)
 
 
 def sync_module_state(module: torch.nn.Module, owners: Dict[str, int], ranks: Sequence[int], group=None) -> None:

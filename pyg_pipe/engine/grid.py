@@ -65,11 +65,6 @@ class RankGrid:
         """The rank holding the authoritative copy of each stage's parameters (its way 0)."""
         return [self.rank_of(s, 0) for s in range(self.stages)]
 
-    def way_ranks(self, stage: Optional[int] = None) -> List[int]:
-        """The ranks of every way of ``stage`` (default: this rank's stage)."""
-        s = self.stage if stage is None else stage
-        return [self.rank_of(s, w) for w in range(self.ways)]
-
 
 def grid_shape(world_size: int, stages: Optional[int], ways: Optional[int], min_ways: int = 1) -> Tuple[int, int]:
     """``(S, W)`` for ``world_size`` devices: as given, the other one derived from the one given, or (both

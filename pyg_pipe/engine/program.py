@@ -12,7 +12,7 @@ Both return ``(sent, output)``: the values for the next stage, and the model's o
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.fx as fx
@@ -93,8 +93,3 @@ def _last_uses(steps: List[fx.Node], keep) -> Dict[str, List[str]]:
         if value not in keep:
             out.setdefault(user, []).append(value)
     return out
-
-
-def program_for(module: torch.nn.Module, fn: Callable, program: Optional[Program], stage: Optional[Stage],
-                last: bool):
-    return WholeForward(module, fn) if program is None else StageProgram(program, stage, fn, last)

@@ -15,7 +15,6 @@ unchanged gets its true halo rows from the whole input, with no exchange (:mod:`
 """
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -271,16 +270,3 @@ def _extender(whole: Tensor):
             idx = lg._halo_index = cg.perm[lg.halo]
         return whole.index_select(0, idx)
     return extend
-
-
-def bind_names(fn: Callable, module: torch.nn.Module, args: tuple, kwargs: dict) -> Dict[str, Any]:
-    """``{parameter name: value}`` of a forward call (for tracing and error messages)."""
-    sig = inspect.signature(fn)
-    bound = sig.bind(module, *args, **kwargs)
-    bound.apply_defaults()
-    out = dict(bound.arguments)
-    out.pop("self", None)
-    for name, p in sig.parameters.items():
-        if p.kind == p.VAR_KEYWORD and name in out:
-            out.update(out.pop(name))
-    return out

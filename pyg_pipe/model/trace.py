@@ -86,9 +86,6 @@ class Program:
     def placeholders(self) -> List[fx.Node]:
         return [n for n in self.graph.nodes if n.op == "placeholder"]
 
-    def module_of(self, node: fx.Node) -> Optional[torch.nn.Module]:
-        return self.modules.get(node.target) if node.op == "call_module" else None
-
     def recomputable(self, node: fx.Node, memo: Dict[str, bool]) -> bool:
         """Whether ``node`` depends only on the inputs through parameter-free, non-random operations:
         any stage can then compute it itself instead of receiving it (``data.x``, ``x.size(0)``,

@@ -94,18 +94,23 @@ class Weighted(nn.Module):
         return self.conv3(x, graph, ew)
 
 
+def _weighted_at_lr0(mode):
+    """A ``Weighted`` model installed in ``mode`` with an lr = 0 optimizer, and an untouched copy."""
+    torch.manual_seed(0)
+    model = Weighted()
+    plain = copy.deepcopy(model)
+    engine = _engine(model, mode)
+    engine.install()
+    return model, plain, engine, torch.optim.SGD(model.parameters(), lr=0.0)
+
+
 def _changing_weights(rank, world, mode, sparse):
     """Calls with new edge-weight values on the same graph (or a sparse adjacency with new values):
     every training forward at lr = 0 and every inference equals one process on those values."""
     torch.set_default_dtype(torch.float64)
     x, g, y, mask = zoo_graph()
     ei, N = g["edge_index"], x.size(0)
-    torch.manual_seed(0)
-    model = Weighted()
-    plain = copy.deepcopy(model)
-    engine = _engine(model, mode)
-    engine.install()
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, plain, engine, opt = _weighted_at_lr0(mode)
     gen = torch.Generator().manual_seed(1)
     for call in range(3):
         w = torch.rand(ei.size(1), generator=gen) + 0.1
@@ -181,12 +186,7 @@ def _repeated_loops(rank, world, mode):
     x, g, y, mask = zoo_graph()
     ei = torch.cat([g["edge_index"], torch.tensor([[3, 3, 40], [3, 3, 40]])], 1)
     w = torch.rand(ei.size(1), generator=torch.Generator().manual_seed(2)) + 0.1
-    torch.manual_seed(0)
-    model = Weighted()
-    plain = copy.deepcopy(model)
-    engine = _engine(model, mode)
-    engine.install()
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, plain, engine, opt = _weighted_at_lr0(mode)
     for weights in (None, w):
         with torch.no_grad():
             engine.uninstall()

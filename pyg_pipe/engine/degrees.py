@@ -13,7 +13,8 @@ versions that compute exactly what PyG's compute, with the degrees completed:
 * **in-degree** (``gcn_norm``): the chunk's rows' degrees are computed locally, with self loops added
   as PyG adds them. The halo vertices' degrees are the whole graph's, taken from the inputs when the
   layer normalises the local graph it was handed with weights given to the model's forward (under any
-  name) or none: computed once per weight tensor and version. Otherwise (weights the model computes,
+  name) or none, or the local sparse ``adj_t`` it was handed (its values are the input's): computed
+  once per weight tensor and version. Otherwise (weights the model computes,
   such as PDNConv's, or an edge list the layer changed first) they are exchanged like source rows
   (:mod:`.halo`) at a call site ``module#invocation.degK``: fresh from other ways, from history for
   other chunks of a way, and gradients reach the owners of the weights.
@@ -103,7 +104,14 @@ def gcn_norm(edge_index, edge_weight: Optional[Tensor] = None, num_nodes: Option
             adj_t, _ = add_loops(adj_t, None, fill, num_nodes)
         index, value = to_edge_index(adj_t)
         col, row = index[0], index[1]
-        deg = _complete(ctx, inv, site, scatter(value, col, 0, dim_size=num_nodes, reduce="sum"))
+        deg = scatter(value, col, 0, dim_size=num_nodes, reduce="sum")
+        whole = ctx.edge_input(edge_index) if edge_index is inv.graph and num_nodes in (None, inv.lg.num_local) \
+            else None
+        if whole is None:  # values computed in the model: exchanged
+            deg = _complete(ctx, inv, site, deg)
+        else:  # the input adjacency: the halo's degrees are the whole graph's (self loops added to every vertex)
+            known = inv.cg.in_degree(whole, False, 0.0, value.dtype)[inv.lg.halo]
+            deg = torch.cat([deg[:inv.lg.rows], known + (fill if add_self_loops else 0.0)])
         dis = _inv_sqrt(deg)
         return set_sparse_value(adj_t, dis[row] * value * dis[col]), None
     known = _known_degrees(ctx, inv, edge_index, edge_weight, add_self_loops, fill, dtype, num_nodes)

@@ -164,6 +164,8 @@ class Localizer:
         out = value
         if is_graph_tensor(value):
             out = self.local_graph(value, lg)
+            if out.layout != torch.strided:  # its values are an edge input (degrees from the whole graph)
+                ctx.add_edge_input(out, self.adjacency_values(value, lg))
         elif isinstance(value, Data):
             out = type(value)()
             for key, v in value.items():
@@ -209,9 +211,16 @@ class Localizer:
         if hit is None or hit[0] is not graph or hit[1] != graph._version:  # new values: cut again
             _, _, values = graph_edges(graph)
             dtype = values.dtype if values.is_floating_point() else torch.get_default_dtype()
-            hit = (graph, graph._version, cg.local_adjacency(lg, values, graph.layout, dtype))
+            hit = (graph, graph._version, cg.local_adjacency(lg, values, graph.layout, dtype), values.to(dtype))
             self._adjacency[key] = hit
         return hit[2]
+
+    def adjacency_values(self, graph: Tensor, lg_primary: LocalGraph) -> Tensor:
+        """The values of sparse input ``graph`` in its chunked graph's edge order (the local
+        adjacency's values are cut from them)."""
+        i = next(i for i, g in enumerate(self.inputs.graphs) if g is graph)
+        self.local_graph(graph, lg_primary)
+        return self._adjacency[(id(self.chunked[i]), lg_primary.index)][3]
 
     def resolver(self, c: int, derived: Callable[[ChunkedGraph, str], ChunkedGraph]):
         """The graph resolver for chunk ``c`` (see :class:`GraphResolver`)."""

@@ -360,6 +360,8 @@ class GNNPipeEngine:
                 t0 = time.perf_counter()
                 for node in group:
                     env[node.name] = runner._eval(node, env)
+                    for value in runner._release.get(node.name, ()):  # no-grad: values die after their last use
+                        env.pop(value, None)
                 costs.append(time.perf_counter() - t0)
         return costs
 

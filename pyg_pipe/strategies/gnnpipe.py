@@ -122,7 +122,10 @@ class GNNPipeStrategy(DDPStrategy):
         self.plan_seconds = 0.0  # time the engine spent planning (tracing, partitioning, history pass)
         self.notes: List[str] = []  # what the engine decided on its own (e.g. graph-parallel ways for a shallow model)
         self._pending_state: Optional[dict] = None
-        self._final_state: Optional[dict] = None  # the pipeline state at the end of fit, for save_checkpoint after it
+        # the pipeline state at the end of fit, for save_checkpoint after it: gathered on rank 0 when the
+        # workers end with fit (spawn / fork), else this rank's part, gathered if a checkpoint is saved
+        self._final_state: Optional[dict] = None
+        self._final_local: Optional[dict] = None
         self._failed = False
 
     # ----------------------------------------------------------------------- registration
@@ -329,8 +332,11 @@ class GNNPipeStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         self._sync_parameters()
-        if self.checkpoint_history:
-            self._final_state = self._pipeline_state()
+        if self.checkpoint_history and self.engine is not None and self.engine.plan is not None:
+            if isinstance(self._launcher, _ResultsLauncher):  # the workers end with fit: rank 0 takes it home
+                self._final_state = self._pipeline_state()
+            else:  # every process lives on (and calls save_checkpoint with the others): gather only then
+                self._final_local = self.engine.state_dict()
 
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
@@ -371,22 +377,28 @@ class GNNPipeStrategy(DDPStrategy):
         state["state"] = {k: merged[k] for k in sorted(merged)}
         return state
 
-    def _pipeline_state(self) -> Optional[dict]:
-        """Every rank's engine state (plan and history), gathered on every rank (a collective)."""
-        if self.engine is None or self.engine.plan is None:
-            return None
-        mine = self.engine.state_dict()
+    def _pipeline_state(self, mine: Optional[dict] = None) -> Optional[dict]:
+        """Every rank's engine state (plan and history; ``mine`` or the engine's now), gathered on
+        rank 0 (a collective; ``None`` on the other ranks)."""
+        if mine is None:
+            if self.engine is None or self.engine.plan is None:
+                return None
+            mine = self.engine.state_dict()
         gathered: List[Any] = [mine]
         if self.world_size > 1:
-            gathered = [None] * self.world_size if self.global_rank == 0 else None
-            dist.gather_object(mine, gathered, dst=0)  # only rank 0 writes checkpoints
-            if self.global_rank != 0:
+            gathered = _gather_on_root(mine, self.global_rank, self.world_size, self.root_device)
+            if self.global_rank != 0:  # only rank 0 writes checkpoints
                 return None
         return {"plan": gathered[0]["plan"], "ranks": [g["rank"] for g in gathered], "world_size": self.world_size}
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
         if self.checkpoint_history:
-            state = self._pipeline_state() if self.engine is not None else self._final_state
+            if self.engine is not None:
+                state = self._pipeline_state()
+            elif self._final_local is not None:
+                state = self._pipeline_state(self._final_local)
+            else:
+                state = self._final_state
             if state is not None:
                 checkpoint["pyg_pipe"] = state
         super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -557,6 +569,71 @@ def _prefixed(root: torch.nn.Module, sub: torch.nn.Module, owners: Dict[str, int
     """Owner map of ``sub``'s parameters, keyed by their names inside ``root``."""
     prefix = next((n for n, m in root.named_modules() if m is sub), "")
     return {(f"{prefix}.{k}" if prefix else k): v for k, v in owners.items()}
+
+
+def _gather_on_root(state: Any, rank: int, world_size: int, device: torch.device) -> Optional[List[Any]]:
+    """Every rank's ``state`` (nested dicts / lists of tensors and small values) on rank 0, as CPU
+    tensors; ``None`` elsewhere. The structure travels pickled (small); the tensors (the history, up to
+    |V| x width per call site) travel one at a time as they are, so rank 0 holds each only once, in
+    its result, instead of several pickled copies of everything."""
+    tensors: List[Tensor] = []
+
+    def strip(obj):
+        if isinstance(obj, Tensor):
+            tensors.append(obj)
+            return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
+        if isinstance(obj, dict):
+            return {k: strip(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(strip(v) for v in obj)
+        return obj
+
+    skeleton = strip(state)
+    skeletons = [None] * world_size if rank == 0 else None
+    dist.gather_object(skeleton, skeletons, dst=0)
+    if rank != 0:
+        for t in tensors:
+            dist.send(t.detach().to(device).contiguous(), dst=0)
+        return None
+
+    def fill(obj, received: List[Tensor]):
+        if isinstance(obj, _TensorSlot):
+            return received[obj.index]
+        if isinstance(obj, dict):
+            return {k: fill(v, received) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(fill(v, received) for v in obj)
+        return obj
+
+    out = [fill(skeleton, [t.detach().cpu() for t in tensors])]
+    for src in range(1, world_size):
+        slots: List[_TensorSlot] = []
+        _slots(skeletons[src], slots)
+        received = []
+        for slot in sorted(slots, key=lambda sl: sl.index):
+            buf = torch.empty(slot.shape, dtype=slot.dtype, device=device)
+            dist.recv(buf, src=src)
+            received.append(buf.cpu())
+        out.append(fill(skeletons[src], received))
+    return out
+
+
+class _TensorSlot:
+    """Where a tensor sits in a gathered state (see :func:`_gather_on_root`)."""
+
+    def __init__(self, index: int, shape: tuple, dtype: torch.dtype):
+        self.index, self.shape, self.dtype = index, shape, dtype
+
+
+def _slots(obj, out: List[_TensorSlot]) -> None:
+    if isinstance(obj, _TensorSlot):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _slots(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _slots(v, out)
 
 
 def _to_cpu(obj):

@@ -45,5 +45,8 @@ if __name__ == "__main__":
         print("RESULT " + json.dumps({
             "rank": trainer.global_rank, "val_before": before[0]["val_acc"], "test_after": after[0]["test_acc"],
             "predict_rows": int(pred[0].shape[0]), "history_in_checkpoint": "pyg_pipe" in ckpt,
+            "history_buffers": [sorted((k, v.shape[0]) for k, v in r["history"]["buffers"].items())
+                                for r in ckpt["pyg_pipe"]["ranks"]] if "pyg_pipe" in ckpt else None,
+            "num_nodes": data.num_nodes,
             "checkpoints": sorted(os.listdir(trainer.checkpoint_callback.dirpath)),
             "warnings": caught}), flush=True)

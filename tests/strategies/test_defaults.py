@@ -30,6 +30,11 @@ def test_a_default_trainer_just_works(strategy, tmp_path):
     assert result["predict_rows"] == 60
     assert 0.0 <= result["val_before"] <= 1.0 and 0.0 <= result["test_after"] <= 1.0
     assert result["history_in_checkpoint"], "trainer.save_checkpoint after fit must keep the pipeline state"
+    buffers = result["history_buffers"]
+    assert len(buffers) == 2, "every rank's part of the pipeline state is in the checkpoint"
+    if strategy == "gnnpipe":  # 2 stages with several chunks: each rank keeps the history of its call sites
+        assert any(buffers) and all(n == result["num_nodes"] for b in buffers for _, n in b), buffers
+        assert not set(map(tuple, (k for k, _ in buffers[0]))) & set(map(tuple, (k for k, _ in buffers[1])))
     assert result["checkpoints"], "the default ModelCheckpoint wrote nothing"
     ours = [w for w in result["warnings"] if _ours(w)]
     assert not ours, json.dumps(ours, indent=1)

@@ -119,11 +119,14 @@ class DataNet(nn.Module):
 
 
 class ControlFlow(nn.Module):
-    """Python control flow on tensor values and item assignment between layers."""
+    """Python control flow on a tensor value and item assignment between layers. (The value is a
+    parameter's: a value computed over all vertices, such as ``x.abs().max()``, would be a graph-wide
+    reduction, refused when the graph is cut.)"""
 
     def __init__(self):
         super().__init__()
         self.convs = nn.ModuleList([gnn.SAGEConv(8, H), gnn.SAGEConv(H, H), gnn.SAGEConv(H, 3)])
+        self.gate = nn.Parameter(torch.tensor(0.5))
 
     def forward(self, x, edge_index):
         for i, conv in enumerate(self.convs):
@@ -131,9 +134,22 @@ class ControlFlow(nn.Module):
             if i < 2:
                 x = x.clone()
                 x[x < 0] = 0.1 * x[x < 0]              # item assignment: a leaky ReLU
-                if x.abs().max() > 1e3:                 # control flow on a tensor value
-                    x = x / 1e3
+                if self.gate > 0:                       # control flow on a tensor value
+                    x = x * (1 + self.gate)
         return x
+
+
+class GPS(nn.Module):
+    """PyG's ``GPSConv`` (a local layer plus multi-head attention over all vertices) between GCN layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = gnn.GCNConv(8, H)
+        self.gps = gnn.GPSConv(H, gnn.GINConv(nn.Linear(H, H)), heads=2, norm=None)
+        self.conv2 = gnn.GCNConv(H, 3)
+
+    def forward(self, x, edge_index):
+        return self.conv2(self.gps(self.conv1(x, edge_index).relu(), edge_index), edge_index)
 
 
 class NormNet(nn.Module):
@@ -237,6 +253,7 @@ SHAPES = {
     "LSTM-state": (lambda: LSTMDepth(3), _plain),
     "forward(data)": (DataNet, _data_inputs),
     "control-flow": (ControlFlow, _plain),
+    "GPSConv": (GPS, _plain),
     "edge-encoder": (EdgeEncoder, lambda g: dict(x=g[0], edge_index=g[1]["edge_index"], edge_attr=g[1]["edge_attr"])),
     "flipped-edge_index": (Flipped, _plain),
     "zero-init-residual": (ZeroInit, lambda g: dict(x=g[0], edge_index=g[1]["edge_index"], ew=g[1]["edge_weight"])),

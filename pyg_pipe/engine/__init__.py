@@ -12,6 +12,7 @@ One concept per module (see ``docs/architecture.md``):
 ``link.py``        values crossing a stage cut, per chunk, and their gradients
 ``layers.py``      hooks that run unchanged PyG layers on a chunk's local graph
 ``statistics.py``  BatchNorm and other graph-wide statistics over all ways
+``rows.py``        operations combining vertex rows outside layers: found on the first pass, refused
 ``program.py``     what a stage runs: the user's forward, or its part of a traced program
 ``comm.py``        counted, failure-aware transport
 ``formulas.py``    the bytes each mode should send

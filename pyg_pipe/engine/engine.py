@@ -21,6 +21,7 @@ instance attribute ``forward`` is set while installed and removed after.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import zlib
@@ -45,6 +46,7 @@ from .link import StageLink
 from .plan import (Plan, PipelineConfig, check_resume, choose_sizes, chunk_count, chunk_graphs, partition,
                    stage_groups)
 from .program import StageProgram, WholeForward
+from .rows import RowCheck
 from .schedule import Schedule
 from .statistics import Statistics, StatisticsHooks, needs_statistics
 
@@ -119,6 +121,7 @@ class GNNPipeEngine:
         self._instance_forward = None
         self._runners: Dict[tuple, tuple] = {}  # per call signature: (this stage's program, all stages)
         self._verify: set = set()
+        self._module_names: Optional[Dict[int, str]] = None  # module id -> name, for the row check's errors
 
     # ------------------------------------------------------------------ grid facts
     @property
@@ -394,14 +397,35 @@ class GNNPipeEngine:
         with ctx:
             args, kwargs = localizer.localize(w, ctx)
             received = self.link.recv(key, stage.inputs, False) if stage is not None and grid.prev is not None else {}
-            sent, out = runner.run(args, kwargs, received)
+            check = self._rows_check(plan, ctx, received)
+            with check if check is not None else contextlib.nullcontext():
+                sent, out = runner.run(args, kwargs, received)
         self._check_sites(ctx.sites, plan, None)
         if grid.next is not None:
             self.link.send(key, sent, self._activation_of_next(plan, inputs))
         lg = cgs[0].chunks[w]
         full = self._share_output(plan, out, lg.start, lg.end, "exact")
         self.comm.flush()
+        if check is not None:
+            self._rows_verdict(plan, check)
         return full[cgs[0].inv]
+
+    def _rows_check(self, plan: Plan, ctx: ChunkContext, received: Dict[str, Any]) -> Optional[RowCheck]:
+        """A check for operations that combine vertex rows outside layers (:mod:`.rows`), on the first
+        pass of each mode of a plan that cuts the graph (the same pass on every rank)."""
+        if plan.num_chunks == 1 or ("train" if self.module.training else "eval") in plan.rows_checked:
+            return None
+        if self._module_names is None:
+            self._module_names = {id(m): n for n, m in self.module.named_modules()}
+        cut = f"num_chunks={plan.num_chunks}" + (f" over {plan.ways} graph-parallel ways" if plan.ways > 1 else "")
+        check = ctx.rows_check = RowCheck(ctx.lg.rows, self._module_names, cut)
+        check.mark(list(received.values()))
+        return check
+
+    def _rows_verdict(self, plan: Plan, check: RowCheck) -> None:
+        """After the checked pass: every rank raises the same error if any rank found an operation."""
+        plan.rows_checked.add("train" if self.module.training else "eval")
+        check.verdict()
 
     def _fill(self):
         """The forward of one training step: this rank's chunks in the step's order (see :mod:`.schedule`)."""
@@ -418,12 +442,14 @@ class GNNPipeEngine:
         records: List[_Record] = []
         runner = self._runner(plan, self._inputs)
         run = {"mine": None, "sites": None, "span": span, "runner": runner,
-               "next": self._activation_of_next(plan, self._inputs)}
+               "next": self._activation_of_next(plan, self._inputs), "rows": None}
         for c in self.schedule.order(step, grid.way):
             records.append(self._forward_chunk(plan, c, localizer, run))
         full = self._share_output(plan, run["mine"], span[0], span[1], "train")
         self.comm.flush()
         self.comm.counting = False
+        if isinstance(run["rows"], RowCheck):
+            self._rows_verdict(plan, run["rows"])
         return full[plan.graph.inv], (records, clock)
 
     def _forward_chunk(self, plan: Plan, c: int, localizer: Localizer, run: dict) -> _Record:
@@ -436,7 +462,11 @@ class GNNPipeEngine:
         with ctx:
             args, kwargs = localizer.localize(c, ctx)
             received = self.link.recv(c, stage.inputs, True) if stage is not None and grid.prev is not None else {}
-            sent, out = runner.run(args, kwargs, received)
+            check = None
+            if run["rows"] is None:  # the pass's first chunk: checked (every chunk makes the same calls)
+                check = run["rows"] = self._rows_check(plan, ctx, received) or False
+            with check or contextlib.nullcontext():
+                sent, out = runner.run(args, kwargs, received)
         run["sites"] = self._check_sites(ctx.sites, plan, run["sites"])
         lg, span = ctx.lg, run["span"]
         if grid.is_last:

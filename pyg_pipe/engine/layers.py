@@ -104,6 +104,7 @@ class ChunkContext:
         self.stack: List[Invocation] = []
         self.counts: Dict[str, int] = {}
         self.clean_calls: Dict[Tuple[str, int], bool] = {}
+        self.rows_check = None  # a RowCheck on a plan's first pass (:mod:`pyg_pipe.engine.rows`)
 
     def __enter__(self):
         _ACTIVE.append(self)
@@ -296,7 +297,12 @@ def _exit(module: MessagePassing, args, kwargs, output):
     _store_cache(ctx, inv, module)
     for attr, value in inv.restore.items():
         setattr(module, attr, value)
-    return _narrow(module, output, inv.lg)
+    out = _narrow(module, output, inv.lg)
+    if ctx.rows_check is not None:  # what the layer returns has one row per vertex of the chunk
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, Tensor) and t.dim() > 0:
+                ctx.rows_check.mark(t, _vertex_dim(module, t, inv.lg.rows))
+    return out
 
 
 def _narrow(module: MessagePassing, value, lg: LocalGraph):

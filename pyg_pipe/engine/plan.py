@@ -78,6 +78,7 @@ class Plan:
     cache: Dict = field(default_factory=dict)                    # per-chunk caches of cached=True layers
     adjacency: Dict = field(default_factory=dict)                # local sparse adjacencies (per chunk, values)
     edge_inputs: tuple = ()                                      # identity of the edge inputs the history saw
+    rows_checked: set = field(default_factory=set)               # modes checked for row-mixing operations
 
     @property
     def graph(self) -> ChunkedGraph:

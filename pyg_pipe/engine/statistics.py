@@ -101,9 +101,20 @@ def _patched(module: torch.nn.Module, original: Callable):
         stats = ctx.statistics if ctx is not None else None
         if stats is None or stats.inside_gather:
             return original(module, *args, **kwargs)
-        if isinstance(module, _BATCH_NORM):
-            return _batch_norm(module, original, stats, *args, **kwargs)
-        return _gathered(module, original, stats, *args, **kwargs)
+        check = ctx.rows_check
+        if check is not None:  # its statistics are the engine's business, not a row-mixing operation
+            check.paused += 1
+        try:
+            if isinstance(module, _BATCH_NORM):
+                out = _batch_norm(module, original, stats, *args, **kwargs)
+            else:
+                out = _gathered(module, original, stats, *args, **kwargs)
+        finally:
+            if check is not None:
+                check.paused -= 1
+        if check is not None:
+            check.mark(out, 0)
+        return out
     return forward
 
 

@@ -1,6 +1,7 @@
 """The model shapes people write (:mod:`tests.shapes`: JumpingKnowledge, ResGCN+ with and without
 checkpointing, reversible blocks, an LSTM state, ``forward(data)``, control flow, graph-wide norms, an
-edge encoder, a transposed graph, zero-initialised layers, K-hop layers, Graph U-Net) in every mode,
+edge encoder, a transposed graph, zero-initialised layers, K-hop layers, attention over all vertices
+(GPSConv), Graph U-Net) in every mode,
 against one process. float64; one process launch per mode.
 
 Exact where the algorithm is (graph parallel, one chunk per way); at several chunks, the training
@@ -20,16 +21,17 @@ UNSPLITTABLE = ["cannot split ControlFlow", "submodule", "graph_parallel"]
 POOLING = ["'pools.0' (TopKPooling)", "builds a new graph"]
 STATS = ["normalises with statistics over all vertices", "per_chunk_statistics=True"]
 TOO_SHALLOW = ["1 message-passing layers but the pipeline has 2 stages", "gnnpipe_hybrid"]
+ATTENTION = ["'gps.attn' (MultiheadAttention)", "multiplies the rows of different vertices", "num_chunks=1"]
 
 # mode -> case -> words of the expected refusal (every other case must be exact)
 REFUSED = {
-    "graph_parallel": {"GraphUNet": POOLING},
+    "graph_parallel": {"GraphUNet": POOLING, "GPSConv": ATTENTION},
     "pipeline": {"GraphUNet": POOLING, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW},
     "chunks": {"GraphUNet": POOLING, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW,
                "GCN-batchnorm": STATS + ["BatchNorm1d"], "GCN-graphnorm": STATS + ["GraphNorm"],
-               "GCN-pyg-layernorm-graph": STATS + ["LayerNorm"]},
+               "GCN-pyg-layernorm-graph": STATS + ["LayerNorm"], "GPSConv": ATTENTION},
     "graph_parallel_chunks": {"GraphUNet": POOLING, "GCN-batchnorm": STATS, "GCN-graphnorm": STATS,
-                              "GCN-pyg-layernorm-graph": STATS},
+                              "GCN-pyg-layernorm-graph": STATS, "GPSConv": ATTENTION},
 }
 
 

@@ -1,0 +1,162 @@
+"""Operations in the forward that combine the rows of different vertices outside a layer: refused
+with chunks or graph-parallel ways (the error names the operation), exact with one chunk, and never
+confused with the row-by-row operations models are made of.
+
+All cases of a mode run in one launch of gloo processes: graph parallelism (2 ways), a pipeline of
+two stages with 4 chunks, and one process with one chunk (nothing cut: nothing refused, equal to
+plain PyG).
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch_geometric import nn as gnn
+from torch_geometric.nn import global_add_pool, global_mean_pool
+
+from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
+from pyg_pipe.model import UnsupportedModelError
+from tests.dist import run_distributed
+from tests.harness import ranges
+from tests.zoo import zoo_graph
+
+H = 12
+MODES = {"graph_parallel": dict(num_stages=1, ways=2, chunks=2, world=2),
+         "chunks": dict(num_stages=2, ways=1, chunks=4, world=2),
+         "one_chunk": dict(num_stages=1, ways=1, chunks=1, world=1)}
+
+
+class Two(nn.Module):
+    """Two GCN layers with ``between(self, x, data)`` applied between them."""
+
+    def __init__(self, between):
+        super().__init__()
+        self.conv1, self.conv2 = gnn.GCNConv(8, H), gnn.GCNConv(H, 3)
+        self.lin = nn.Linear(H, H)
+        self.between = between
+
+    def forward(self, x, edge_index, batch):
+        x = self.conv1(x, edge_index).relu()
+        x = self.between(self, x, edge_index, batch)
+        return self.conv2(x, edge_index)
+
+
+def _centre(self, x, ei, batch):
+    return x - x.mean(0)
+
+
+def _pool(self, x, ei, batch):
+    return x + global_mean_pool(x, None)
+
+
+def _pool_by_batch(self, x, ei, batch):
+    return x + global_add_pool(x, batch, size=1)[batch]
+
+
+def _index_add(self, x, ei, batch):
+    return x + torch.zeros(1, H).index_add(0, batch, x)[batch]
+
+
+def _softmax_over_vertices(self, x, ei, batch):
+    return torch.softmax(self.lin(x)[:, :1], dim=0) * x
+
+
+def _gram(self, x, ei, batch):
+    return x @ (x.t() @ x) / 100
+
+
+def _neighbours(self, x, ei, batch):
+    return x + torch.zeros_like(x).index_add_(0, ei[1], x[ei[0]])
+
+
+def _roll(self, x, ei, batch):
+    return x + x.roll(1, 0)
+
+
+def _first_rows(self, x, ei, batch):
+    return x * x[:4].sum()
+
+
+class GPS(nn.Module):
+    """PyG's GPSConv: a local layer plus attention over all vertices."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, H)
+        self.gps = gnn.GPSConv(H, gnn.GINConv(nn.Linear(H, H)), heads=2, norm=None)
+        self.conv = gnn.GCNConv(H, 3)
+
+    def forward(self, x, edge_index, batch):
+        return self.conv(self.gps(self.lin(x), edge_index), edge_index)
+
+
+#: case -> (model, the operation the error names); global_add_pool does not trace with torch.fx (a
+#: pipeline of several stages refuses it for that first)
+REFUSED = {"centre": (lambda: Two(_centre), "mean"), "global_mean_pool": (lambda: Two(_pool), "mean"),
+           "global_add_pool": (lambda: Two(_pool_by_batch), "scatter|torch.fx cannot trace"),
+           "index_add_by_batch": (lambda: Two(_index_add), "index_add"),
+           "softmax_over_vertices": (lambda: Two(_softmax_over_vertices), "softmax"),
+           "gram_matrix": (lambda: Two(_gram), "matmul"), "neighbours_by_index": (lambda: Two(_neighbours), "getitem"),
+           "roll": (lambda: Two(_roll), "roll"), "first_rows": (lambda: Two(_first_rows), "getitem"),
+           "GPSConv": (GPS, "multi_head_attention")}
+
+
+def _row_local(self, x, ei, batch):
+    """Row-by-row work that looks like the refused cases along another dimension."""
+    x = x - x.mean(1, keepdim=True) + F.normalize(x, dim=-1) + torch.softmax(x, -1)
+    x = torch.cat([x[:, :4], x[:, 4:]], 1).t().t()
+    x = x.view(-1, 2, H // 2).sum(1).repeat(1, 2) + torch.stack([x, x]).mean(0)
+    x = torch.where(x < 0, 0.1 * x, x) * x.new_tensor([2.0] * 2 + [1.0] * (H - 2))
+    return self.lin(x) @ torch.eye(H) + x.unsqueeze(0).squeeze(0)
+
+
+class JK(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gnn = gnn.GraphSAGE(8, H, 3, 3, jk="lstm")
+
+    def forward(self, x, edge_index, batch):
+        return self.gnn(x, edge_index)
+
+
+ACCEPTED = {"row_local": lambda: Two(_row_local), "jk_lstm": JK}
+
+
+def _worker(rank, world, mode):
+    x, g, y, mask = zoo_graph()
+    ei, batch = g["edge_index"], torch.zeros(x.size(0), dtype=torch.long)
+    m = MODES[mode]
+    cfg = dict(num_chunks=m["chunks"], balance="layers", partition=ranges, shuffle_chunks=False)
+    for name, make in list(REFUSED.items()) + list(ACCEPTED.items()):
+        make, op = make if isinstance(make, tuple) else (make, None)
+        torch.manual_seed(0)
+        model = make()
+        plain = copy.deepcopy(model)
+        engine = GNNPipeEngine(model, PipelineConfig(**cfg), Comm(torch.device("cpu"), timeout=60),
+                               num_stages=m["num_stages"], ways=m["ways"])
+        engine.install()
+        try:
+            if op is not None and m["chunks"] > 1:
+                with pytest.raises(UnsupportedModelError, match=op) as info:
+                    model(x, ei, batch).sum().backward()
+                assert "num_chunks=1" in str(info.value) or "torch.fx" in str(info.value), info.value
+                continue
+            with torch.no_grad():
+                want = plain(x, ei, batch)
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)
+            for step in range(2):  # training forward at lr = 0 (exact from the start: history is filled exactly)
+                out = model(x, ei, batch)
+                F.cross_entropy(out[mask], y[mask]).backward()
+                opt.step()
+                opt.zero_grad()
+                torch.testing.assert_close(out.detach(), want, atol=1e-5, rtol=0, msg=f"{mode}/{name} step {step}")
+            with torch.no_grad():
+                torch.testing.assert_close(model(x, ei, batch), want, atol=1e-5, rtol=0, msg=f"{mode}/{name} eval")
+        finally:
+            engine.uninstall()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_row_mixing_outside_layers_is_refused_when_cut_and_exact_otherwise(mode):
+    run_distributed(_worker, MODES[mode]["world"], mode, timeout=300)

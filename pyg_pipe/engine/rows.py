@@ -269,7 +269,7 @@ def _mixes(name: str, args, kwargs, aligned) -> Optional[str]:
                 continue  # the aligned tensor is an index into something else
             return "selects or scatters {rows} by position"
         elif name in ("__getitem__", "__setitem__") and t is first:
-            if _positional_index(args[1] if len(args) > 1 else None, v):
+            if _positional_index(args[1] if len(args) > 1 else None, v, t.size(v)):
                 return "selects {rows} by position"
         elif name in ("nonzero", "argwhere") or (name == "where" and len(args) == 1):
             return "lists the positions of {rows}"
@@ -318,8 +318,14 @@ def _contracts(name: str, args, kwargs, t: Tensor, v: int) -> bool:
     return b is t and v == (b.dim() - 2 if b.dim() >= 2 else 0)
 
 
-def _positional_index(index, v: int) -> bool:
-    """Whether indexing with ``index`` selects along dimension ``v`` by position."""
+def _whole(e, n: int) -> bool:
+    """Whether slice ``e`` covers all ``n`` entries (``x[:x.size(0)]`` as much as ``x[:]``)."""
+    return isinstance(e, slice) and e.start in (None, 0) and e.step in (None, 1) and \
+        (e.stop is None or (isinstance(e.stop, int) and e.stop >= n))
+
+
+def _positional_index(index, v: int, n: int) -> bool:
+    """Whether indexing with ``index`` selects along dimension ``v`` (of ``n`` rows) by position."""
     entries = list(index) if isinstance(index, tuple) else [index]
     if any(e is None or e is Ellipsis for e in entries):
         return False  # a layout change this check does not follow
@@ -330,7 +336,7 @@ def _positional_index(index, v: int) -> bool:
         return False
     e = entries[v]
     if isinstance(e, slice):
-        return e != slice(None)
+        return not _whole(e, n)
     if isinstance(e, bool):
         return False
     if isinstance(e, int):

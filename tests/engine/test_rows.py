@@ -105,7 +105,7 @@ REFUSED = {"centre": (lambda: Two(_centre), "mean"), "global_mean_pool": (lambda
 def _row_local(self, x, ei, batch):
     """Row-by-row work that looks like the refused cases along another dimension."""
     x = x - x.mean(1, keepdim=True) + F.normalize(x, dim=-1) + torch.softmax(x, -1)
-    x = torch.cat([x[:, :4], x[:, 4:]], 1).t().t()
+    x = torch.cat([x[:, :4], x[:, 4:]], 1).t().t()[:x.size(0)]
     x = x.view(-1, 2, H // 2).sum(1).repeat(1, 2) + torch.stack([x, x]).mean(0)
     x = torch.where(x < 0, 0.1 * x, x) * x.new_tensor([2.0] * 2 + [1.0] * (H - 2))
     return self.lin(x) @ torch.eye(H) + x.unsqueeze(0).squeeze(0)

@@ -17,6 +17,7 @@ from torch_geometric.nn import global_add_pool, global_mean_pool
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
 from pyg_pipe.model import UnsupportedModelError
+from tests import shapes
 from tests.dist import run_distributed
 from tests.harness import ranges
 from tests.zoo import zoo_graph
@@ -78,17 +79,11 @@ def _first_rows(self, x, ei, batch):
     return x * x[:4].sum()
 
 
-class GPS(nn.Module):
-    """PyG's GPSConv: a local layer plus attention over all vertices."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, H)
-        self.gps = gnn.GPSConv(H, gnn.GINConv(nn.Linear(H, H)), heads=2, norm=None)
-        self.conv = gnn.GCNConv(H, 3)
+class GPS(shapes.GPS):
+    """PyG's GPSConv (a local layer plus attention over all vertices), called like the others."""
 
     def forward(self, x, edge_index, batch):
-        return self.conv(self.gps(self.lin(x), edge_index), edge_index)
+        return super().forward(x, edge_index)
 
 
 #: case -> (model, the operation the error names); global_add_pool does not trace with torch.fx (a

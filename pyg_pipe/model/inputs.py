@@ -163,9 +163,11 @@ class Localizer:
             return memo[id(value)]
         out = value
         if is_graph_tensor(value):
-            out = self.local_graph(value, lg)
-            if out.layout != torch.strided:  # its values are an edge input (degrees from the whole graph)
-                ctx.add_edge_input(out, self.adjacency_values(value, lg))
+            if isinstance(value, Tensor) and value.layout != torch.strided:
+                _, _, out, values = self._local_adjacency(value, lg)
+                ctx.add_edge_input(out, values)  # its values are an edge input (degrees from the whole graph)
+            else:
+                out = self.local_graph(value, lg)
         elif isinstance(value, Data):
             out = type(value)()
             for key, v in value.items():
@@ -201,11 +203,18 @@ class Localizer:
 
     def local_graph(self, graph: Tensor, lg_primary: LocalGraph):
         """The local form of one of the input graphs for the chunk of ``lg_primary``."""
+        if graph.layout == torch.strided:
+            i = next(i for i, g in enumerate(self.inputs.graphs) if g is graph)
+            return self.chunked[i].chunks[lg_primary.index].edge_index
+        return self._local_adjacency(graph, lg_primary)[2]
+
+    def _local_adjacency(self, graph: Tensor, lg_primary: LocalGraph) -> tuple:
+        """``(graph, version, local adj_t, values)`` of a sparse input graph for the chunk of
+        ``lg_primary``: the values in its chunked graph's edge order (the local adjacency's are cut
+        from them). Kept across calls, cut again when the values change."""
         i = next(i for i, g in enumerate(self.inputs.graphs) if g is graph)
         cg = self.chunked[i]
         lg = cg.chunks[lg_primary.index]
-        if graph.layout == torch.strided:
-            return lg.edge_index
         key = (id(cg), lg.index)
         hit = self._adjacency.get(key)
         if hit is None or hit[0] is not graph or hit[1] != graph._version:  # new values: cut again
@@ -213,14 +222,7 @@ class Localizer:
             dtype = values.dtype if values.is_floating_point() else torch.get_default_dtype()
             hit = (graph, graph._version, cg.local_adjacency(lg, values, graph.layout, dtype), values.to(dtype))
             self._adjacency[key] = hit
-        return hit[2]
-
-    def adjacency_values(self, graph: Tensor, lg_primary: LocalGraph) -> Tensor:
-        """The values of sparse input ``graph`` in its chunked graph's edge order (the local
-        adjacency's values are cut from them)."""
-        i = next(i for i, g in enumerate(self.inputs.graphs) if g is graph)
-        self.local_graph(graph, lg_primary)
-        return self._adjacency[(id(self.chunked[i]), lg_primary.index)][3]
+        return hit
 
     def resolver(self, c: int, derived: Callable[[ChunkedGraph, str], ChunkedGraph]):
         """The graph resolver for chunk ``c`` (see :class:`GraphResolver`)."""

@@ -573,15 +573,15 @@ def _prefixed(root: torch.nn.Module, sub: torch.nn.Module, owners: Dict[str, int
 
 def _gather_on_root(state: Any, rank: int, world_size: int, device: torch.device) -> Optional[List[Any]]:
     """Every rank's ``state`` (nested dicts / lists of tensors and small values) on rank 0, as CPU
-    tensors; ``None`` elsewhere. The structure travels pickled (small); the tensors (the history, up to
-    |V| x width per call site) travel one at a time as they are, so rank 0 holds each only once, in
-    its result, instead of several pickled copies of everything."""
+    tensors; ``None`` elsewhere. The structure, with each tensor's shape and dtype, travels pickled
+    (small); the tensors (the history, up to |V| x width per call site) travel one at a time as they
+    are, so rank 0 holds each only once, in its result, instead of several pickled copies of everything."""
     tensors: List[Tensor] = []
 
     def strip(obj):
         if isinstance(obj, Tensor):
             tensors.append(obj)
-            return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
+            return _TensorSlot(len(tensors) - 1)
         if isinstance(obj, dict):
             return {k: strip(v) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
@@ -589,8 +589,9 @@ def _gather_on_root(state: Any, rank: int, world_size: int, device: torch.device
         return obj
 
     skeleton = strip(state)
-    skeletons = [None] * world_size if rank == 0 else None
-    dist.gather_object(skeleton, skeletons, dst=0)
+    mine = (skeleton, [(tuple(t.shape), t.dtype) for t in tensors])
+    gathered = [None] * world_size if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
     if rank != 0:
         for t in tensors:
             dist.send(t.detach().to(device).contiguous(), dst=0)
@@ -607,33 +608,21 @@ def _gather_on_root(state: Any, rank: int, world_size: int, device: torch.device
 
     out = [fill(skeleton, [t.detach().cpu() for t in tensors])]
     for src in range(1, world_size):
-        slots: List[_TensorSlot] = []
-        _slots(skeletons[src], slots)
+        skeleton, meta = gathered[src]
         received = []
-        for slot in sorted(slots, key=lambda sl: sl.index):
-            buf = torch.empty(slot.shape, dtype=slot.dtype, device=device)
+        for shape, dtype in meta:  # in the order the sender sends them
+            buf = torch.empty(shape, dtype=dtype, device=device)
             dist.recv(buf, src=src)
             received.append(buf.cpu())
-        out.append(fill(skeletons[src], received))
+        out.append(fill(skeleton, received))
     return out
 
 
 class _TensorSlot:
-    """Where a tensor sits in a gathered state (see :func:`_gather_on_root`)."""
+    """Where the ``index``-th tensor sits in a gathered state (see :func:`_gather_on_root`)."""
 
-    def __init__(self, index: int, shape: tuple, dtype: torch.dtype):
-        self.index, self.shape, self.dtype = index, shape, dtype
-
-
-def _slots(obj, out: List[_TensorSlot]) -> None:
-    if isinstance(obj, _TensorSlot):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _slots(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _slots(v, out)
+    def __init__(self, index: int):
+        self.index = index
 
 
 def _to_cpu(obj):

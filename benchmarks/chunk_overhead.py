@@ -62,10 +62,10 @@ def main():
     print(f"plain PyG: {plain:.2f} s/epoch")
     for c in args.chunks:
         model = copy.deepcopy(base)
-        engine = GNNPipeEngine(model, PipelineConfig(num_chunks=c), Comm(torch.device("cpu")), 1, 0)
+        engine = GNNPipeEngine(model, PipelineConfig(num_chunks=c), Comm(torch.device("cpu")), num_stages=1)
         engine.install()
         t = steady(model)
-        g = engine.plan.graph
+        g = engine.runtime.graph
         halo = sum(ch.halo.numel() for ch in g.chunks) / data.num_nodes
         print(f"engine, 1 stage, {c} chunk(s): {t:.2f} s/epoch = {t / plain:.2f}x plain "
               f"(halo rows per chunk row: {halo:.2f})")

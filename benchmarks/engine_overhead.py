@@ -52,7 +52,7 @@ def fixed_cost(nodes: int, layers: int, chunks: int, steps: int) -> dict:
 
     engine.install()
     step(model)  # planning
-    graph = engine.plan.graph
+    graph = engine.runtime.graph
 
     def per_chunk(m):
         """The plain model called once per chunk on the chunk's local graph (true halo rows), no engine:

@@ -1,7 +1,9 @@
-"""Point-to-point communication between stages, with every byte counted and failures propagated.
+"""The engine's transport: every message between ranks, with the bytes counted and failures propagated.
 
-Every tensor goes through ``torch.distributed`` ``isend``/``irecv`` (NCCL on GPUs, gloo on CPU).
-Bytes sent while :attr:`Comm.counting` is on are added to a category:
+Tensors between stages and ways go through ``torch.distributed`` ``isend``/``irecv``, grouped with
+``batch_isend_irecv`` where two ranks send to each other (NCCL on GPUs, gloo on CPU); collectives
+(all-reduce, all-gather, broadcast, small Python objects) are posted asynchronously and waited on
+like them. Bytes sent while :attr:`Comm.counting` is on are added to a category:
 
 ==================== ===============================================================
 ``stage_activations`` forward rows of the value that feeds the next stage's first layer
@@ -19,7 +21,7 @@ Bytes sent while :attr:`Comm.counting` is on are added to a category:
 No wait can hang: a rank that fails posts its error in the process group's store
 (:meth:`Comm.post_error`) and exits, which closes its connections; a peer blocked on it then fails,
 finds the posted error and raises :class:`RemoteRankError` carrying the original message. A wait
-longer than ``timeout`` seconds fails naming the peer.
+longer than ``timeout`` seconds fails naming what it waited for.
 """
 from __future__ import annotations
 
@@ -61,7 +63,6 @@ class Comm:
         self.bytes: Dict[str, int] = defaultdict(int)
         self._pending: List[Tuple[object, Tensor]] = []
         self._remote_error: Optional[str] = None
-        self._closed = False
         try:
             self._store = dist.distributed_c10d._get_default_store() if initialized else None
         except Exception:  # noqa: BLE001 - no store: waits still time out
@@ -74,15 +75,15 @@ class Comm:
         tensor = tensor.detach().contiguous()
         if self.counting and category is not None:
             self.bytes[category] += tensor.numel() * tensor.element_size()
-        work = dist.isend(tensor, dst, group=self.group)
+        work = self._post(f"a send to rank {dst}", dist.isend, tensor, dst, group=self.group)
         self._pending.append((work, tensor))
 
-    def all_reduce(self, tensor: Tensor, group, group_size: int, first: bool) -> None:
+    def all_reduce_gradients(self, tensor: Tensor, group, group_size: int, first: bool) -> None:
         """Sums ``tensor`` in place over ``group`` and counts it as a ring all-reduce under
         ``weight_allreduce``: ``2·(W-1)·n·b`` bytes for the group, split evenly over its ranks
         (``first`` takes the remainder, so the group's total is exact)."""
         if group_size > 1:
-            dist.all_reduce(tensor, group=group)
+            self.all_reduce(tensor, group, "the weight-gradient all-reduce")
             if self.counting:
                 total = 2 * (group_size - 1) * tensor.numel() * tensor.element_size()
                 share = total // group_size
@@ -91,7 +92,8 @@ class Comm:
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> Tensor:
         """Receives one tensor of known shape and dtype from ``src``."""
         buf = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-        self.wait(dist.irecv(buf, src, group=self.group), f"receive from rank {src}")
+        what = f"receive from rank {src}"
+        self.wait(self._post(what, dist.irecv, buf, src, group=self.group), what)
         return buf
 
     def exchange(self, sends: Sequence[Tuple[Tensor, int]], recvs: Sequence[Tuple[Sequence[int], torch.dtype, int]],
@@ -114,7 +116,7 @@ class Comm:
             out.append(buf)
             ops.append(dist.P2POp(dist.irecv, buf, src, group=self.group))
         if ops:
-            for work in dist.batch_isend_irecv(ops):
+            for work in self._post("a halo exchange", dist.batch_isend_irecv, ops):
                 self.wait(work, "halo exchange")
         return out
 
@@ -134,7 +136,65 @@ class Comm:
         for work, _ in pending:
             self.wait(work, "send")
 
+    # -- collectives (uncounted: planning, statistics, checkpoints) ------------------------------
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def rank_in(self, group) -> int:
+        """This rank's index in ``group`` (``None``: the world)."""
+        return dist.get_rank(group) if self.distributed else 0
+
+    def all_reduce(self, tensor: Tensor, group=None, what: str = "an all-reduce", op: str = "sum") -> Tensor:
+        """Reduces ``tensor`` in place over ``group`` (``op``: ``"sum"``, ``"min"`` or ``"max"``)."""
+        if self.distributed:
+            reduce_op = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+            self.wait(self._post(what, dist.all_reduce, tensor, op=reduce_op, group=group, async_op=True), what)
+        return tensor
+
+    def all_gather(self, tensor: Tensor, group=None, what: str = "an all-gather") -> List[Tensor]:
+        """Every rank's ``tensor`` (all of the same shape), in rank order of ``group``."""
+        if not self.distributed:
+            return [tensor]
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        self.wait(self._post(what, dist.all_gather, parts, tensor, group=group, async_op=True), what)
+        return parts
+
+    def broadcast(self, tensor: Tensor, src: int, what: str = "a broadcast", group=None) -> Tensor:
+        """``src``'s ``tensor`` on every rank (on the device the tensor came from)."""
+        if not self.distributed:
+            return tensor
+        buf = tensor.to(self.device).contiguous()
+        self.wait(self._post(what, dist.broadcast, buf, src, group=group, async_op=True), what)
+        return buf.to(tensor.device)
+
+    def all_gather_objects(self, obj, what: str = "sharing a small object", group=None) -> list:
+        """Every rank's picklable ``obj``, in rank order (small objects: decisions, refusals)."""
+        if not self.distributed:
+            return [obj]
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+        sizes = self.all_gather(torch.tensor([data.numel()], dtype=torch.long, device=self.device), group, what)
+        longest = int(max(int(n) for n in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        padded[:data.numel()] = data
+        parts = self.all_gather(padded, group, what)
+        return [pickle.loads(p[:int(n)].cpu().numpy().tobytes()) for p, n in zip(parts, sizes)]
+
+    def barrier(self, what: str = "a barrier", group=None) -> None:
+        """Returns when every rank of ``group`` got here."""
+        self.all_reduce(torch.zeros(1, device=self.device), group, what)
+
     # -- waiting and failures ------------------------------------------------------------------
+    def _post(self, what: str, fn, *args, **kwargs):
+        """Posts an operation; if the transport refuses it (a peer's connection is gone), the peer's posted
+        error is raised instead of the transport's."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - translated below
+            self.check_remote_error()
+            raise RuntimeError(f"pyg_pipe rank {self.rank}: {what} could not be posted ({exc}). Another rank "
+                               f"stopped.") from exc
+
     def wait(self, work, what: str) -> None:
         """Blocks on ``work``; a failure of the peer surfaces as :class:`RemoteRankError` with its cause.
 
@@ -171,9 +231,6 @@ class Comm:
         except Exception:  # noqa: BLE001 - the store itself may be gone
             pass
 
-    def close(self) -> None:
-        self._closed = True
-
     # -- accounting ------------------------------------------------------------------------------
     def reset_counters(self) -> None:
         self.bytes = defaultdict(int)
@@ -182,8 +239,7 @@ class Comm:
         """Bytes per category (and ``total``), summed over all ranks when ``reduce``."""
         vals = torch.tensor([self.bytes.get(c, 0) for c in CATEGORIES], dtype=torch.float64)
         if reduce and self.world_size > 1:
-            vals = vals.to(self.device)
-            dist.all_reduce(vals, group=self.group)
+            vals = self.all_reduce(vals.to(self.device), self.group, "summing the byte counters")
         out = {c: int(v) for c, v in zip(CATEGORIES, vals.tolist())}
         out["total"] = sum(out[c] for c in CATEGORIES)
         return out

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ..model.errors import UnsupportedModelError
-from .layers import active
+from .context import current
 
 _swapped: list = []
 _installs = 0
@@ -45,7 +45,7 @@ def _originals():
     return {"gcn_norm": gcn_conv.gcn_norm, "get_laplacian": laplacian.get_laplacian}
 
 
-_ORIGINAL = {}
+_ORIGINAL = _originals()  # PyG's own, taken before anything is swapped
 
 
 def install() -> None:
@@ -54,15 +54,12 @@ def install() -> None:
     _installs += 1
     if _installs > 1:
         return
-    if not _ORIGINAL:
-        _ORIGINAL.update(_originals())
     replacement = {"gcn_norm": gcn_norm, "get_laplacian": get_laplacian}
     for module in list(sys.modules.values()):
         for name, original in _ORIGINAL.items():
-            for attr in (name,):
-                if getattr(module, attr, None) is original:
-                    setattr(module, attr, replacement[name])
-                    _swapped.append((module, attr, original))
+            if getattr(module, name, None) is original:
+                setattr(module, name, replacement[name])
+                _swapped.append((module, name, original))
 
 
 def uninstall() -> None:
@@ -77,7 +74,7 @@ def uninstall() -> None:
 
 def _site(kind: str):
     """``(ctx, invocation)`` when called inside a layer running on a chunk, else ``None``."""
-    ctx = active()
+    ctx = current()
     if ctx is None or not ctx.stack:
         return None
     inv = ctx.stack[-1]

@@ -32,6 +32,8 @@ class RankGrid:
         if stages * ways != world_size:
             raise ValueError(f"stages={stages} x ways={ways} = {stages * ways} ranks, but {world_size} processes "
                              f"run; choose stages and ways whose product is the number of devices.")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside the {world_size} processes.")
         self.rank, self.world_size = rank, world_size
         self.stages, self.ways = stages, ways
         self.stage, self.way = rank // ways, rank % ways
@@ -70,7 +72,13 @@ def grid_shape(world_size: int, stages: Optional[int], ways: Optional[int], min_
     """``(S, W)`` for ``world_size`` devices: as given, the other one derived from the one given, or (both
     ``None``) the fewest ways ``>= min_ways`` that divide the devices, one stage per remaining device."""
     P = world_size
+    for name, value in (("stages", stages), ("ways", ways)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name}={value} must be a positive number of processes (or None to derive it).")
     if stages is None and ways is None:
+        if min_ways > P:
+            raise ValueError(f"At least {min_ways} graph-parallel ways are needed, but {P} process(es) run; use at "
+                             f"least {min_ways} devices, or strategy='gnnpipe' (which needs no ways).")
         ways = next(w for w in range(max(min_ways, 1), P + 1) if P % w == 0)
     if stages is None:
         if P % ways:
@@ -92,3 +100,10 @@ def ways_for_layers(world_size: int, layers: int, min_ways: int = 1) -> Tuple[in
     P = world_size
     ways = next(w for w in range(max(min_ways, 1), P + 1) if P % w == 0 and P // w <= max(layers, 1))
     return P // ways, ways
+
+
+def check_chunks_per_way(num_chunks: int, ways: int) -> None:
+    """Every way owns the same number of chunks: ``num_chunks`` must be a multiple of ``ways``."""
+    if num_chunks % ways:
+        raise ValueError(f"num_chunks={num_chunks} must be a multiple of the {ways} graph-parallel ways (each way owns "
+                         f"the same number of chunks); use e.g. num_chunks={ways * max(1, num_chunks // ways)}.")

@@ -22,38 +22,38 @@ computed before its first chunk runs, so the per-chunk loop has no host synchron
 Recomputation during backward (``torch.utils.checkpoint``, reversible blocks that rebuild their
 inputs) calls the site again: it exchanges live with the other ways (which recompute at the same
 point) and reads the history as it is then, without writing its own rows.
+
+One pass over a rank's chunks (the fill of one call of the model, or an exact pass) is a
+:class:`HaloPass`: the step's clocks, whether history is read and written, and the history of that
+call. The layer hooks reach it through the chunk context (:mod:`.context`).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..graph.chunks import ChunkedGraph, LocalGraph
 from .comm import Comm
+from .context import in_backward
 from .grid import RankGrid
-from .history import HistoryStore
+from .history import CallHistory
 from .schedule import Schedule
-
-
-def in_backward() -> bool:
-    """True while autograd runs a backward pass (a recomputation of the forward, not the forward)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class _HaloJoin(torch.autograd.Function):
     """``[rows | halo]`` (vertex-first); the backward hands the halo gradient to its owners."""
 
     @staticmethod
-    def forward(ctx, rows: Tensor, halo: Tensor, exchange: "HaloExchange", token: tuple):
-        ctx.exchange, ctx.token = exchange, token
+    def forward(ctx, rows: Tensor, halo: Tensor, run: "HaloPass", token: tuple):
+        ctx.run, ctx.token = run, token
         ctx.rows = rows.size(0)
         return torch.cat([rows, halo])
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        g_rows = ctx.exchange.backward(ctx.token, grad[:ctx.rows], grad[ctx.rows:])
+        g_rows = ctx.run.backward(ctx.token, grad[:ctx.rows], grad[ctx.rows:])
         return g_rows, None, None, None
 
 
@@ -68,31 +68,55 @@ class _Routes:
 
 
 class HaloExchange:
-    """Source rows with halos for this rank's chunks (see the module docstring).
+    """The halo exchange of this rank: what stays the same from pass to pass (see the module docstring).
 
     Args:
         grid: the rank grid (ways of this stage exchange).
         comm: counted transport.
         schedule: chunk order and freshness.
-        history: the buffers of historical rows and pending gradients.
     """
 
-    def __init__(self, grid: RankGrid, comm: Comm, schedule: Schedule, history: HistoryStore):
-        self.grid, self.comm, self.schedule, self.history = grid, comm, schedule, history
-        self.read_history = self.write_history = False
-        self.clock = torch.zeros(schedule.num_chunks, dtype=torch.long)
-        self._routes: Dict[Tuple[int, int], _Routes] = {}
+    def __init__(self, grid: RankGrid, comm: Comm, schedule: Schedule):
+        self.grid, self.comm, self.schedule = grid, comm, schedule
         self._static: Dict[Tuple[int, int, int], Tensor] = {}
 
-    # ------------------------------------------------------------------ runs
-    def begin(self, clock: Tensor, read_history: bool, write_history: bool) -> None:
-        """Starts a pass: ``clock`` is every chunk's position (all zeros for one chunk per way)."""
+    def begin(self, history: Optional[CallHistory], clock: Tensor, read_history: bool,
+              write_history: bool) -> "HaloPass":
+        """A pass: ``clock`` is every chunk's position (all zeros for one chunk per way), ``history`` the
+        buffers of the call this pass runs."""
+        return HaloPass(self, history, clock, read_history, write_history)
+
+    def local(self, cg: ChunkedGraph, lg: LocalGraph, w: int, ids: Tensor) -> Tensor:
+        """``ids`` (rows of ``lg``'s chunk) as row positions within the chunk (cached)."""
+        key = (id(cg), lg.index, -1 - w)
+        hit = self._static.get(key)
+        if hit is None:
+            hit = self._static[key] = ids - lg.start
+        return hit
+
+    def positions(self, cg: ChunkedGraph, lg: LocalGraph, w: int, ids: Tensor) -> Tensor:
+        """``ids`` (halo vertices of ``lg``) as positions in its halo (cached)."""
+        key = (id(cg), lg.index, w)
+        hit = self._static.get(key)
+        if hit is None:
+            hit = self._static[key] = torch.searchsorted(lg.halo, ids)
+        return hit
+
+
+class HaloPass:
+    """Source rows with halos for this rank's chunks in one pass (see the module docstring)."""
+
+    def __init__(self, exchange: HaloExchange, history: Optional[CallHistory], clock: Tensor, read_history: bool,
+                 write_history: bool):
+        self.exchange, self.history = exchange, history
+        self.grid, self.comm, self.schedule = exchange.grid, exchange.comm, exchange.schedule
         self.clock = clock
         self.read_history, self.write_history = read_history, write_history
-        self._routes = {}
+        self._routes: Dict[Tuple[int, int], _Routes] = {}
 
     def prepare(self, graphs: List[ChunkedGraph]) -> None:
-        """Computes the backward routes of this rank's chunks of ``graphs`` for the current pass."""
+        """Computes the backward routes of this rank's chunks of ``graphs`` (before the per-chunk loop,
+        which then never reads a value on the host)."""
         for cg in graphs:
             cpw = cg.chunks_per_way
             for lg in cg.chunks[self.grid.way * cpw:(self.grid.way + 1) * cpw]:
@@ -124,7 +148,7 @@ class HaloExchange:
             raise RuntimeError("pyg_pipe: halo rows of other chunks of this way need history (internal error)")
         halo = rows.new_empty((lg.halo.numel(), *rows.shape[1:]))
         for w, ids, r in received:
-            halo[self._positions(cg, lg, w, ids)] = r
+            halo[self.exchange.positions(cg, lg, w, ids)] = r
         return halo
 
     def _exchange_rows(self, cg: ChunkedGraph, lg: LocalGraph, rows: Tensor) -> List[Tuple[int, Tensor, Tensor]]:
@@ -136,7 +160,7 @@ class HaloExchange:
                 continue
             out_ids = mirrors[(lg.index, w)]
             if out_ids.numel():
-                sends.append((rows[self._local(cg, lg, w, out_ids)], self.grid.rank_of(self.grid.stage, w)))
+                sends.append((rows[self.exchange.local(cg, lg, w, out_ids)], self.grid.rank_of(self.grid.stage, w)))
             in_ids = mirrors[(w * cpw + lg.index % cpw, me)]
             if in_ids.numel():
                 recvs.append(((in_ids.numel(), *rows.shape[1:]), rows.dtype, self.grid.rank_of(self.grid.stage, w)))
@@ -144,20 +168,6 @@ class HaloExchange:
                 ways_in.append(w)
         got = self.comm.exchange(sends, recvs, "halo_forward")
         return list(zip(ways_in, ids_in, got))
-
-    def _local(self, cg: ChunkedGraph, lg: LocalGraph, w: int, ids: Tensor) -> Tensor:
-        key = (id(cg), lg.index, -1 - w)
-        hit = self._static.get(key)
-        if hit is None:
-            hit = self._static[key] = ids - lg.start
-        return hit
-
-    def _positions(self, cg: ChunkedGraph, lg: LocalGraph, w: int, ids: Tensor) -> Tensor:
-        key = (id(cg), lg.index, w)
-        hit = self._static.get(key)
-        if hit is None:
-            hit = self._static[key] = torch.searchsorted(lg.halo, ids)
-        return hit
 
     # ------------------------------------------------------------------ backward
     def _route(self, cg: ChunkedGraph, lg: LocalGraph) -> _Routes:
@@ -195,7 +205,7 @@ class HaloExchange:
         key, cg, lg = token
         r = self._route(cg, lg)
         g_rows = g_rows.clone()
-        pending = self.history.take_grad(key, lg.start, lg.end)
+        pending = self.history.take_grad(key, lg.start, lg.end) if self.history is not None else None
         if pending is not None:
             g_rows += pending.to(g_rows.dtype)
         if r.own_pos is not None:

@@ -16,6 +16,11 @@ The user's forward runs as ordinary Python on a chunk's rows (tensors with one r
    ``module#invocation.call``; K-hop layers have K sites.
 3. **layer exit** (forward hook): the outputs are cut back to the chunk's rows.
 
+Which argument is a node tensor and which an edge tensor is decided by what it is: an edge input
+handed out for the chunk, else its row count (the chunk's vertices or its local edges); when the
+chunk has as many rows as local edges, by the name of the layer's parameter it is passed to (names
+holding ``edge`` are per edge, as PyG names them).
+
 Which extended rows are already right is decided by structure, never by values: a node argument
 is *clean* when it is one of the inputs handed out for this chunk, unchanged (its halo rows are then
 the true input rows); a call site's sources are clean when every node argument of the layer call was
@@ -24,14 +29,13 @@ clean and no propagate of that call has returned yet. Clean sources need no exch
 
 Rows beyond the chunk are only ever *read* at a call site, after the exchange replaced them, so
 their local values (copies of chunk rows, a numerically safe filler) never reach a chunk row.
-Graph-wide statistics (BatchNorm and friends) are computed from the chunk's rows only
-(:mod:`pyg_pipe.engine.statistics`).
+Layers that hold graph-wide statistics (a BatchNorm in a message MLP) also get hooks around
+``message`` / ``edge_update``, so the statistics know they run over edges (:mod:`.statistics`).
 """
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -39,137 +43,17 @@ from torch_geometric.nn import MessagePassing
 
 from ..graph.chunks import ChunkedGraph, LocalGraph
 from ..model.errors import UnsupportedModelError
-from .halo import in_backward
-
-_ACTIVE: List["ChunkContext"] = []
-
-
-def active() -> Optional["ChunkContext"]:
-    """The context of the chunk running now, or ``None`` outside the engine."""
-    return _ACTIVE[-1] if _ACTIVE else None
-
-
-@dataclass
-class Invocation:
-    """One call of one ``MessagePassing`` module on the current chunk."""
-
-    name: str
-    index: int
-    cg: ChunkedGraph
-    lg: LocalGraph
-    clean: bool
-    parent: Optional["Invocation"] = None
-    graph: Any = None
-    calls: int = 0
-    norms: int = 0
-    propagated: bool = False
-    restore: Dict[str, Any] = field(default_factory=dict)
-
-    def mark_propagated(self) -> None:
-        inv = self
-        while inv is not None:
-            inv.propagated = True
-            inv = inv.parent
-
-
-@dataclass
-class Site:
-    """A call site as recorded by the plan: its key and the source arguments exchanged there."""
-
-    key: str
-    sources: Tuple[str, ...]
-    clean: bool
-
-
-class ChunkContext:
-    """What the hooks need while one chunk (or one way's partition) runs.
-
-    Args:
-        cg: the chunked primary graph.
-        lg: the chunk's local view of it.
-        halo: source of halo rows (``None`` when the chunk is the whole graph: no halo).
-        graphs: resolves graph arguments: ``resolve(tensor) -> (cg, lg, local graph) or None``.
-        statistics: graph-wide statistics for this run (:mod:`pyg_pipe.engine.statistics`).
-        cache: per-chunk store for layers with ``cached=True``.
-        sites: the list the run appends its call sites to.
-    """
-
-    def __init__(self, cg: ChunkedGraph, lg: LocalGraph, halo, graphs, statistics, cache: Dict, sites: List[Site]):
-        self.cg, self.lg = cg, lg
-        self.halo, self.graphs, self.statistics = halo, graphs, statistics
-        self.cache = cache
-        self.sites = sites
-        self.clean: Dict[int, Tuple[Tensor, int, Callable]] = {}
-        self.edge_inputs: Dict[int, Tuple[Tensor, int, Tensor]] = {}
-        self.stack: List[Invocation] = []
-        self.counts: Dict[str, int] = {}
-        self.clean_calls: Dict[Tuple[str, int], bool] = {}
-        self.rows_check = None  # a RowCheck on a plan's first pass (:mod:`pyg_pipe.engine.rows`)
-
-    def __enter__(self):
-        _ACTIVE.append(self)
-        return self
-
-    def __exit__(self, *exc):
-        _ACTIVE.remove(self)
-
-    # inputs registered by the localiser
-    def add_clean(self, local: Tensor, extend: Callable[[ChunkedGraph, LocalGraph], Tensor]) -> None:
-        """``local`` is an input's chunk rows; ``extend(cg, lg)`` gives its rows beyond them."""
-        self.clean[id(local)] = (local, local._version, extend)
-
-    def add_edge_input(self, local: Tensor, whole: Tensor) -> None:
-        self.edge_inputs[id(local)] = (local, local._version, whole)
-
-    def is_clean(self, t: Tensor) -> bool:
-        hit = self.clean.get(id(t))
-        return hit is not None and hit[0] is t and hit[1] == t._version
-
-    def clean_rows(self, t: Tensor) -> Callable:
-        """The halo-row provider of a clean input (found by storage for a recomputation's detached copy)."""
-        hit = self.clean.get(id(t))
-        if hit is None or hit[0] is not t:
-            hit = next((h for h in self.clean.values() if h[0].data_ptr() == t.data_ptr()
-                        and h[0].shape == t.shape), None)
-            if hit is None:
-                raise UnsupportedModelError("pyg_pipe: a layer recomputed during backward received an input it did "
-                                            "not receive in the forward.")
-        return hit[2]
-
-    def edge_input(self, t: Tensor) -> Optional[Tensor]:
-        hit = self.edge_inputs.get(id(t))
-        return hit[2] if hit is not None and hit[0] is t and hit[1] == t._version else None
-
-
-class Rerouted:
-    """A module's ``forward`` while the engine is installed: calls ``route(*args)`` instead.
-
-    Set as an instance attribute and removed at uninstall. A deep copy of the module (taken while
-    installed) gets the module's own forward back, bound to the copy, so copies are plain modules.
-    """
-
-    def __init__(self, module: torch.nn.Module, route: Callable, plain: Callable):
-        self.module, self.route, self.plain = module, route, plain
-
-    def __call__(self, *args, **kwargs):
-        return self.route(*args, **kwargs)
-
-    def __deepcopy__(self, memo):
-        import types
-        copy = memo.get(id(self.module))
-        return types.MethodType(self.plain, copy) if copy is not None else self.plain
-
-
-# ---------------------------------------------------------------------------------------------
-# hooks
-# ---------------------------------------------------------------------------------------------
+from ..model.inputs import is_graph_tensor
+from ..model.norms import needs_statistics
+from . import degrees
+from .context import ChunkContext, Invocation, Site, current, in_backward
 
 
 class LayerHooks:
     """Installs the hooks on every ``MessagePassing`` module of ``model`` (and removes them).
 
-    Outside the engine (no active :class:`ChunkContext`) the hooks do nothing, so the model keeps
-    working as a plain single-device model.
+    Outside the engine (no current :class:`~pyg_pipe.engine.context.ChunkContext`) the hooks do
+    nothing, so the model keeps working as a plain single-device model.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -180,23 +64,28 @@ class LayerHooks:
     def install(self) -> None:
         if self.handles:
             return
-        from . import degrees
         degrees.install()
         self.handles.append(_Undo(degrees.uninstall))
         for name, m in self.model.named_modules():
-            if isinstance(m, MessagePassing):
-                # PyG's generated (jinja) edge_updater calls its pre-hooks after lifting the arguments to
-                # the edges; its plain one, which PyG itself switches to for explanations, calls them before
-                if hasattr(type(m), "_orig_edge_updater"):
-                    m.edge_updater = type(m)._orig_edge_updater.__get__(m, type(m))
-                    self.patched.append(m)
-                self.handles += [
-                    m.register_forward_pre_hook(_entry(name), with_kwargs=True),
-                    m.register_forward_hook(_exit, with_kwargs=True, always_call=True),
-                    m.register_propagate_forward_pre_hook(_sources(name, "_user_args")),
-                    m.register_propagate_forward_hook(_propagated),
-                    m.register_edge_update_forward_pre_hook(_sources(name, "_edge_user_args")),
-                ]
+            if not isinstance(m, MessagePassing):
+                continue
+            # PyG's generated (jinja) edge_updater calls its pre-hooks after lifting the arguments to
+            # the edges; its plain one, which PyG itself switches to for explanations, calls them before
+            if hasattr(type(m), "_orig_edge_updater"):
+                m.edge_updater = type(m)._orig_edge_updater.__get__(m, type(m))
+                self.patched.append(m)
+            stats = any(needs_statistics(s) for s in m.modules())
+            self.handles += [
+                m.register_forward_pre_hook(_entry(name), with_kwargs=True),
+                m.register_forward_hook(_exit, with_kwargs=True, always_call=True),
+                m.register_propagate_forward_pre_hook(_sources(name, "_user_args", False)),
+                m.register_propagate_forward_hook(_propagated),
+                m.register_edge_update_forward_pre_hook(_sources(name, "_edge_user_args", stats)),
+            ]
+            if stats:  # statistics inside the layer may run over its edges
+                self.handles += [m.register_message_forward_pre_hook(_edges(True)),
+                                 m.register_message_forward_hook(_edges(False)),
+                                 m.register_edge_update_forward_hook(_edges(False))]
 
     def remove(self) -> None:
         for h in self.handles:
@@ -216,9 +105,14 @@ class _Undo:
         self.fn()
 
 
+# ---------------------------------------------------------------------------------------------
+# hooks
+# ---------------------------------------------------------------------------------------------
+
+
 def _entry(name: str):
     def hook(module: MessagePassing, args: tuple, kwargs: dict):
-        ctx = active()
+        ctx = current()
         if ctx is None:
             return None
         if in_backward():  # recomputed during backward (checkpointing, reversible blocks): the forward's call
@@ -236,7 +130,8 @@ def _entry(name: str):
             ctx.stack.append(Invocation(name, index, parent.cg, parent.lg, parent.clean and not parent.propagated,
                                         parent=parent, graph=parent.graph))
             return None
-        return _enter(ctx, name, index, module, args, kwargs)
+        with ctx.engine_work():
+            return _enter(ctx, name, index, module, args, kwargs)
     return hook
 
 
@@ -248,25 +143,24 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
             f"and use the default flow.")
     args, kwargs = list(args), dict(kwargs)
     cg, lg, graph = _resolve_graph(ctx, name, module, args, kwargs)
-    rows = lg.rows
-    node_args: List[Tuple[Any, Tensor]] = []
+    node_args: List[Tuple[Tensor, int]] = []
+    names = _parameter_names(module, len(args))
 
-    def visit(value):
+    def visit(value, param: str):
         """Extends one argument (or the tensors of a tuple/list argument) to the local graph."""
         if isinstance(value, (tuple, list)):
-            return type(value)(visit(v) for v in value)
+            return type(value)(visit(v, param) for v in value)
         if not isinstance(value, Tensor) or value.dim() == 0 or value.layout != torch.strided:
             return value
-        if value.size(0) == ctx.lg.num_edges:
+        kind, vdim = _kind(ctx, module, value, param)
+        if kind == "edge":
             return _relocalise_edges(ctx, name, cg, lg, value)
-        vdim = _vertex_dim(module, value, rows)
-        if vdim is None:
-            return value
-        node_args.append((value, vdim))
+        if kind == "node":
+            node_args.append((value, vdim))
         return value
 
-    args = [visit(a) for a in args]
-    kwargs = {k: visit(v) for k, v in kwargs.items()}
+    args = [visit(a, n) for a, n in zip(args, names)]
+    kwargs = {k: visit(v, k) for k, v in kwargs.items()}
     if in_backward():  # a recomputation decides as the forward did (its arguments are detached copies)
         clean = ctx.clean_calls.get((name, index), False)
     else:
@@ -287,21 +181,38 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
     return tuple(args), kwargs
 
 
+def _kind(ctx: ChunkContext, module: MessagePassing, value: Tensor, param: str) -> Tuple[Optional[str], int]:
+    """``("node", vertex dim)``, ``("edge", 0)`` or ``(None, 0)`` for one tensor argument of a layer."""
+    lg = ctx.lg
+    if ctx.edge_input(value) is not None:
+        return "edge", 0
+    vdim = _vertex_dim(module, value, lg.rows)
+    if ctx.is_clean(value) and vdim is not None:
+        return "node", vdim
+    edge = value.size(0) == lg.num_edges
+    if vdim is not None and edge:  # as many chunk rows as local edges: PyG's names say which
+        return ("edge", 0) if "edge" in param else ("node", vdim)
+    if edge:
+        return "edge", 0
+    return ("node", vdim) if vdim is not None else (None, 0)
+
+
 def _exit(module: MessagePassing, args, kwargs, output):
-    ctx = active()
+    ctx = current()
     if ctx is None or not ctx.stack:
         return None
     inv = ctx.stack.pop()
     if inv.parent is not None:
         return None
-    _store_cache(ctx, inv, module)
-    for attr, value in inv.restore.items():
-        setattr(module, attr, value)
-    out = _narrow(module, output, inv.lg)
-    if ctx.rows_check is not None:  # what the layer returns has one row per vertex of the chunk
+    with ctx.engine_work():
+        _store_cache(ctx, inv, module)
+        for attr, value in inv.restore.items():
+            setattr(module, attr, value)
+        out = _narrow(module, output, inv.lg)
+    if ctx.observer is not None:  # what the layer returns has one row per vertex of the chunk
         for t in (out if isinstance(out, (tuple, list)) else [out]):
             if isinstance(t, Tensor) and t.dim() > 0:
-                ctx.rows_check.mark(t, _vertex_dim(module, t, inv.lg.rows))
+                ctx.observer.returned(t, _vertex_dim(module, t, inv.lg.rows))
     return out
 
 
@@ -315,14 +226,15 @@ def _narrow(module: MessagePassing, value, lg: LocalGraph):
     return value
 
 
-def _sources(name: str, args_attr: str):
+def _sources(name: str, args_attr: str, stats: bool):
     """Pre-hook of ``propagate`` / ``edge_updater``: the source arguments get their halo rows."""
     def hook(module: MessagePassing, inputs):
-        ctx = active()
+        ctx = current()
         if ctx is None or not ctx.stack:
             return None
         edge_index, size, kwargs = inputs
         inv = ctx.stack[-1]
+        inv.edge_graph = edge_index
         site = f"{inv.name}#{inv.index}.{inv.calls}"
         inv.calls += 1
         clean = inv.clean and not inv.propagated
@@ -355,15 +267,27 @@ def _sources(name: str, args_attr: str):
             kwargs[arg] = type(value)((joined, *value[1:])) if isinstance(value, (tuple, list)) else joined
         if not in_backward():
             ctx.sites.append(Site(site, tuple(sources), clean))
+        if stats:  # edge_updater: edge_update computes per-edge values next
+            inv.in_edges = True
         return edge_index, size, kwargs
     return hook
 
 
 def _propagated(module, inputs, output):
-    ctx = active()
+    ctx = current()
     if ctx is not None and ctx.stack:
         ctx.stack[-1].mark_propagated()
     return None
+
+
+def _edges(inside: bool):
+    """Hooks around ``message`` / ``edge_update``: statistics computed in between run over edges."""
+    def hook(module, *_):
+        ctx = current()
+        if ctx is not None and ctx.stack:
+            ctx.stack[-1].in_edges = inside
+        return None
+    return hook
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,16 +304,21 @@ def _vertex_dim(module: MessagePassing, t: Tensor, size: int) -> Optional[int]:
     return 0 if t.size(0) == size else None
 
 
+_NAMES: Dict[type, List[str]] = {}
+
+
+def _parameter_names(module: torch.nn.Module, count: int) -> List[str]:
+    """The names of the first ``count`` positional parameters of the layer's ``forward``."""
+    cls = type(module)
+    names = _NAMES.get(cls)
+    if names is None:
+        params = inspect.signature(cls.forward).parameters.values()
+        names = _NAMES[cls] = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+    return (names + [""] * count)[:count]
+
+
 def _is_sparse(value) -> bool:
     return isinstance(value, Tensor) and value.layout != torch.strided or type(value).__name__ == "SparseTensor"
-
-
-def _is_graph(value) -> bool:
-    if not isinstance(value, Tensor):
-        return type(value).__name__ == "SparseTensor"
-    if value.layout != torch.strided:
-        return True
-    return value.dim() == 2 and value.size(0) == 2 and not value.is_floating_point() and value.dtype != torch.bool
 
 
 def _resolve_graph(ctx: ChunkContext, name: str, module: MessagePassing, args: list, kwargs: dict):
@@ -398,7 +327,7 @@ def _resolve_graph(ctx: ChunkContext, name: str, module: MessagePassing, args: l
     for container, keys in ((args, range(len(args))), (kwargs, list(kwargs))):
         for k in keys:
             value = container[k]
-            if not _is_graph(value):
+            if not is_graph_tensor(value):
                 continue
             hit = ctx.graphs.resolve(value)
             if hit is None:
@@ -452,16 +381,6 @@ def _filler(lg: LocalGraph, device) -> Tensor:
         fill = torch.arange(lg.halo.numel(), device=device) % lg.rows
         lg._filler = fill
     return fill
-
-
-_SIGNATURES: Dict[type, inspect.Signature] = {}
-
-
-def _signature(module) -> inspect.Signature:
-    cls = type(module)
-    if cls not in _SIGNATURES:
-        _SIGNATURES[cls] = inspect.signature(module.forward)
-    return _SIGNATURES[cls]
 
 
 def _swap_cache(ctx: ChunkContext, inv: Invocation, module) -> None:

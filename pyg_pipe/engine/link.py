@@ -21,31 +21,20 @@ from torch import Tensor
 
 from ..model.errors import UnsupportedModelError
 from .comm import Comm
+from .tree import flatten, unflatten
 
 Spec = Tuple[Any, List[Optional[Tuple[Tuple[int, ...], torch.dtype]]]]   # (structure, leaf shapes)
 
 
-def flatten(value) -> Tuple[List[Any], Any]:
-    """``(leaves, structure)`` of a tensor or nested tuples/lists of tensors (and ``None``)."""
-    if isinstance(value, (tuple, list)):
-        leaves, parts = [], []
-        for v in value:
-            sub, spec = flatten(v)
-            leaves += sub
-            parts.append((len(sub), spec))
-        return leaves, (type(value).__name__, parts)
-    return [value], None
+def _leaf(value: Any) -> bool:
+    """What travels as a leaf: everything but containers (``None`` included, so the structure is fixed)."""
+    return not isinstance(value, (tuple, list, dict))
 
 
-def unflatten(leaves: List[Any], structure) -> Any:
-    if structure is None:
-        return leaves[0]
-    kind, parts = structure
-    out, i = [], 0
-    for n, spec in parts:
-        out.append(unflatten(leaves[i:i + n], spec))
-        i += n
-    return tuple(out) if kind == "tuple" else out
+def _floats(values: Dict[str, Any]) -> List[Tuple[str, Tensor]]:
+    """``(name, tensor)`` of every floating-point leaf of ``values`` (the ones with gradients)."""
+    return [(name, leaf) for name, value in values.items() for leaf in flatten(value, _leaf)[0]
+            if isinstance(leaf, Tensor) and leaf.is_floating_point()]
 
 
 class StageLink:
@@ -66,7 +55,7 @@ class StageLink:
     # ------------------------------------------------------------------ forward
     def send(self, chunk: int, values: Dict[str, Any], activation: Optional[str]) -> None:
         for name, value in values.items():
-            leaves, spec = flatten(value)
+            leaves, spec = flatten(value, _leaf)
             shapes = [_shape(name, leaf) for leaf in leaves]
             known = self.sent.get((chunk, name))
             if known is None:
@@ -108,14 +97,11 @@ class StageLink:
         the previous stage must then not back-propagate, as one process would not: optimizers treat a
         missing gradient and a zero one differently) is told once per step, with the first chunk.
         """
-        leaves = [leaf for value in received.values() for leaf in flatten(value)[0]
-                  if isinstance(leaf, Tensor) and leaf.is_floating_point()]
+        leaves = _floats(received)
         if first:
-            self._has_grad = [leaf.grad is not None for leaf in leaves]
+            self._has_grad = [leaf.grad is not None for _, leaf in leaves]
             self.comm.send(torch.tensor(self._has_grad, dtype=torch.uint8, device=self.comm.device), self.prev, None)
-        names = [name for name, value in received.items() for leaf in flatten(value)[0]
-                 if isinstance(leaf, Tensor) and leaf.is_floating_point()]
-        for name, leaf, has in zip(names, leaves, self._has_grad):
+        for (name, leaf), has in zip(leaves, self._has_grad):
             if has:
                 g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 self.comm.send(g, self.prev, "stage_gradients" if name == activation else "carried")
@@ -123,17 +109,13 @@ class StageLink:
     def expect_grads(self, sent: Dict[str, Any]) -> None:
         """Before a step's drain: which of the tensors sent per chunk the next stage back-propagated into
         (told once per step, read on the host here, outside the per-chunk loop)."""
-        leaves = [leaf for value in sent.values() for leaf in flatten(value)[0]
-                  if isinstance(leaf, Tensor) and leaf.is_floating_point()]
-        self._want = [bool(f) for f in self.comm.recv((len(leaves),), torch.uint8, self.next).tolist()]
+        self._want = [bool(f) for f in self.comm.recv((len(_floats(sent)),), torch.uint8, self.next).tolist()]
 
     def recv_grads(self, chunk, sent: Dict[str, Any]) -> Tuple[List[Tensor], List[Tensor]]:
         """``(roots, grads)``: the float tensors sent for ``chunk`` that the next stage back-propagated
         into, and their gradients."""
-        leaves = [leaf for value in sent.values() for leaf in flatten(value)[0]
-                  if isinstance(leaf, Tensor) and leaf.is_floating_point()]
         roots, grads = [], []
-        for leaf, want in zip(leaves, self._want):
+        for (_, leaf), want in zip(_floats(sent), self._want):
             if want:
                 g = self.comm.recv(tuple(leaf.shape), leaf.dtype, self.next)
                 if leaf.requires_grad:

@@ -1,63 +1,55 @@
 """The plan: everything decided once for a graph and a model, agreed by all ranks, saved in checkpoints.
 
-A plan fixes the rank grid (stages x ways), the chunking (vertex order ``perm`` and chunk bounds
-``ptr``), the stage split (layers per stage) and the table of call sites each stage meets. The
-decisions that use measurements (the cost-balanced split) or randomness (the partitioner) are made
-once, on one rank, and broadcast; a resumed run reuses the saved plan instead of re-deciding, and a
-resume whose settings differ from the saved ones fails naming the setting.
+A :class:`Plan` is immutable. It fixes the rank grid (stages x ways), the chunking (vertex order
+``perm`` and chunk bounds ``ptr``) and the stage split (layer groups per stage, and so which stage
+owns which parameter). :func:`make_plan` decides them from the model's structure, the graph and the
+knobs, and executes nothing of the model except, for ``balance="time"``, the cost measurement it is
+handed. The decisions that use measurements (the cost-balanced split) or randomness (the
+partitioner) are made once, on one rank, and broadcast; a resumed run reuses the saved plan instead
+of re-deciding, and a resume whose settings differ from the saved ones fails naming the setting.
+
+What is built from a plan (chunk graphs, history, the schedule, caches) lives in the runtime
+(:mod:`.runtime`).
 """
 from __future__ import annotations
 
+import logging
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from ..graph.chunks import ChunkedGraph
+from ..model.errors import UnsupportedModelError
 from ..model.inputs import CallInputs, graph_edges
-from ..model.split import Stage, balance, layer_groups, marked_segments
-from ..model.trace import Program, SplitPoint
+from ..model.norms import needs_statistics
+from ..model.split import balance, parameter_stages, split, stage_groups
+from ..model.trace import Program, trace
+from .config import PipelineConfig
+from .grid import check_chunks_per_way, grid_shape, ways_for_layers
+
+log = logging.getLogger("pyg_pipe")
+
+#: modules that build a new graph from vertex values (pooling): refused in every mode
+GRAPH_BUILDERS = ("TopKPooling", "SAGPooling", "EdgePooling", "ASAPooling", "PANPooling", "MemPooling",
+                  "ClusterPooling")
 
 
-@dataclass
-class PipelineConfig:
-    """Knobs of the engine (see :class:`pyg_pipe.GNNPipeStrategy` for their documentation)."""
-
-    num_chunks: Optional[int] = None
-    shuffle_chunks: bool = True
-    snapshot_period: Optional[int] = 23
-    unbiased_gradients: bool = True
-    balance: Union[str, Sequence[int]] = "time"
-    partition: Union[str, Callable] = "auto"
-    seed: int = 0
-    per_chunk_statistics: bool = False
-    split_points: Optional[Dict[str, SplitPoint]] = None
-
-    def validate(self) -> None:
-        if self.num_chunks is not None and (not isinstance(self.num_chunks, int) or isinstance(self.num_chunks, bool)
-                                            or self.num_chunks < 1):
-            raise ValueError(f"num_chunks={self.num_chunks!r} must be a positive integer (or None for 4 per stage).")
-        if self.snapshot_period is not None and (not isinstance(self.snapshot_period, int) or self.snapshot_period < 1):
-            raise ValueError(f"snapshot_period={self.snapshot_period!r} must be a positive integer, or None to "
-                             f"turn periodic snapshots off.")
-        from ..graph.partition import PARTITION_METHODS
-        if not callable(self.partition) and self.partition not in PARTITION_METHODS:
-            raise ValueError(f"partition={self.partition!r} must be one of {', '.join(PARTITION_METHODS)} or a "
-                             f"callable (edge_index, num_nodes, num_chunks) -> (perm, ptr).")
-        if isinstance(self.balance, str) and self.balance not in ("time", "layers"):
-            raise ValueError(f"balance={self.balance!r} must be 'time', 'layers' or a list of layers per stage.")
-        for name, point in (self.split_points or {}).items():
-            if not isinstance(point, SplitPoint):
-                raise ValueError(f"split_points={{{name!r}: {point!r}}}: use SplitPoint.BEGINNING or SplitPoint.END "
-                                 f"(from pyg_pipe or torch.distributed.pipelining).")
-
-
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """One graph's and one model's decisions (see the module docstring)."""
+    """One graph's and one model's decisions (see the module docstring).
+
+    Attributes:
+        stages, ways: the grid, S x W.
+        num_chunks: C (``C / W`` per way).
+        num_nodes, num_edges: of the primary graph.
+        perm, ptr: new vertex order (``perm[new] = old``) and chunk bounds in new ids.
+        sizes: layer groups per stage (``None``: one stage, the forward runs untraced).
+        param_stages: parameter / buffer name -> the stages that use it.
+        digest: checksum of the primary graph's structure.
+        graphs: the input graphs the plan was made for (compared by structure on every call).
+    """
 
     stages: int
     ways: int
@@ -66,43 +58,19 @@ class Plan:
     num_edges: int
     perm: Tensor
     ptr: Tensor
-    graphs: List[Tensor]                 # the input graphs the plan was made for
-    chunked: List[ChunkedGraph]          # per input graph, training chunking (C chunks)
-    way_chunked: List[ChunkedGraph]      # per input graph, one chunk per way (exact passes)
-    program: Optional[Program] = None
-    stage_list: Optional[List[Stage]] = None
-    sizes: Optional[List[int]] = None    # layer groups per stage
-    param_stages: Dict[str, set] = field(default_factory=dict)
-    sites: Dict[str, List[str]] = field(default_factory=dict)   # "train"/"eval" -> call sites of this stage
-    derived: Dict = field(default_factory=dict)
-    cache: Dict = field(default_factory=dict)                    # per-chunk caches of cached=True layers
-    adjacency: Dict = field(default_factory=dict)                # local sparse adjacencies (per chunk, values)
-    edge_inputs: tuple = ()                                      # identity of the edge inputs the history saw
-    rows_checked: set = field(default_factory=set)               # modes checked for row-mixing operations
-
-    @property
-    def graph(self) -> ChunkedGraph:
-        """The primary graph in training chunks."""
-        return self.chunked[0]
+    sizes: Optional[Tuple[int, ...]]
+    param_stages: Mapping[str, FrozenSet[int]]
+    digest: int
+    graphs: Tuple[Tensor, ...] = field(repr=False, compare=False)
 
     @property
     def chunks_per_way(self) -> int:
         return self.num_chunks // self.ways
 
-    def training_graphs(self) -> List[ChunkedGraph]:
-        """Every chunked graph of the training chunking: the inputs' and those derived from them."""
-        sources = {id(cg) for cg in self.chunked}
-        return self.chunked + [cg for (src, _), cg in self.derived.items() if src in sources]
-
-    def derive(self, cg: ChunkedGraph, kind: str) -> ChunkedGraph:
-        """The chunking of a graph derived from ``cg`` (``"flip"``: its transpose), same vertex order."""
-        key = (id(cg), kind)
-        hit = self.derived.get(key)
-        if hit is None:
-            if kind != "flip":
-                raise ValueError(kind)
-            hit = self.derived[key] = ChunkedGraph(cg.dst, cg.src, cg.num_nodes, cg.perm, cg.ptr, cg.ways)
-        return hit
+    @property
+    def owners(self) -> Dict[str, int]:
+        """Parameter / buffer name -> the stage whose copy is authoritative (the first that uses it)."""
+        return {n: (min(st) if st else 0) for n, st in self.param_stages.items()}
 
     def matches(self, inputs: CallInputs) -> bool:
         """Whether ``inputs`` carry the graphs this plan was made for (same structure)."""
@@ -111,16 +79,150 @@ class Plan:
         return all(_same_structure(a, b) for a, b in zip(self.graphs, inputs.graphs))
 
     def state(self) -> dict:
+        """The decisions, for checkpoints (:func:`make_plan` takes them back as ``saved``)."""
         return {"stages": self.stages, "ways": self.ways, "num_chunks": self.num_chunks, "num_nodes": self.num_nodes,
-                "num_edges": self.num_edges, "perm": self.perm.cpu(), "ptr": self.ptr.cpu(), "sizes": self.sizes,
-                "digest": graph_digest(self.graphs[0])}
+                "num_edges": self.num_edges, "perm": self.perm.cpu(), "ptr": self.ptr.cpu(),
+                "sizes": list(self.sizes) if self.sizes is not None else None, "digest": self.digest}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The grid and the model's layer groups, decided from the model before the graph is chunked."""
+
+    stages: int
+    ways: int
+    program: Optional[Program]
+    groups: Optional[list]
+    forced: bool
+    ways_added: bool
+    notes: Tuple[str, ...] = ()
+
+
+def decide_shape(module: torch.nn.Module, inputs: CallInputs, world_size: int, stages: Optional[int],
+                 ways: Optional[int], min_ways: int, split_points) -> Shape:
+    """The grid for this model: as configured, or one stage per device with graph-parallel ways added
+    when the model has fewer layers than devices; and, with several stages, the traced program cut
+    into layer groups (the user's split points when marked)."""
+    refuse_graph_builders(module)
+    S, W = grid_shape(world_size, stages, ways, min_ways)
+    if S == 1:
+        return Shape(S, W, None, None, False, False)
+    program = trace(module, inputs.args, inputs.kwargs)
+    groups, forced = stage_groups(program, split_points)
+    L = len(groups)
+    if L >= S or forced:
+        return Shape(S, W, program, groups, forced, False)
+    if stages is not None:
+        raise UnsupportedModelError(
+            f"The model has {L} message-passing layers but the pipeline has {S} stages; every stage needs at least "
+            f"one layer. Use at most {L} stages, strategy='gnnpipe_hybrid' (stages x graph-parallel ways), or a "
+            f"deeper model.")
+    S2, W2 = ways_for_layers(world_size, L, W)
+    note = (f"pyg_pipe: the model has {L} message-passing layers for {world_size} devices: running {S2} pipeline "
+            f"stage{'s' if S2 > 1 else ''} x {W2} graph-parallel ways.")
+    log.info(note)
+    if S2 == 1:
+        return Shape(S2, W2, None, None, False, True, (note,))
+    return Shape(S2, W2, program, groups, forced, True, (note,))
+
+
+def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inputs: CallInputs, comm, root: int,
+              sizes: Optional[Sequence[int]] = None, costs: Optional[Callable[[], List[float]]] = None,
+              saved: Optional[dict] = None, notes: Optional[List[str]] = None) -> Plan:
+    """The plan for ``inputs`` on the grid ``shape``.
+
+    Args:
+        comm: the transport (decisions made on ``root`` are broadcast with it).
+        root: the rank that partitions and measures.
+        sizes: the stage split, when already decided (by an earlier plan: it is a property of the
+            model, made once); else decided here.
+        costs: per layer group, seconds of one pass (called on ``root`` for ``balance="time"``).
+        saved: a checkpoint's :meth:`Plan.state` to resume from (checked against this run).
+        notes: where decisions pyg_pipe made on its own are told (also logged).
+    """
+    S, W = shape.stages, shape.ways
+    wanted = chunk_count(config, S, W, inputs.num_nodes, shape.ways_added, notes)
+    if saved is not None:
+        check_resume(saved, S, W, wanted, inputs)
+        C, perm, ptr = saved["num_chunks"], saved["perm"], saved["ptr"]
+        sizes = saved.get("sizes") or sizes
+    else:
+        C = wanted
+        perm, ptr = partition(config, inputs, C, W, comm, root)
+    if C // W > 1 and not config.per_chunk_statistics:
+        refuse_statistics(module, C // W, W)
+    stage_sizes: Optional[Tuple[int, ...]] = None
+    if shape.program is not None:
+        if shape.forced:
+            if len(shape.groups) != S:
+                raise UnsupportedModelError(
+                    f"The forward is split into {len(shape.groups)} parts by its split points, but the pipeline has "
+                    f"{S} stages; mark {S - 1} split points (pipe_split() / split_points) or use {len(shape.groups)} "
+                    f"stages.")
+            sizes = [1] * S
+        elif sizes is None:
+            sizes = choose_sizes(config, shape.groups, S, costs, comm, root)
+        stage_sizes = tuple(int(s) for s in sizes)
+        owners = parameter_stages(module, split(shape.program, shape.groups, stage_sizes))
+    else:
+        owners = {n: {0} for n, _ in list(module.named_parameters()) + list(module.named_buffers())}
+    return Plan(S, W, C, inputs.num_nodes, inputs.num_edges, perm.cpu(), ptr.cpu(), stage_sizes,
+                {n: frozenset(s) for n, s in owners.items()}, graph_digest(inputs.primary), tuple(inputs.graphs))
+
+
+def chunk_count(config: PipelineConfig, stages: int, ways: int, num_nodes: int, ways_added: bool = False,
+                notes: Optional[List[str]] = None) -> int:
+    """The number of chunks: the configured one, or 4 per stage for each way (one per way for a single
+    stage), at most |V|. When pyg_pipe added the ways itself, a configured count that is not a multiple of
+    them becomes the next multiple (logged)."""
+    if ways > num_nodes:
+        raise ValueError(f"{ways} graph-parallel ways need at least {ways} vertices, but the graph has {num_nodes}; "
+                         f"use at most {num_nodes} ways (devices).")
+    C = config.num_chunks
+    if C is None:
+        C = ways * (1 if stages == 1 else 4 * stages)
+        C = min(C, num_nodes - num_nodes % ways)
+    elif C % ways and ways_added:
+        fitted = -(-C // ways) * ways
+        note = (f"pyg_pipe: num_chunks={C} is not a multiple of the {ways} graph-parallel ways pyg_pipe added for "
+                f"this model; using num_chunks={fitted}.")
+        log.info(note)
+        if notes is not None and note not in notes:
+            notes.append(note)
+        C = fitted
+    if C > num_nodes:
+        raise ValueError(f"num_chunks={C} is larger than the number of vertices ({num_nodes}); use at most "
+                         f"{num_nodes} chunks.")
+    check_chunks_per_way(C, ways)
+    return C
+
+
+def refuse_graph_builders(module: torch.nn.Module) -> None:
+    """Refuses modules that build a new graph from the vertices' values (pooling), naming the module."""
+    for name, m in module.named_modules():
+        if type(m).__name__ in GRAPH_BUILDERS:
+            raise UnsupportedModelError(
+                f"Module '{name}' ({type(m).__name__}) builds a new graph from the vertices' values (pooling); "
+                f"pyg_pipe cuts one fixed graph into chunks and cannot follow graphs built during the forward. "
+                f"Train this model on one device (no pyg_pipe strategy).")
+
+
+def refuse_statistics(module: torch.nn.Module, chunks_per_way: int, ways: int) -> None:
+    """Refuses graph-wide statistics when a way runs several chunks (the pipeline never holds all rows)."""
+    for name, m in module.named_modules():
+        if needs_statistics(m):
+            raise UnsupportedModelError(
+                f"Module '{name}' ({type(m).__name__}) normalises with statistics over all vertices, but with "
+                f"{chunks_per_way} chunks per way the pipeline never holds all vertices at once. Use "
+                f"num_chunks={ways} (exact; one chunk per way), opt into per-chunk statistics "
+                f"(per_chunk_statistics=True, approximate, as GPipe does for micro-batches), or a per-vertex norm "
+                f"(torch.nn.LayerNorm, torch_geometric.nn.LayerNorm(mode='node')).")
 
 
 def graph_digest(graph: Tensor) -> int:
     """A checksum of a graph's structure (to recognise it in a checkpoint)."""
     src, dst, _ = graph_edges(graph)
-    data = torch.stack([src, dst]).cpu().numpy().tobytes()
-    return zlib.crc32(data)
+    return zlib.crc32(torch.stack([src, dst]).cpu().numpy().tobytes())
 
 
 def _same_structure(a: Tensor, b: Tensor) -> bool:
@@ -150,27 +252,7 @@ def check_resume(saved: dict, stages: int, ways: int, num_chunks: int, inputs: C
                          "graph, or start a new run without ckpt_path.")
 
 
-def chunk_count(config: PipelineConfig, stages: int, ways: int, num_nodes: int) -> int:
-    """The number of chunks: the configured one, or 4 per stage for each way (one per way for a
-    single stage), at most |V|."""
-    if ways > num_nodes:
-        raise ValueError(f"{ways} graph-parallel ways need at least {ways} vertices, but the graph has {num_nodes}; "
-                         f"use at most {num_nodes} ways (devices).")
-    C = config.num_chunks
-    if C is None:
-        C = ways * (1 if stages == 1 else 4 * stages)
-        C = min(C, num_nodes - num_nodes % ways)
-    if C > num_nodes:
-        raise ValueError(f"num_chunks={C} is larger than the number of vertices ({num_nodes}); use at most "
-                         f"{num_nodes} chunks.")
-    if C % ways:
-        raise ValueError(f"num_chunks={C} must be a multiple of the {ways} graph-parallel ways (each way owns the same "
-                         f"number of chunks); use e.g. num_chunks={ways * max(1, C // ways)}.")
-    return C
-
-
-def partition(config: PipelineConfig, inputs: CallInputs, num_chunks: int, ways: int, rank: int, root: int,
-              device) -> tuple:
+def partition(config: PipelineConfig, inputs: CallInputs, num_chunks: int, ways: int, comm, root: int) -> tuple:
     """``(perm, ptr)`` made on ``root`` and broadcast (a user callable runs on every rank, so a bad
     one fails everywhere at once)."""
     N = inputs.num_nodes
@@ -178,8 +260,7 @@ def partition(config: PipelineConfig, inputs: CallInputs, num_chunks: int, ways:
     part = config.partition
     if not callable(part):
         both = root_decides(lambda: torch.cat(_partition(config, src, dst, N, num_chunks, ways)),
-                            torch.empty(N + num_chunks + 1, dtype=torch.long), rank, root, device,
-                            "partitioning the graph")
+                            torch.empty(N + num_chunks + 1, dtype=torch.long), comm, root, "partitioning the graph")
         return both[:N], both[N:]
     perm, ptr = part(torch.stack([src, dst]).cpu(), N, num_chunks)
     perm, ptr = torch.as_tensor(perm, dtype=torch.long), torch.as_tensor(ptr, dtype=torch.long)
@@ -203,54 +284,8 @@ def _partition(config: PipelineConfig, src: Tensor, dst: Tensor, N: int, num_chu
     return make_chunks(edge_index, N, num_chunks, method=config.partition, seed=config.seed)
 
 
-def broadcast(t: Tensor, src: int, device) -> Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        t = t.to(device)
-        dist.broadcast(t, src)
-    return t.cpu()
-
-
-def chunk_graphs(inputs: CallInputs, perm: Tensor, ptr: Tensor, ways: int, device) -> List[ChunkedGraph]:
-    out = []
-    for g in inputs.graphs:
-        src, dst, _ = graph_edges(g)
-        out.append(ChunkedGraph(src.to(device), dst.to(device), inputs.num_nodes, perm.to(device), ptr.to(device),
-                                ways))
-    return out
-
-
-def stage_groups(program: Program, split_points) -> tuple:
-    """``(groups, forced)``: the layer groups, or the user's marked segments (``forced``)."""
-    if split_points:
-        _mark(program, split_points)
-    if program.splits:
-        return marked_segments(program), True
-    return layer_groups(program), False
-
-
-def _mark(program: Program, split_points) -> None:
-    """Turns ``split_points={"name": SplitPoint.BEGINNING|END}`` into cuts before/after that module's call."""
-    import torch.fx as fx
-    from ..model.trace import pipe_split
-    for name, point in split_points.items():
-        calls = [n for n in program.graph.nodes if n.op == "call_module"
-                 and (n.target == name or n.target.startswith(name + "."))]
-        if not calls:
-            raise ValueError(f"split_points names '{name}', but the traced forward calls no module of that name; "
-                             f"use the qualified name of a submodule (e.g. 'convs.4').")
-        anchor = calls[0] if point == SplitPoint.BEGINNING else calls[-1]
-        ctx = program.graph.inserting_before(anchor) if point == SplitPoint.BEGINNING else \
-            program.graph.inserting_after(anchor)
-        with ctx:
-            node = program.graph.call_function(pipe_split, ())
-        program.splits.append(node)
-    order = {n: i for i, n in enumerate(program.graph.nodes)}
-    program.splits.sort(key=order.__getitem__)
-    del fx
-
-
-def choose_sizes(config: PipelineConfig, groups: list, stages: int, costs: Callable[[], List[float]],
-                 rank: int, root: int, device) -> List[int]:
+def choose_sizes(config: PipelineConfig, groups: list, stages: int, costs: Optional[Callable[[], List[float]]],
+                 comm, root: int) -> List[int]:
     """Layer groups per stage: the configured list, equal counts, or balanced by measured cost
     (measured on ``root`` only, broadcast)."""
     L, S = len(groups), stages
@@ -260,26 +295,26 @@ def choose_sizes(config: PipelineConfig, groups: list, stages: int, costs: Calla
         if len(sizes) != S or sum(sizes) != L or min(sizes) < 1:
             raise ValueError(f"balance={list(bal)} must give {S} positive layer counts summing to {L}.")
         return sizes
-    if bal == "layers" or S == 1:
+    if bal == "layers" or S == 1 or costs is None:
         return [L // S + (1 if s < L % S else 0) for s in range(S)]
     measured = root_decides(lambda: torch.tensor(costs(), dtype=torch.float64), torch.zeros(L, dtype=torch.float64),
-                            rank, root, device, "measuring the layers' costs")
+                            comm, root, "measuring the layers' costs")
     return balance(measured.tolist(), S)
 
 
-def root_decides(fn: Callable[[], Tensor], empty: Tensor, rank: int, root: int, device, what: str) -> Tensor:
+def root_decides(fn: Callable[[], Tensor], empty: Tensor, comm, root: int, what: str) -> Tensor:
     """``fn()`` computed on ``root`` and broadcast. If it fails there, every rank fails too (the others
     are told through the broadcast instead of waiting on it)."""
     error = None
     value = empty
-    if rank == root:
+    if comm.rank == root:
         try:
             value = fn()
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the others were told
             error = exc
-    flag = broadcast(torch.tensor([1.0 if error is not None else 0.0], dtype=torch.float64), root, device)
+    flag = comm.broadcast(torch.tensor([1.0 if error is not None else 0.0], dtype=torch.float64), root, what)
     if error is not None:
         raise error
     if float(flag) != 0.0:
         raise RuntimeError(f"pyg_pipe: rank {root} failed while {what}; its error says why.")
-    return broadcast(value, root, device)
+    return comm.broadcast(value, root, what)

@@ -23,7 +23,7 @@ that dimension (elementwise operations, linear maps, concatenation along other d
 that keep it, transposes and stacks that move it). The first operation that combines those rows is
 recorded with the line of the model that called it; after the pass all ranks share what they found
 and raise the same error. Nothing depends on values, on which chunk ran first or on one rank's view.
-Operations of the engine itself, of layers and of graph-wide modules are not checked.
+The engine's own operations and those inside layers and graph-wide modules are not judged.
 
 Not followed (so not checked): rows that pass through an operation not listed here that changes
 their layout, Python loops over rows, and values taken to Python (``.tolist()``).
@@ -33,14 +33,15 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ..model.errors import UnsupportedModelError
+from .context import current
 
 #: reductions and scans over a dimension: name -> (position of the ``dim`` argument, default dim;
 #: ``None``: all dimensions)
@@ -59,8 +60,6 @@ _CONTRACT = {"mm", "matmul", "bmm", "__matmul__", "__rmatmul__", "addmm", "baddb
 _SCATTER = {"scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "index_add",
             "index_add_", "index_reduce", "index_reduce_", "index_copy", "index_copy_", "index_fill", "index_fill_",
             "index_put", "index_put_", "index_select", "gather", "take_along_dim", "narrow", "roll", "flip"}
-#: pyg_pipe's modules that run the model's own operations (the others' operations are the engine's)
-_MODEL_SIDE = ("pyg_pipe.engine.program", "pyg_pipe.models")
 #: torch's dispatch helpers between a caller and a function mode
 _HELPERS = ("torch.overrides", "torch._tensor", "torch.functional", "torch.nn.functional", "torch._jit_internal")
 
@@ -69,9 +68,13 @@ class RowCheck(TorchFunctionMode):
     """Follows the tensors with one row per vertex through one chunk's run of the forward and records
     the first operation that combines the rows of different vertices (see the module docstring).
 
+    The chunk context's *observer*: the hooks tell it what layers and graph-wide modules return and run
+    their own operations inside :meth:`paused`, so every operation it judges is the model's.
+
     Args:
         rows: the chunk's row count.
         names: module object id -> its name in the model (for the message).
+        cut: how the graph is cut, for the message (``"num_chunks=4"``).
     """
 
     def __init__(self, rows: int, names: Dict[int, str], cut: str):
@@ -79,15 +82,24 @@ class RowCheck(TorchFunctionMode):
         self.rows, self.names, self.cut = rows, names, cut
         self.tracked: Dict[int, Tuple[Any, int]] = {}
         self.found: Optional[str] = None
-        self.paused = 0
+        self._paused = 0
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Operations run inside are the engine's own: not judged."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
     # ------------------------------------------------------------------ sources
-    def mark(self, value: Any, vdim: Optional[int] = None) -> None:
+    def returned(self, value: Any, vdim: Optional[int] = None) -> None:
         """``value`` (a tensor, or tuples / lists of them) has one row per vertex along ``vdim`` (by
         default: its first dimension of the chunk's row count)."""
         if isinstance(value, (tuple, list)):
             for v in value:
-                self.mark(v, vdim)
+                self.returned(v, vdim)
             return
         if not isinstance(value, Tensor) or value.dim() == 0 or value.layout != torch.strided:
             return
@@ -98,11 +110,10 @@ class RowCheck(TorchFunctionMode):
             self.tracked[id(value)] = (weakref.ref(value), d)
 
     def vdim(self, t: Tensor) -> Optional[int]:
-        from .layers import active
         hit = self.tracked.get(id(t))
         if hit is not None and hit[0]() is t:
             return hit[1]
-        ctx = active()
+        ctx = current()
         if ctx is not None and ctx.is_clean(t):
             return 0
         return None
@@ -110,23 +121,18 @@ class RowCheck(TorchFunctionMode):
     # ------------------------------------------------------------------ the mode
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.found is not None or self.paused:
+        if self.found is not None or self._paused:
             return func(*args, **kwargs)
-        from .layers import active
-        ctx = active()
+        ctx = current()
         if ctx is None or ctx.stack:
             return func(*args, **kwargs)  # outside the model's run, or inside a message-passing layer
-        caller = _caller()
-        module = caller.f_globals.get("__name__", "") if caller is not None else "pyg_pipe"
-        if module.startswith("pyg_pipe") and module not in _MODEL_SIDE:
-            return func(*args, **kwargs)  # the engine's own operations
         aligned = [(t, d) for t in _tensors(args, kwargs) for d in [self.vdim(t)] if d is not None]
         if not aligned:
             return func(*args, **kwargs)
         name = _name(func)
         what = _mixes(name, args, kwargs, aligned)
         if what is not None:
-            self.found = self._describe(caller, name, what, aligned[0][1])
+            self.found = self._describe(_caller(), name, what, aligned[0][1])
             try:
                 return func(*args, **kwargs)
             except Exception as exc:  # on part of the rows it cannot even run: say why, on every rank alike
@@ -146,20 +152,20 @@ class RowCheck(TorchFunctionMode):
                 self.tracked[id(o)] = (weakref.ref(o), d)
 
     def _describe(self, frame, name: str, what: str, v: int) -> str:
-        where, module, engine = "", None, False
-        while frame is not None:
-            mod = frame.f_globals.get("__name__", "")
+        """Where the model called the operation: its module and line (or the traced step), found by
+        walking up from the operation to the engine's runner of the forward."""
+        from .program import RUNNER_CODES, STEP_CODE
+        where, module = "", None
+        while frame is not None and frame.f_code not in RUNNER_CODES:
             obj = frame.f_locals.get("self")
             if module is None and isinstance(obj, torch.nn.Module) and id(obj) in self.names:
                 name_in_model = self.names[id(obj)]
                 module = f"module '{name_in_model}' ({type(obj).__name__})" if name_in_model else \
                     f"the forward of {type(obj).__name__}"
-            if mod.startswith("pyg_pipe") and not engine:
-                engine = True  # above here: the engine and the caller of the model, not the forward
+            if frame.f_code is STEP_CODE:  # a step of a traced program
                 node = frame.f_locals.get("node")
-                if not where and node is not None and hasattr(node, "op"):  # a step of a traced program
-                    where = f"traced step '{node.name}'"
-            elif not where and not engine and not mod.startswith(("torch", "lightning")):
+                where = where or (f"traced step '{node.name}'" if node is not None else "")
+            elif not where and not frame.f_globals.get("__name__", "").startswith(("torch", "lightning")):
                 where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
             frame = frame.f_back
         what = what.format(rows="the rows of different vertices")
@@ -174,14 +180,10 @@ class RowCheck(TorchFunctionMode):
                 f"pass it in, or train with one chunk and no graph-parallel ways (strategy='gnnpipe', num_chunks=1), "
                 f"which is exact.")
 
-    def verdict(self, group=None) -> None:
-        """After the pass: shares what this rank found with all (a collective) and raises the same error
-        everywhere if any rank found an operation."""
-        gathered: List[Optional[str]] = [self.found]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            gathered = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, self.found, group=group)
-        first = next((f for f in gathered if f is not None), None)
+    def verdict(self, comm) -> None:
+        """After the pass: shares what this rank found with all (a collective over ``comm``'s world)
+        and raises the same error everywhere if any rank found an operation."""
+        first = next((f for f in comm.all_gather_objects(self.found, "the row check") if f is not None), None)
         if first is not None:
             raise UnsupportedModelError(self.message(first))
 
@@ -318,12 +320,6 @@ def _contracts(name: str, args, kwargs, t: Tensor, v: int) -> bool:
     return b is t and v == (b.dim() - 2 if b.dim() >= 2 else 0)
 
 
-def _whole(e, n: int) -> bool:
-    """Whether slice ``e`` covers all ``n`` entries (``x[:x.size(0)]`` as much as ``x[:]``)."""
-    return isinstance(e, slice) and e.start in (None, 0) and e.step in (None, 1) and \
-        (e.stop is None or (isinstance(e.stop, int) and e.stop >= n))
-
-
 def _positional_index(index, v: int, n: int) -> bool:
     """Whether indexing with ``index`` selects along dimension ``v`` (of ``n`` rows) by position."""
     entries = list(index) if isinstance(index, tuple) else [index]
@@ -335,8 +331,9 @@ def _positional_index(index, v: int, n: int) -> bool:
     if any(not (isinstance(e, slice) and e == slice(None)) for e in before):
         return False
     e = entries[v]
-    if isinstance(e, slice):
-        return not _whole(e, n)
+    if isinstance(e, slice):  # positional unless it covers all n rows (``x[:x.size(0)]`` as much as ``x[:]``)
+        return not (e.start in (None, 0) and e.step in (None, 1) and
+                    (e.stop is None or (isinstance(e.stop, int) and e.stop >= n)))
     if isinstance(e, bool):
         return False
     if isinstance(e, int):

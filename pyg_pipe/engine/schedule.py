@@ -37,6 +37,8 @@ from typing import List
 import torch
 from torch import Tensor
 
+from .grid import check_chunks_per_way
+
 
 class Schedule:
     """Chunk order and freshness for ``num_chunks`` chunks over ``ways`` ways.
@@ -50,8 +52,7 @@ class Schedule:
     """
 
     def __init__(self, num_chunks: int, ways: int, shuffle: bool = True, seed: int = 0, unbiased: bool = True):
-        if num_chunks % ways:
-            raise ValueError(f"num_chunks={num_chunks} must be a multiple of the {ways} ways.")
+        check_chunks_per_way(num_chunks, ways)
         self.num_chunks, self.ways = num_chunks, ways
         self.cpw = num_chunks // ways
         self.shuffle, self.seed, self.unbiased = shuffle, seed, unbiased

@@ -1,8 +1,9 @@
 """Graph-wide statistics on chunks: BatchNorm with the statistics of every way, other norms gathered.
 
-Most of a GNN is per vertex row, but some modules reduce over all vertices: BatchNorm (mean and
-variance over the rows), InstanceNorm, GraphNorm, PairNorm, ``torch_geometric.nn.LayerNorm`` in
-graph mode, ... A way holds only its rows, so these modules are run by the engine:
+Most of a GNN is per vertex row, but some modules reduce over all vertices (:mod:`pyg_pipe.model.norms`):
+BatchNorm (mean and variance over the rows), InstanceNorm, GraphNorm, PairNorm,
+``torch_geometric.nn.LayerNorm`` in graph mode, ... A way holds only its rows, so these modules are
+run by the engine:
 
 * **BatchNorm** (``torch.nn`` BatchNorm1d/2d/3d, also inside PyG's ``BatchNorm`` and inside layers
   such as GIN's MLP) uses the statistics of all ways, as ``torch.nn.SyncBatchNorm`` does: the sums of
@@ -12,59 +13,42 @@ graph mode, ... A way holds only its rows, so these modules are run by the engin
 * **other graph-wide modules** run on the rows of all ways, gathered (``all_gather``, differentiable):
   exact, and as costly as one copy of their input per way.
 
-Only the rows a chunk owns count: inside a layer, where tensors carry halo rows too, the statistics
-are taken over the first ``rows`` rows and applied to all. With more than one chunk per way the
-statistics of a step would need every chunk at once, which the pipeline never has: such modules
-are refused before training unless ``per_chunk_statistics=True``, which computes them per chunk
-(GPipe's choice for micro-batches; approximate). In exact passes (inference, the initial history
-pass) nothing is approximate.
+Only the rows a chunk owns count. Inside a layer, where vertex tensors carry halo rows too, the
+statistics are taken over the chunk's rows (the first ``rows``) and applied to all. Inside a layer's
+``message`` or ``edge_update`` (a BatchNorm in EdgeConv's or PointNetConv's MLP) the rows are the
+layer's edges: the statistics count the edges into the chunk's vertices, which over all ways are
+every edge exactly once, as on one device (the local graph's extra self loops of halo vertices do not
+count). With more than one chunk per way the statistics of a step would need every chunk at once,
+which the pipeline never has: such modules are refused before training unless
+``per_chunk_statistics=True``, which computes them per chunk (GPipe's choice for micro-batches;
+approximate). In exact passes (inference, the history pass) nothing is approximate.
 """
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from .layers import Rerouted, active
-
-_BATCH_NORM = torch.nn.modules.batchnorm._BatchNorm
-
-
-def graph_wide_modules() -> tuple:
-    """Module classes whose output at a vertex depends on all vertices' rows."""
-    from torch_geometric.nn import norm as pyg_norm
-    classes = [torch.nn.modules.instancenorm._InstanceNorm]
-    for name in ("InstanceNorm", "GraphNorm", "PairNorm", "MeanSubtractionNorm", "DiffGroupNorm", "GraphSizeNorm"):
-        cls = getattr(pyg_norm, name, None)
-        if cls is not None:
-            classes.append(cls)
-    return tuple(classes)
-
-
-def needs_statistics(module: torch.nn.Module) -> bool:
-    """True for modules computing statistics over vertices (in the mode they are in)."""
-    from torch_geometric.nn import LayerNorm as PygLayerNorm
-    if isinstance(module, _BATCH_NORM):
-        return True
-    if isinstance(module, PygLayerNorm):
-        return module.mode != "node"
-    return isinstance(module, graph_wide_modules())
+from ..model.errors import UnsupportedModelError
+from ..model.norms import BATCH_NORM, needs_statistics
+from .context import current
+from .reroute import Rerouted
 
 
 class Statistics:
-    """How graph-wide modules compute their statistics in one pass (set by the engine).
+    """How graph-wide modules compute their statistics in one run.
 
     Args:
-        group: the process group of the ways of this stage (``None``: one way).
-        way_rows: rows of every way in this pass (for gathering; ``None``: one way).
-        rows: rows this chunk owns (statistics are taken over the first ``rows`` rows).
-        update_running: whether running statistics are updated (not in the initial history pass).
+        comm: the transport (:class:`pyg_pipe.engine.comm.Comm`) for the all-reduces among ways.
+        group: the process group of the ways of this stage (``None``: one way, nothing exchanged).
+        way_rows: rows of every way in this pass (``None``: one way).
+        rows: rows this chunk owns (statistics over vertex tensors take the first ``rows`` rows).
+        update_running: whether running statistics are updated (not in the history pass).
     """
 
-    def __init__(self, group, way_rows: Optional[List[int]], rows: int, update_running: bool = True):
-        self.group, self.way_rows, self.rows = group, way_rows, rows
+    def __init__(self, comm, group, way_rows: Optional[List[int]], rows: int, update_running: bool = True):
+        self.comm, self.group, self.way_rows, self.rows = comm, group, way_rows, rows
         self.update_running = update_running
         self.inside_gather = False
 
@@ -97,43 +81,58 @@ class StatisticsHooks:
 
 def _patched(module: torch.nn.Module, original: Callable):
     def forward(*args, **kwargs):
-        ctx = active()
+        ctx = current()
         stats = ctx.statistics if ctx is not None else None
         if stats is None or stats.inside_gather:
             return original(module, *args, **kwargs)
-        check = ctx.rows_check
-        if check is not None:  # its statistics are the engine's business, not a row-mixing operation
-            check.paused += 1
-        try:
-            if isinstance(module, _BATCH_NORM):
-                out = _batch_norm(module, original, stats, *args, **kwargs)
+        inv = ctx.stack[-1] if ctx.stack and ctx.stack[-1].in_edges else None
+        with ctx.engine_work():  # its statistics are the engine's business, not a row-mixing operation
+            if isinstance(module, BATCH_NORM):
+                out = _batch_norm(module, original, stats, inv, *args, **kwargs)
+            elif inv is not None:
+                raise UnsupportedModelError(
+                    f"{type(module).__name__} runs inside the message function of layer '{inv.name}' with "
+                    f"statistics over the edges; pyg_pipe completes BatchNorm there, not this norm. Use a "
+                    f"BatchNorm or a per-row norm (torch.nn.LayerNorm) in the message MLP.")
             else:
                 out = _gathered(module, original, stats, *args, **kwargs)
-        finally:
-            if check is not None:
-                check.paused -= 1
-        if check is not None:
-            check.mark(out, 0)
+        if ctx.observer is not None and inv is None:
+            ctx.observer.returned(out, 0)
         return out
     return forward
 
 
-def _batch_norm(module, original, stats: Statistics, x: Tensor) -> Tensor:
+def _batch_norm(module, original, stats: Statistics, inv, x: Tensor) -> Tensor:
     uses_batch = module.training or not module.track_running_stats
     if not uses_batch:
         return original(module, x)
-    rows = x.narrow(0, 0, min(stats.rows, x.size(0)))
     dims = [0] + list(range(2, x.dim()))
-    per_row = rows[0].numel() // rows.size(1) if rows.size(0) else 1
-    n = float((sum(stats.way_rows) if stats.group is not None else rows.size(0)) * per_row)
-    s = rows.sum(dims)
-    if stats.group is not None:
-        s = _AllReduce.apply(s, stats.group)
     shape = [1, -1] + [1] * (x.dim() - 2)
+    per_row = x[0].numel() // x.size(1) if x.size(0) else 1
+    if inv is None:  # vertex rows: the chunk's are the first ``rows``
+        rows = x.narrow(0, 0, min(stats.rows, x.size(0)))
+        weight = None
+        n = float((sum(stats.way_rows) if stats.group is not None else rows.size(0)) * per_row)
+        s = rows.sum(dims)
+        if stats.group is not None:
+            s = _AllReduce.apply(s, stats.comm, stats.group)
+    else:  # edge rows: those into the chunk's vertices
+        dst = inv.destinations()
+        if dst.numel() != x.size(0):
+            raise UnsupportedModelError(
+                f"A BatchNorm in layer '{inv.name}' normalises {x.size(0)} rows while the layer's edges are "
+                f"{dst.numel()}; pyg_pipe takes statistics inside message() over the layer's edges only.")
+        weight = (dst < inv.lg.rows).to(x.dtype).view(-1, *([1] * (x.dim() - 1)))
+        rows = x
+        both = torch.cat([(x * weight).sum(dims), weight.sum().reshape(1) * per_row])
+        if stats.group is not None:
+            both = _AllReduce.apply(both, stats.comm, stats.group)
+        s, n = both[:-1], both[-1]
     mean = s / n
-    sq = ((rows - mean.view(shape)) ** 2).sum(dims)
+    centred = (rows - mean.view(shape)) ** 2
+    sq = (centred if weight is None else centred * weight).sum(dims)
     if stats.group is not None:
-        sq = _AllReduce.apply(sq, stats.group)
+        sq = _AllReduce.apply(sq, stats.comm, stats.group)
     var = sq / n
     y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + module.eps)
     if module.affine:
@@ -144,7 +143,8 @@ def _batch_norm(module, original, stats: Statistics, x: Tensor) -> Tensor:
             momentum = module.momentum
             if momentum is None:
                 momentum = 1.0 / float(module.num_batches_tracked)
-            unbiased = var.detach() * (n / max(n - 1.0, 1.0))
+            factor = n / (n - 1.0).clamp(min=1.0) if isinstance(n, Tensor) else n / max(n - 1.0, 1.0)
+            unbiased = var.detach() * factor
             module.running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
             module.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
     return y
@@ -168,8 +168,7 @@ def _gathered(module, original, stats: Statistics, x: Tensor, *args, **kwargs):
     finally:
         stats.inside_gather = False
     if stats.group is not None:
-        from torch.distributed import get_rank
-        me = get_rank(stats.group)
+        me = stats.comm.rank_in(stats.group)
         start = sum(stats.way_rows[:me])
         out = out.narrow(0, start, rows.size(0))
     if x.size(0) > rows.size(0):  # rows beyond the chunk keep their (unused) values
@@ -181,17 +180,17 @@ class _AllReduce(torch.autograd.Function):
     """Sum over the group; the gradient of every rank's input is the sum of all ranks' gradients."""
 
     @staticmethod
-    def forward(ctx, t: Tensor, group):
-        ctx.group = group
+    def forward(ctx, t: Tensor, comm, group):
+        ctx.comm, ctx.group = comm, group
         out = t.clone()
-        dist.all_reduce(out, group=group)
+        comm.all_reduce(out, group, "graph-wide statistics")
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        ctx.comm.all_reduce(grad, ctx.group, "graph-wide statistics (backward)")
+        return grad, None, None
 
 
 class _AllGather(torch.autograd.Function):
@@ -199,17 +198,15 @@ class _AllGather(torch.autograd.Function):
     the sum over ranks of the gradients they give that part."""
 
     @staticmethod
-    def forward(ctx, t: Tensor, group, size: int):
-        ctx.group, ctx.n = group, t.size(0)
-        parts = [torch.empty_like(t) for _ in range(size)]
-        dist.all_gather(parts, t.contiguous(), group=group)
-        return torch.cat(parts)
+    def forward(ctx, t: Tensor, comm, group):
+        ctx.comm, ctx.group, ctx.n = comm, group, t.size(0)
+        return torch.cat(comm.all_gather(t.contiguous(), group, "graph-wide statistics"))
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        me = dist.get_rank(ctx.group)
+        ctx.comm.all_reduce(grad, ctx.group, "graph-wide statistics (backward)")
+        me = ctx.comm.rank_in(ctx.group)
         return grad[me * ctx.n:(me + 1) * ctx.n], None, None
 
 
@@ -217,6 +214,5 @@ def _all_gather_rows(rows: Tensor, stats: Statistics) -> Tensor:
     """All ways' rows in way order (the ways own consecutive new-id ranges), differentiably."""
     biggest = max(stats.way_rows)
     pad = rows.new_zeros((biggest - rows.size(0), *rows.shape[1:]))
-    padded = torch.cat([rows, pad])
-    full = _AllGather.apply(padded, stats.group, len(stats.way_rows))
+    full = _AllGather.apply(torch.cat([rows, pad]), stats.comm, stats.group)
     return torch.cat([full[i * biggest:i * biggest + n] for i, n in enumerate(stats.way_rows)])

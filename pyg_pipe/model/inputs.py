@@ -49,6 +49,32 @@ def graph_edges(graph: Tensor) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     return src, dst, coo.values()
 
 
+def fingerprint(value: Tensor) -> tuple:
+    """Tells a tensor's values apart from other values: shape, dtype, the count of non-finite values and
+    two sums (plain and position-weighted), computed block by block in float64 (a few MB extra at most).
+    Sparse tensors are taken by their indices and values."""
+    v = value.detach()
+    if v.layout == torch.sparse_coo:
+        v = v.coalesce()
+        parts = [v.indices().reshape(-1), v.values().reshape(-1)]
+    elif v.layout == torch.sparse_csr:
+        parts = [v.crow_indices(), v.col_indices(), v.values().reshape(-1)]
+    else:
+        parts = [v.reshape(-1)]
+    bad, total, weighted, offset = 0, 0.0, 0.0, 0
+    for part in parts:
+        for start in range(0, part.numel(), 1 << 20):
+            flat = part[start:start + (1 << 20)].double()
+            if flat.is_floating_point():
+                bad += int((~torch.isfinite(flat)).sum())
+                flat = torch.nan_to_num(flat, nan=0.5, posinf=1.5, neginf=-1.5)
+            pos = torch.arange(offset + 1, offset + flat.numel() + 1, dtype=torch.float64, device=flat.device) % 997
+            total += float(flat.sum())
+            weighted += float((flat * pos).sum())
+            offset += flat.numel()
+    return (tuple(value.shape), str(value.dtype), bad, total, weighted)
+
+
 class CallInputs:
     """One call's arguments, with the graph tensors and sizes found in them.
 
@@ -66,11 +92,7 @@ class CallInputs:
         for value in list(args) + list(kwargs.values()):
             self._scan(value)
         if not self.graphs:
-            raise UnsupportedModelError(
-                "The pipelined model was called without a graph (an edge_index [2, E] tensor or a sparse adj_t "
-                "among its arguments, or a Data object holding one). pyg_pipe needs the graph to cut it into "
-                "chunks: pass it to forward (forward(x, edge_index) or forward(data)), rather than reading a "
-                "global variable inside forward.")
+            raise UnsupportedModelError(self._no_graph())
         self.primary = self.graphs[0]
         self.num_nodes = self._num_nodes()
         src, _, _ = graph_edges(self.primary)
@@ -89,6 +111,22 @@ class CallInputs:
         elif isinstance(value, (tuple, list)):
             for v in value:
                 self._scan(v)
+
+    def _no_graph(self) -> str:
+        """Why no graph was found among the arguments: a malformed ``edge_index``, or none at all."""
+        named = [(f"argument {i}", v) for i, v in enumerate(self.args)] + list(self.kwargs.items())
+        for d in self.data:
+            named += [(f"data.{k}", v) for k, v in d.items()]
+        for name, v in named:
+            if isinstance(v, Tensor) and v.dim() == 2 and v.size(0) == 2 and v.layout == torch.strided \
+                    and (v.is_floating_point() or v.dtype == torch.bool or v.is_complex()):
+                return (f"The pipelined model was given {name} of shape {tuple(v.shape)} and dtype {v.dtype}, which "
+                        f"looks like an edge_index, but an edge_index must hold integer vertex ids (torch.long). "
+                        f"Convert it with edge_index.long() (or build it as a LongTensor).")
+        return ("The pipelined model was called without a graph (an edge_index [2, E] tensor or a sparse adj_t "
+                "among its arguments, or a Data object holding one). pyg_pipe needs the graph to cut it into "
+                "chunks: pass it to forward (forward(x, edge_index) or forward(data)), rather than reading a "
+                "global variable inside forward.")
 
     def _num_nodes(self) -> int:
         if self.data:
@@ -248,14 +286,21 @@ class GraphResolver:
             self.known[id(graph)] = (graph, cg, lg, local)
 
     def resolve(self, value):
+        """``(cg, lg, local graph)`` for a layer's graph argument, or ``None`` (a graph computed in forward).
+
+        A graph is recognised by what it is, not by the Python object: besides the tensors handed out,
+        a copy sharing their storage (what a reversible block or a recomputation hands the layer, dense
+        or sparse) and a transpose of a local ``edge_index`` are understood."""
         hit = self.known.get(id(value))
         if hit is not None and hit[0] is value:
             return hit[1], hit[2], hit[3]
-        if isinstance(value, Tensor) and value.layout == torch.strided:
-            for obj, cg, lg, local in self.known.values():  # a detached copy (recomputation in backward)
-                if obj.layout == torch.strided and obj.data_ptr() == value.data_ptr() and obj.shape == value.shape \
-                        and obj.stride() == value.stride():
-                    return cg, lg, local
+        if not isinstance(value, Tensor):
+            return None
+        for obj, cg, lg, local in list(self.known.values()):
+            if _same_storage(obj, value):
+                self.known[id(value)] = (value, cg, lg, local)
+                return cg, lg, local
+        if value.layout == torch.strided:
             for obj, cg, lg, local in list(self.known.values()):
                 if obj is local and local.layout == torch.strided and local.shape == value.shape \
                         and torch.equal(local.flip(0), value):
@@ -264,6 +309,21 @@ class GraphResolver:
                     self.known[id(value)] = (value, tcg, tlg, tlg.edge_index)
                     return tcg, tlg, tlg.edge_index
         return None
+
+
+def _same_storage(a: Tensor, b: Tensor) -> bool:
+    """Whether ``b`` is ``a`` under another Python object (a detached copy): same layout, shape and the
+    same index storage (for sparse tensors), or the same data (dense)."""
+    if a.layout != b.layout or a.shape != b.shape:
+        return False
+    if a.layout == torch.strided:
+        return a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
+    if a.layout == torch.sparse_csr:
+        return a.crow_indices().data_ptr() == b.crow_indices().data_ptr() and \
+            a.col_indices().data_ptr() == b.col_indices().data_ptr()
+    if a.layout == torch.sparse_coo:
+        return a._indices().data_ptr() == b._indices().data_ptr()
+    return False
 
 
 def _rows_index(cg: ChunkedGraph, lg: LocalGraph) -> Tensor:

@@ -15,13 +15,13 @@ output), tuples of them. A parameter used by several stages (a module reused at 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
 
 from .errors import UnsupportedModelError
-from .trace import Program
+from .trace import Program, SplitPoint, pipe_split
 
 
 @dataclass
@@ -86,6 +86,36 @@ def marked_segments(program: Program) -> List[List[fx.Node]]:
         else:
             segments[-1].append(n)
     return segments
+
+
+def stage_groups(program: Program,
+                 split_points: Optional[Dict[str, SplitPoint]] = None) -> Tuple[List[List[fx.Node]], bool]:
+    """``(groups, forced)``: the layer groups (:func:`layer_groups`), or the user's marked segments
+    (``forced``): ``pipe_split()`` calls in the forward, or ``split_points={"name": SplitPoint.BEGINNING
+    | END}``, which cut before / after that module's call."""
+    if split_points:
+        _mark(program, split_points)
+    if program.splits:
+        return marked_segments(program), True
+    return layer_groups(program), False
+
+
+def _mark(program: Program, split_points: Dict[str, SplitPoint]) -> None:
+    """Inserts a ``pipe_split`` node before / after the first / last call of each named module."""
+    for name, point in split_points.items():
+        calls = [n for n in program.graph.nodes if n.op == "call_module"
+                 and (n.target == name or n.target.startswith(name + "."))]
+        if not calls:
+            raise ValueError(f"split_points names '{name}', but the traced forward calls no module of that name; "
+                             f"use the qualified name of a submodule (e.g. 'convs.4').")
+        anchor = calls[0] if point == SplitPoint.BEGINNING else calls[-1]
+        where = program.graph.inserting_before(anchor) if point == SplitPoint.BEGINNING else \
+            program.graph.inserting_after(anchor)
+        with where:
+            node = program.graph.call_function(pipe_split, ())
+        program.splits.append(node)
+    order = {n: i for i, n in enumerate(program.graph.nodes)}
+    program.splits.sort(key=order.__getitem__)
 
 
 def balance(costs: Sequence[float], num_stages: int) -> List[int]:

@@ -28,6 +28,7 @@ from torch.distributed.pipelining import SplitPoint, pipe_split
 from torch_geometric.nn import MessagePassing
 
 from .errors import UnsupportedModelError
+from .norms import needs_statistics
 
 __all__ = ["Program", "trace", "pipe_split", "SplitPoint", "forward_function"]
 
@@ -119,7 +120,6 @@ class _Tracer(fx.Tracer):
         self.failed: Optional[str] = None
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        from ..engine.statistics import needs_statistics
         return (isinstance(m, MessagePassing) or qualname in self.leaves or needs_statistics(m)
                 or super().is_leaf_module(m, qualname))
 

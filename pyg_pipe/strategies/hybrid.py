@@ -1,16 +1,17 @@
 """``strategy="graph_parallel"`` and ``strategy="gnnpipe_hybrid"``: partition-parallel and hybrid
 (pipeline stages x graph-parallel ways) full-graph training (see docs/graph_parallel.md).
 
-Both run on the GNNPipe engine's rank grid (:mod:`pyg_pipe.engine.pipeline`): ``S`` stages x ``W``
-ways, rank ``s·W + w``. Graph parallelism is one stage (``S = 1``, ``W = P``) with one chunk per way:
-every process owns one partition of the vertices, exchanges the rows of its boundary vertices with
-the other partitions at every layer, forward and backward, and all-reduces weight gradients once
-per step. It is exact. Hybrid adds pipeline stages, each replicated over ``W`` ways.
+Both run on the engine's rank grid (:mod:`pyg_pipe.engine.grid`): ``S`` stages x ``W`` ways, rank
+``s·W + w``. Graph parallelism is one stage (``S = 1``, ``W = P``) with one chunk per way: every
+process owns one partition of the vertices, exchanges the rows of its boundary vertices with the
+other partitions at every layer, forward and backward, and all-reduces weight gradients once per
+step. It is exact. Hybrid adds pipeline stages, each replicated over ``W`` ways.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
+from ..engine.grid import check_chunks_per_way
 from .gnnpipe import GNNPipeStrategy
 
 
@@ -43,20 +44,12 @@ class HybridStrategy(GNNPipeStrategy):
                  **kwargs: Any) -> None:
         for name, value in (("stages", stages), ("ways", ways)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name}={value!r} must be a positive integer (or None to derive it from the devices).")
-        if num_chunks is not None and ways is not None and isinstance(num_chunks, int) and num_chunks % ways:
-            raise ValueError(f"num_chunks={num_chunks} must be a multiple of ways={ways}: every way owns the same "
-                             f"number of chunks. Use e.g. num_chunks={ways * max(1, num_chunks // ways)}.")
+                raise ValueError(f"{name}={value!r} must be a positive integer (or None to derive it from the "
+                                 f"devices).")
         super().__init__(num_chunks=num_chunks, **kwargs)
+        if ways is not None and num_chunks is not None:
+            check_chunks_per_way(num_chunks, ways)
         self.stages, self.ways = stages, ways
-
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        base = cls.strategy_name
-        for name, start_method in ((base, "popen"), (f"{base}_spawn", "spawn"), (f"{base}_fork", "fork")):
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=f"{cls.__name__} (start_method '{start_method}')",
-                                           start_method=start_method)
 
     def _grid(self):
         return self.stages, self.ways, 2
@@ -72,9 +65,8 @@ class HybridStrategy(GNNPipeStrategy):
             if v is not None and P % v:
                 raise ValueError(f"{type(self).__name__}: {name}={v} does not divide the {P} devices; choose a "
                                  f"divisor of the device count.")
-        nc = self.config.num_chunks
-        if W is not None and nc is not None and nc % W:
-            raise ValueError(f"num_chunks={nc} must be a multiple of the {W} ways.")
+        if W is not None and self.config.num_chunks is not None:
+            check_chunks_per_way(self.config.num_chunks, W)
         super()._configure_launcher()
 
 

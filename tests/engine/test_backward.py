@@ -81,7 +81,7 @@ def _worker(rank, world, stages, ways, chunks, unbiased):
         F.cross_entropy(out[mask], y[mask]).backward()
         plan = engine.plan
         want = reference_grads(reference, x, edge_index, y, mask, plan.perm, plan.ptr, ways,
-                               engine.schedule.local_order(step), unbiased)
+                               engine.runtime.schedule.local_order(step), unbiased)
         for name, p in model.named_parameters():
             if engine.owners[name] == engine.stage_index:
                 torch.testing.assert_close(p.grad, want[name], atol=1e-9, rtol=1e-7,

@@ -30,7 +30,7 @@ def _lr0_worker(rank, world, names, chunks):
             ref_out = ref(x, edge_index)
         ref_loss = F.cross_entropy(ref_out[mask], y[mask]).item()
         engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, snapshot_period=2),
-                               Comm(torch.device("cpu")), world, rank)
+                               Comm(torch.device("cpu")), num_stages=world)
         engine.install()
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         for step in range(5):
@@ -52,7 +52,8 @@ def _inference_worker(rank, world, names):
         for chunks in (2, 8):
             torch.manual_seed(0)
             model = make_model(name)
-            engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks), Comm(torch.device("cpu")), world, rank)
+            engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks), Comm(torch.device("cpu")),
+                                   num_stages=world)
             engine.install()
             opt = torch.optim.Adam(model.parameters(), lr=0.01)
             for step in range(3):
@@ -97,7 +98,7 @@ def _components_worker(rank, world, names):
         ref = copy.deepcopy(model)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
         engine = GNNPipeEngine(model, PipelineConfig(num_chunks=4, partition=_component_chunks),
-                               Comm(torch.device("cpu")), world, rank)
+                               Comm(torch.device("cpu")), num_stages=world)
         engine.install()
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         for step in range(3):

@@ -7,7 +7,7 @@ from torch_geometric.nn import GCN, GCNConv, SAGEConv
 
 from pyg_pipe import GNNPipeStrategy, UnsupportedModelError
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
-from pyg_pipe.strategies.gnnpipe import _check_batch
+from pyg_pipe.strategies.batch import check_batch
 from tests.dist import run_distributed
 from tests.models import small_graph
 
@@ -15,7 +15,7 @@ from tests.models import small_graph
 def run_single(model, chunks=1, **cfg):
     """One process, one stage, one way: the engine on its own."""
     x, edge_index, y, mask = small_graph()
-    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, **cfg), Comm(torch.device("cpu")), 1, 0)
+    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, **cfg), Comm(torch.device("cpu")), num_stages=1)
     engine.install()
     try:
         return model(x, edge_index)
@@ -63,15 +63,29 @@ def test_graph_built_inside_forward_names_the_layer_and_the_fix():
         run_single(SelfLoops())
 
 
+def test_a_float_edge_index_is_named():
+    x, edge_index, y, mask = small_graph()
+    engine = GNNPipeEngine(GCN(8, 16, 2, 3), PipelineConfig(num_chunks=1), Comm(torch.device("cpu")), num_stages=1)
+    engine.install()
+    try:
+        with pytest.raises(UnsupportedModelError, match=r"argument 1 of shape \(2, \d+\) and dtype torch.float32.*"
+                                                        r"edge_index.long\(\)"):
+            engine.module(x, edge_index.float())
+        with pytest.raises(UnsupportedModelError, match=r"data.edge_index of shape .*edge_index.long\(\)"):
+            engine.module.forward(Data(x=x, edge_index=edge_index.float()))
+    finally:
+        engine.uninstall()
+
+
 def test_batches_that_are_not_one_graph():
     x, edge_index, y, mask = small_graph()
     data = Data(x=x, edge_index=edge_index, y=y)
-    _check_batch(data)
-    _check_batch(Batch.from_data_list([data]))
+    check_batch(data)
+    check_batch(Batch.from_data_list([data]))
     with pytest.raises(ValueError, match="Batch of 2 graphs.*FullGraphDataModule"):
-        _check_batch(Batch.from_data_list([data, data]))
+        check_batch(Batch.from_data_list([data, data]))
     with pytest.raises(TypeError, match="yielded a list, not a Data"):
-        _check_batch([x, edge_index])
+        check_batch([x, edge_index])
 
 
 class MLP(nn.Module):

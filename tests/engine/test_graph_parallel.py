@@ -128,7 +128,7 @@ def _lr0_worker(rank, world, name):
         opt.step()
         totals = engine.comm.totals()
         fwd, bwd = expected_halo_bytes(edge_index, engine.plan.perm, engine.plan.ptr, 2,
-                                       engine.schedule.local_order(step), widths, grad_widths)
+                                       engine.runtime.schedule.local_order(step), widths, grad_widths)
         assert totals["halo_forward"] == fwd, (step, totals, fwd)
         assert totals["halo_backward"] == bwd, (step, totals, bwd)
     engine.uninstall()
@@ -148,7 +148,7 @@ def _allreduce_worker(rank, world, stages, ways):
 
     def recording(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         size = dist.get_world_size(group)
-        if tensor.is_floating_point() and tensor.numel() > 2:  # not the small planning collectives
+        if tensor.is_floating_point() and tensor.numel() > 2:  # not planning collectives or uint8 flags
             given.append(2 * (size - 1) * tensor.numel() * tensor.element_size() / size)
         return original(tensor, op=op, group=group, async_op=async_op)
 

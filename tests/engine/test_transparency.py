@@ -62,7 +62,7 @@ def _exact_worker(rank, world, names, num_layers):
     for name in names:
         torch.manual_seed(0)
         model = make_model(name, num_layers=num_layers)
-        engine = GNNPipeEngine(model, PipelineConfig(num_chunks=1), Comm(torch.device("cpu")), world, rank)
+        engine = GNNPipeEngine(model, PipelineConfig(num_chunks=1), Comm(torch.device("cpu")), num_stages=world)
         assert_exact_training(name, model, engine, x, edge_index, y, mask)
 
 

@@ -34,6 +34,14 @@ if __name__ == "__main__":
     data = as_data(*small_graph())
     dm = pyg_pipe.FullGraphDataModule(data)
     lit = NodeClassifier(make_model("gcn", num_layers=4))
+
+    def accuracy(model, mask):  # the plain model on one process, as a reference
+        with torch.no_grad():
+            pred = model.eval()(data.x, data.edge_index).argmax(-1)
+        model.train()
+        return float((pred[mask] == data.y[mask]).float().mean())
+
+    plain_before = accuracy(lit.model, data.val_mask)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=3)
     before = trainer.validate(lit, datamodule=dm, verbose=False)
     trainer.fit(lit, datamodule=dm)
@@ -44,8 +52,10 @@ if __name__ == "__main__":
         ckpt = torch.load("after_fit.ckpt", weights_only=False)
         print("RESULT " + json.dumps({
             "rank": trainer.global_rank, "val_before": before[0]["val_acc"], "test_after": after[0]["test_acc"],
+            "plain_val_before": plain_before, "plain_test_after": accuracy(lit.model, data.test_mask),
             "predict_rows": int(pred[0].shape[0]), "history_in_checkpoint": "pyg_pipe" in ckpt,
-            "history_buffers": [sorted((k, v.shape[0]) for k, v in r["history"]["buffers"].items())
+            "history_buffers": [sorted((k, v.shape[0]) for h in r["history"]["calls"].values()
+                                       for k, v in h["buffers"].items())
                                 for r in ckpt["pyg_pipe"]["ranks"]] if "pyg_pipe" in ckpt else None,
             "num_nodes": data.num_nodes,
             "checkpoints": sorted(os.listdir(trainer.checkpoint_callback.dirpath)),

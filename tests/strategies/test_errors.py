@@ -65,7 +65,7 @@ def test_hybrid_grid_must_match_the_devices():
         pl.Trainer(strategy=HybridStrategy(stages=2, ways=3), accelerator="cpu", devices=4, logger=False)
     with pytest.raises(ValueError, match=r"stages=3 does not divide the 4 devices"):
         pl.Trainer(strategy=HybridStrategy(stages=3), accelerator="cpu", devices=4, logger=False)
-    with pytest.raises(ValueError, match=r"num_chunks=3 must be a multiple of ways=2"):
+    with pytest.raises(ValueError, match=r"num_chunks=3 must be a multiple of the 2 graph-parallel ways"):
         HybridStrategy(ways=2, num_chunks=3)
     with pytest.raises(ValueError, match=r"ways=0 must be a positive integer"):
         HybridStrategy(ways=0)

@@ -129,7 +129,8 @@ def test_save_checkpoint_after_fit_keeps_the_pipeline_state(data, tmp_path):
     ckpt = torch.load(str(tmp_path / "after.ckpt"), weights_only=False)
     state = ckpt["pyg_pipe"]
     assert state["world_size"] == 2 and state["plan"]["num_chunks"] == 4
-    assert all(rank["history"]["buffers"] for rank in state["ranks"])
+    assert all(rank["history"]["calls"][0]["buffers"] and rank["history"]["calls"][0]["initialised"]
+               for rank in state["ranks"])
 
 
 class EvalModeClassifier(NodeClassifier):

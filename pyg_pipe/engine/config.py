@@ -1,0 +1,56 @@
+"""The engine's knobs, checked when they are set (see :class:`pyg_pipe.GNNPipeStrategy` for their meaning)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Sequence, Union
+
+from ..model.trace import SplitPoint
+
+
+@dataclass
+class PipelineConfig:
+    """Knobs of the engine.
+
+    Attributes:
+        num_chunks: chunks the graph is cut into (``None``: 4 per stage for each way, one per way for a
+            single stage).
+        shuffle_chunks: T1, a new chunk order every step.
+        snapshot_period: T2, history snapshotted every this many steps and restored in between
+            (``None``: off).
+        unbiased_gradients: T3, cross-chunk gradients of fresh reads scaled by 2, stale ones dropped.
+        balance: ``"time"``, ``"layers"`` or layer groups per stage.
+        partition: partitioner name or callable ``(edge_index, num_nodes, num_chunks) -> (perm, ptr)``.
+        seed: seed of the partitioner and of the chunk order.
+        per_chunk_statistics: graph-wide statistics per chunk when a way runs several (approximate).
+        split_points: ``{"module.name": SplitPoint.BEGINNING | END}``.
+    """
+
+    num_chunks: Optional[int] = None
+    shuffle_chunks: bool = True
+    snapshot_period: Optional[int] = 23
+    unbiased_gradients: bool = True
+    balance: Union[str, Sequence[int]] = "time"
+    partition: Union[str, Callable] = "auto"
+    seed: int = 0
+    per_chunk_statistics: bool = False
+    split_points: Optional[Dict[str, SplitPoint]] = None
+
+    def validate(self) -> None:
+        """Raises ``ValueError`` naming the first knob with a value the engine cannot use, and the fix."""
+        if self.num_chunks is not None and (not isinstance(self.num_chunks, int) or isinstance(self.num_chunks, bool)
+                                            or self.num_chunks < 1):
+            raise ValueError(f"num_chunks={self.num_chunks!r} must be a positive integer (or None for 4 per stage).")
+        if self.snapshot_period is not None and (not isinstance(self.snapshot_period, int)
+                                                 or isinstance(self.snapshot_period, bool) or self.snapshot_period < 1):
+            raise ValueError(f"snapshot_period={self.snapshot_period!r} must be a positive integer, or None to "
+                             f"turn periodic snapshots off.")
+        from ..graph.partition import PARTITION_METHODS
+        if not callable(self.partition) and self.partition not in PARTITION_METHODS:
+            raise ValueError(f"partition={self.partition!r} must be one of {', '.join(PARTITION_METHODS)} or a "
+                             f"callable (edge_index, num_nodes, num_chunks) -> (perm, ptr).")
+        if isinstance(self.balance, str) and self.balance not in ("time", "layers"):
+            raise ValueError(f"balance={self.balance!r} must be 'time', 'layers' or a list of layers per stage.")
+        for name, point in (self.split_points or {}).items():
+            if not isinstance(point, SplitPoint):
+                raise ValueError(f"split_points={{{name!r}: {point!r}}}: use SplitPoint.BEGINNING or SplitPoint.END "
+                                 f"(from pyg_pipe or torch.distributed.pipelining).")

@@ -1,0 +1,177 @@
+"""What the hooks see while one chunk runs: its local graph, where its halo rows come from, its inputs,
+and the layer calls in progress.
+
+The engine enters a :class:`ChunkContext` around every run of the user's forward on one chunk (and
+around that chunk's backward, where checkpointed layers run again). The hooks on PyG's layers
+(:mod:`.layers`), the degree completion (:mod:`.degrees`) and the graph-wide statistics
+(:mod:`.statistics`) read it with :func:`current`; outside the engine :func:`current` is ``None`` and
+every hook leaves the model alone.
+
+This is the engine's ground floor: it imports nothing of the engine. The context is a process-wide
+stack rather than a ``contextvars.ContextVar`` because autograd may run a chunk's backward, and the
+layers recomputed in it, on a device thread that a context variable set on the calling thread would
+not reach.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple
+
+import torch
+from torch import Tensor
+
+from ..model.errors import UnsupportedModelError
+
+_STACK: List["ChunkContext"] = []
+
+
+def current() -> Optional["ChunkContext"]:
+    """The context of the chunk running now, or ``None`` outside the engine."""
+    return _STACK[-1] if _STACK else None
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (a layer called now is a recomputation, not the forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class HaloSource(Protocol):
+    """Where a call site's halo rows come from in this pass (:class:`pyg_pipe.engine.halo.HaloPass`)."""
+
+    def join(self, key: str, cg, lg, t: Tensor, vdim: int) -> Tensor:
+        """``t`` (``lg.num_local`` rows along ``vdim``) with its halo rows replaced by the true ones."""
+
+
+class Observer(Protocol):
+    """Watches the user's operations on one chunk (:class:`pyg_pipe.engine.rows.RowCheck`)."""
+
+    def returned(self, value: Any, vdim: Optional[int]) -> None:
+        """``value`` (a tensor or nested tuples of them), returned by a layer or a graph-wide module, has
+        one row per vertex of the chunk along ``vdim`` (``None``: along its first dimension of that size)."""
+
+    def paused(self):
+        """A context manager: the operations run inside are the engine's, not the user's."""
+
+
+@dataclass
+class Invocation:
+    """One call of one ``MessagePassing`` module on the current chunk.
+
+    ``in_edges`` is set while the layer computes per-edge values (its ``message`` / ``edge_update``),
+    whose rows follow ``edge_graph``, the graph of the propagate call (:meth:`destinations`), so
+    graph-wide statistics computed there count the chunk's own edges (:mod:`.statistics`).
+    """
+
+    name: str
+    index: int
+    cg: Any
+    lg: Any
+    clean: bool
+    parent: Optional["Invocation"] = None
+    graph: Any = None
+    calls: int = 0
+    norms: int = 0
+    propagated: bool = False
+    edge_graph: Any = None
+    in_edges: bool = False
+    restore: Dict[str, Any] = field(default_factory=dict)
+
+    def destinations(self) -> Tensor:
+        """The destination (local vertex id) of every per-edge row of the current propagate call, in
+        the order PyG computes messages."""
+        g = self.edge_graph
+        if isinstance(g, Tensor) and g.layout == torch.strided:
+            return g[1]
+        if type(g).__name__ == "SparseTensor":
+            return g.storage.row()
+        from torch_geometric.utils import to_edge_index
+        return to_edge_index(g)[0][0]
+
+    def mark_propagated(self) -> None:
+        inv = self
+        while inv is not None:
+            inv.propagated = True
+            inv = inv.parent
+
+
+@dataclass(frozen=True)
+class Site:
+    """A call site met by a run: its key (``module#invocation.call``), the source arguments exchanged
+    there, and whether they were clean (the model's own inputs: no exchange)."""
+
+    key: str
+    sources: Tuple[str, ...]
+    clean: bool
+
+
+class ChunkContext:
+    """What the hooks need while one chunk (or one way's whole partition) runs.
+
+    Args:
+        cg: the chunked primary graph.
+        lg: the chunk's local view of it.
+        halo: where halo rows come from (``None`` when the chunk is the whole graph: no halo).
+        graphs: resolves graph arguments: ``graphs.resolve(tensor) -> (cg, lg, local graph) or None``.
+        statistics: graph-wide statistics for this run (:class:`pyg_pipe.engine.statistics.Statistics`).
+        cache: per-chunk store for ``cached=True`` layers and normalisations of unchanged inputs.
+        observer: the row check on a plan's first pass (:mod:`pyg_pipe.engine.rows`), else ``None``.
+    """
+
+    def __init__(self, cg, lg, halo: Optional[HaloSource], graphs, statistics, cache: Dict,
+                 observer: Optional[Observer] = None):
+        self.cg, self.lg = cg, lg
+        self.halo, self.graphs, self.statistics = halo, graphs, statistics
+        self.cache = cache
+        self.observer = observer
+        self.sites: List[Site] = []
+        self.clean: Dict[int, Tuple[Tensor, int, Callable]] = {}
+        self.edge_inputs: Dict[int, Tuple[Tensor, int, Tensor]] = {}
+        self.stack: List[Invocation] = []
+        self.counts: Dict[str, int] = {}
+        self.clean_calls: Dict[Tuple[str, int], bool] = {}
+
+    def __enter__(self) -> "ChunkContext":
+        _STACK.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _STACK.remove(self)
+
+    @contextmanager
+    def engine_work(self) -> Iterator[None]:
+        """Marks the operations run inside as the engine's own (the observer does not judge them)."""
+        if self.observer is None:
+            yield
+            return
+        with self.observer.paused():
+            yield
+
+    # ------------------------------------------------------------------ inputs, registered by the localiser
+    def add_clean(self, local: Tensor, extend: Callable) -> None:
+        """``local`` is an input's chunk rows; ``extend(cg, lg)`` gives its rows beyond them."""
+        self.clean[id(local)] = (local, local._version, extend)
+
+    def add_edge_input(self, local: Tensor, whole: Tensor) -> None:
+        """``local`` holds the chunk's local edges of the edge input ``whole``."""
+        self.edge_inputs[id(local)] = (local, local._version, whole)
+
+    def is_clean(self, t: Tensor) -> bool:
+        hit = self.clean.get(id(t))
+        return hit is not None and hit[0] is t and hit[1] == t._version
+
+    def clean_rows(self, t: Tensor) -> Callable:
+        """The halo-row provider of a clean input (found by storage for a recomputation's detached copy)."""
+        hit = self.clean.get(id(t))
+        if hit is None or hit[0] is not t:
+            hit = next((h for h in self.clean.values() if h[0].data_ptr() == t.data_ptr()
+                        and h[0].shape == t.shape), None)
+            if hit is None:
+                raise UnsupportedModelError("pyg_pipe: a layer recomputed during backward received an input it did "
+                                            "not receive in the forward.")
+        return hit[2]
+
+    def edge_input(self, t: Tensor) -> Optional[Tensor]:
+        """The whole-graph edge input ``t`` was cut from, or ``None`` (computed in the model)."""
+        hit = self.edge_inputs.get(id(t))
+        return hit[2] if hit is not None and hit[0] is t and hit[1] == t._version else None

@@ -1,0 +1,30 @@
+"""A module's ``forward`` routed elsewhere while the engine is installed, without wrapping the module.
+
+The engine routes the user's model through itself (:mod:`.engine`) and graph-wide modules through the
+statistics (:mod:`.statistics`) by setting an instance attribute ``forward``, removed at uninstall, so
+the model object, its class and its ``state_dict`` stay the user's.
+"""
+from __future__ import annotations
+
+import types
+from typing import Callable
+
+import torch
+
+
+class Rerouted:
+    """A module's ``forward`` while the engine is installed: calls ``route(*args)`` instead.
+
+    Set as an instance attribute and removed at uninstall. A deep copy of the module (taken while
+    installed) gets the module's own forward back, bound to the copy, so copies are plain modules.
+    """
+
+    def __init__(self, module: torch.nn.Module, route: Callable, plain: Callable):
+        self.module, self.route, self.plain = module, route, plain
+
+    def __call__(self, *args, **kwargs):
+        return self.route(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        copy = memo.get(id(self.module))
+        return types.MethodType(self.plain, copy) if copy is not None else self.plain

@@ -1,0 +1,121 @@
+"""The runtime: everything a plan runs with on this rank, built at once from the plan.
+
+==================== ===============================================================================
+``chunked``          every input graph cut into the plan's chunks (:mod:`pyg_pipe.graph.chunks`)
+``way_chunked``      the same with one chunk per way (exact passes: inference, the history pass)
+``schedule``         chunk order and freshness (:mod:`.schedule`)
+``history``          historical rows per call of the model and call site (:mod:`.history`)
+``halo``             the halo exchange among ways and with history (:mod:`.halo`)
+``link``             values crossing the stage cuts, per chunk (:mod:`.link`)
+``programs``         what this stage runs per kind of call (:mod:`.program`)
+``sites``            the call sites met, per kind of call (:mod:`.sites`)
+caches               normalisations and ``cached=True`` layers per chunk, local sparse adjacencies,
+                     transposed graphs, the output's shape per kind of call
+==================== ===============================================================================
+
+The step (:mod:`.step`) runs passes over these; where history lives (another memory tier), how the
+link and the exchange are timed, and a staleness meter plug in here, each behind its own object.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Set
+
+import torch
+
+from ..graph.chunks import ChunkedGraph, way_ptr
+from ..model.inputs import CallInputs, graph_edges
+from .comm import Comm
+from .config import PipelineConfig
+from .grid import RankGrid
+from .halo import HaloExchange
+from .history import HistoryStore
+from .link import StageLink
+from .plan import Plan
+from .program import Programs
+from .schedule import Schedule
+from .sites import CallSites
+
+
+class Runtime:
+    """The objects one plan runs with on this rank (see the module docstring).
+
+    Args:
+        plan: the decisions.
+        grid: this rank's place in the grid.
+        comm: the transport.
+        config: the knobs.
+        module, fn: the user's model and its plain forward function.
+        inputs: a call with the plan's graphs (they are chunked here).
+    """
+
+    def __init__(self, plan: Plan, grid: RankGrid, comm: Comm, config: PipelineConfig, module: torch.nn.Module,
+                 fn: Callable, inputs: CallInputs):
+        self.plan, self.grid, self.comm, self.config, self.module = plan, grid, comm, config, module
+        dev = comm.device
+        W = plan.ways
+        self.chunked = chunk_graphs(inputs, plan.perm, plan.ptr, W, dev)
+        self.way_chunked = self.chunked if plan.num_chunks == W else \
+            chunk_graphs(inputs, plan.perm, way_ptr(plan.ptr, W), W, dev)
+        bounds = way_ptr(plan.ptr, W).tolist()
+        self.way_bounds: List[int] = bounds
+        self.way_rows: List[int] = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        self.schedule = Schedule(plan.num_chunks, W, config.shuffle_chunks, config.seed, config.unbiased_gradients)
+        self.history = HistoryStore(plan.num_nodes, dev)
+        self.halo = HaloExchange(grid, comm, self.schedule)
+        self.link = StageLink(comm, grid.prev, grid.next)
+        self.programs = Programs(module, fn, plan.sizes, config.split_points, grid.stage, grid.is_last)
+        self.sites = CallSites(comm, grid.stage_group if W > 1 else None)
+        self.layer_cache: Dict = {}
+        self.adjacency: Dict = {}
+        self.output_specs: Dict = {}
+        self.rows_checked: Set[str] = set()
+        self._derived: Dict = {}
+        self._names: Optional[Dict[int, str]] = None
+
+    @property
+    def graph(self) -> ChunkedGraph:
+        """The primary graph in training chunks."""
+        return self.chunked[0]
+
+    def training_graphs(self) -> List[ChunkedGraph]:
+        """Every chunked graph of the training chunking: the inputs' and those derived from them."""
+        sources = {id(cg) for cg in self.chunked}
+        return self.chunked + [cg for (src, _), cg in self._derived.items() if src in sources]
+
+    def derive(self, cg: ChunkedGraph, kind: str) -> ChunkedGraph:
+        """The chunking of a graph derived from ``cg`` (``"flip"``: its transpose), same vertex order."""
+        key = (id(cg), kind)
+        hit = self._derived.get(key)
+        if hit is None:
+            if kind != "flip":
+                raise ValueError(kind)
+            hit = self._derived[key] = ChunkedGraph(cg.dst, cg.src, cg.num_nodes, cg.perm, cg.ptr, cg.ways)
+        return hit
+
+    @property
+    def module_names(self) -> Dict[int, str]:
+        """Module object id -> its name in the model (for messages)."""
+        if self._names is None:
+            self._names = {id(m): n for n, m in self.module.named_modules()}
+        return self._names
+
+    def state_dict(self) -> dict:
+        """This rank's part of a checkpoint: the call sites and the history."""
+        return {"sites": self.sites.state_dict(), "history": self.history.state_dict()}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        if not state:
+            return
+        self.sites.load_state_dict(state.get("sites"))
+        if state.get("history"):
+            self.history.load_state_dict(state["history"])
+
+
+def chunk_graphs(inputs: CallInputs, perm, ptr, ways: int, device) -> List[ChunkedGraph]:
+    """Every graph of ``inputs`` cut into the chunks ``ptr`` of the vertex order ``perm``."""
+    out = []
+    for g in inputs.graphs:
+        src, dst, _ = graph_edges(g)
+        out.append(ChunkedGraph(src.to(device), dst.to(device), inputs.num_nodes, perm.to(device), ptr.to(device),
+                                ways))
+    return out

@@ -1,0 +1,274 @@
+"""One pass of the model over this rank's chunks: the fill and the drain of a training step, and the
+exact pass.
+
+**Fill** (the forward of one call of the model in a training step), on the rank of stage ``s``, way
+``w``, with the step's chunk order ``o`` (:mod:`.schedule`)::
+
+    for c in o:                                   # clock tick k + s for position k
+        run_chunk(c): inputs cut to c (model/inputs.py), values of stage s-1 for c (link.py),
+                      the stage's program (program.py) with the layer hooks (layers.py) reading
+                      halo rows from the other ways and from history (halo.py, history.py)
+        last stage: c's output rows kept; else: values for stage s+1 sent (link.py)
+    the whole output shared with every rank (every rank's loss is then the same)
+
+The fill returns a :class:`CallRecord`, every chunk's :class:`ChunkRecord` (its context, what it
+received and sent, its output), which the **drain** walks in reverse when the loss's backward
+reaches the call: per chunk, the gradients of what it sent (or of its output rows) come in,
+autograd runs through the chunk (the halo joins route halo-row gradients to their owners), and the
+gradients of what it received go to stage s-1.
+
+The **exact pass** (inference, and the pass that fills a call's history before its first step) runs
+one chunk per way, whole partitions, halo rows exchanged fresh, stage after stage. Both passes run
+a chunk with the one :func:`run_chunk`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..graph.chunks import ChunkedGraph
+from ..model.errors import UnsupportedModelError
+from ..model.inputs import CallInputs, Localizer, fingerprint
+from .context import ChunkContext
+from .halo import HaloPass
+from .history import CallHistory
+from .program import signature
+from .rows import RowCheck
+from .runtime import Runtime
+from .sites import kind_of, same_as_first_chunk, site_keys
+from .statistics import Statistics
+
+
+@dataclass
+class ChunkRecord:
+    """One chunk's run: what the drain needs of it."""
+
+    chunk: int
+    ctx: ChunkContext
+    received: Dict[str, Any]
+    sent: Dict[str, Any]
+    out: Optional[Tensor]
+    activation: Optional[str]
+
+
+@dataclass
+class CallRecord:
+    """What the fill of one call of the model keeps for its drain."""
+
+    runtime: Runtime
+    run: HaloPass
+    chunks: List[ChunkRecord]
+
+
+# ---------------------------------------------------------------------------------------------
+# passes
+# ---------------------------------------------------------------------------------------------
+
+
+def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor, CallRecord]:
+    """The forward of the ``call``-th call of the model in training step ``step`` (module docstring)."""
+    plan, grid = rt.plan, rt.grid
+    history = rt.history.of(call)
+    use_history = plan.chunks_per_way > 1
+    if use_history:
+        history.begin_step(step, rt.config.snapshot_period)
+    run = rt.halo.begin(history, rt.schedule.clocks(step), use_history, use_history)
+    localizer = Localizer(inputs, rt.chunked, rt.adjacency)
+    sig = signature(rt.module, inputs)
+    runner, activation = rt.programs.runner(inputs), rt.programs.next_activation(inputs)
+    start, end = rt.way_bounds[grid.way], rt.way_bounds[grid.way + 1]
+    rt.comm.counting = True
+    chunks: List[ChunkRecord] = []
+    reference, mine, check = None, None, None
+    for c in rt.schedule.order(step, grid.way):
+        if reference is None:  # the pass's first chunk is checked (every chunk makes the same calls)
+            check = _row_check(rt, rt.chunked[0].chunks[c].rows)
+        rec = run_chunk(rt, run, localizer, rt.chunked, c, runner, ("train", sig, c), plan.chunks_per_way == 1,
+                        init=False, check=check if reference is None else None, train=True)
+        keys = site_keys(rec.ctx.sites)
+        if reference is None:
+            reference = keys
+            rt.sites.record(kind_of(rt.module.training, sig), keys)
+        else:
+            same_as_first_chunk(keys, reference)
+        lg = rec.ctx.lg
+        if grid.is_last:
+            out = _check_output(rec.out, lg.rows)
+            if mine is None:
+                mine = out.new_empty((end - start, *out.shape[1:]))
+            mine[lg.start - start:lg.end - start] = out.detach()
+        else:
+            rt.link.send(("train", sig, c), rec.sent, activation)
+        chunks.append(rec)
+    full = share_output(rt, mine, start, end, ("train", sig))
+    rt.comm.flush()
+    rt.comm.counting = False
+    if check is not None:
+        _verdict(rt, check)
+    return full[rt.graph.inv], CallRecord(rt, run, chunks)
+
+
+def drain(grad: Tensor, record: CallRecord) -> None:
+    """The backward of one call's fill: its chunks in reverse order (module docstring)."""
+    rt = record.runtime
+    grid = rt.grid
+    record.run.prepare(rt.training_graphs())
+    rt.comm.counting = True
+    grad_new = grad[rt.graph.perm] if grid.is_last else None
+    if not grid.is_last:
+        rt.link.expect_grads(record.chunks[-1].sent)
+    for i, rec in enumerate(reversed(record.chunks)):
+        drain_chunk(rt, rec, grad_new, first=i == 0)
+    rt.comm.flush()
+    rt.comm.counting = False
+    record.run.history.clear_grads()
+
+
+def exact(rt: Runtime, inputs: CallInputs, history: Optional[CallHistory] = None) -> Tensor:
+    """One chunk per way, halo rows fresh, stage after stage; with ``history``, also fills it."""
+    grid = rt.grid
+    cgs, w = rt.way_chunked, grid.way
+    init = history is not None
+    rt.comm.counting = False
+    run = rt.halo.begin(history, torch.zeros(grid.ways, dtype=torch.long), False, init)
+    sig = signature(rt.module, inputs)
+    lg = cgs[0].chunks[w]
+    check = _row_check(rt, lg.rows)
+    rec = run_chunk(rt, run, Localizer(inputs, cgs, rt.adjacency), cgs, w, rt.programs.runner(inputs),
+                    ("exact", sig, w), True, init=init, check=check, train=False)
+    rt.sites.record(kind_of(rt.module.training, sig), site_keys(rec.ctx.sites))
+    if grid.next is not None:
+        rt.link.send(("exact", sig, w), rec.sent, rt.programs.next_activation(inputs))
+    full = share_output(rt, rec.out, lg.start, lg.end, ("exact", sig))
+    rt.comm.flush()
+    if check is not None:
+        _verdict(rt, check)
+    return full[cgs[0].inv]
+
+
+def prepare_history(rt: Runtime, inputs: CallInputs, call: int) -> None:
+    """Before a training call: its history is filled by an exact pass the first time, and again when the
+    per-edge inputs (edge weights, attributes, adjacency values) on the same graph changed, since they
+    change what layers compute everywhere, degrees included (new node features, by contrast, reach
+    history chunk by chunk, as the algorithm intends)."""
+    if rt.plan.chunks_per_way == 1:
+        return
+    history = rt.history.of(call)
+    tensors = inputs.edge_tensors()
+    key = tuple((id(t), t._version) for t in tensors)
+    if history.initialised and history.edge_inputs and key == history.edge_inputs[:-1]:
+        return
+    digest = tuple(fingerprint(t) for t in tensors)
+    if not history.initialised or (history.edge_inputs and digest != history.edge_inputs[-1]):
+        with torch.no_grad():
+            exact(rt, inputs, history)
+        history.renew()  # the T2 anchor is renewed too
+        history.initialised = True
+    history.edge_inputs = key + (digest,)
+
+
+# ---------------------------------------------------------------------------------------------
+# one chunk
+# ---------------------------------------------------------------------------------------------
+
+
+def run_chunk(rt: Runtime, run: HaloPass, localizer: Localizer, cgs: List[ChunkedGraph], c: int, runner,
+              link_key, one_per_way: bool, init: bool, check: Optional[RowCheck], train: bool) -> ChunkRecord:
+    """Chunk ``c`` of the chunking ``cgs`` through this rank's stage: inputs cut to the chunk, values
+    from the previous stage, the stage's program. ``check``: the row check watches this run."""
+    grid = rt.grid
+    lg = cgs[0].chunks[c]
+    if one_per_way and grid.ways > 1:
+        stats = Statistics(rt.comm, grid.stage_group, rt.way_rows, lg.rows, update_running=not init)
+    else:
+        stats = Statistics(rt.comm, None, None, lg.rows, update_running=not init)
+    ctx = ChunkContext(cgs[0], lg, run, localizer.resolver(c, rt.derive), stats, rt.layer_cache, check)
+    stage = runner.stage
+    with ctx:
+        args, kwargs = localizer.localize(c, ctx)
+        received = rt.link.recv(link_key, stage.inputs, train) if stage is not None and grid.prev is not None else {}
+        if check is None:
+            sent, out = runner.run(args, kwargs, received)
+        else:
+            check.returned(list(received.values()))
+            with check:
+                sent, out = runner.run(args, kwargs, received)
+    return ChunkRecord(c, ctx, received, sent, out, stage.activation if stage is not None else None)
+
+
+def drain_chunk(rt: Runtime, rec: ChunkRecord, grad_new: Optional[Tensor], first: bool) -> None:
+    """One chunk's backward: the gradients of what it sent (or of its output rows), autograd through the
+    chunk, then the gradients of what it received back to the previous stage."""
+    grid = rt.grid
+    lg = rec.ctx.lg
+    with rec.ctx:
+        if grid.is_last:
+            roots = [rec.out] if rec.out.requires_grad else []
+            grads = [grad_new[lg.start:lg.end].to(rec.out.dtype)] if roots else []
+        else:
+            roots, grads = rt.link.recv_grads(rec.chunk, rec.sent)
+        if roots:
+            torch.autograd.backward(roots, grads)
+    if grid.prev is not None:
+        rt.link.send_grads(rec.chunk, rec.received, rec.activation, first=first)
+
+
+def share_output(rt: Runtime, mine: Optional[Tensor], start: int, end: int, key) -> Tensor:
+    """The whole output (new vertex order) on every rank: each last-stage way sends its rows."""
+    grid, comm = rt.grid, rt.comm
+    S = grid.stages
+    spec = rt.output_specs.get(key)
+    if spec is None:  # the output's trailing shape and dtype, told once per kind of call
+        if grid.is_last:
+            mine = _check_output(mine, end - start)
+            spec = (tuple(mine.shape[1:]), mine.dtype)
+            if grid.way == 0:
+                for r in range(comm.world_size):
+                    if r // grid.ways != S - 1:
+                        comm.send_object(spec, r)
+        else:
+            spec = comm.recv_object(grid.rank_of(S - 1, 0))
+        rt.output_specs[key] = spec
+    shape, dtype = spec
+    full = torch.empty((rt.plan.num_nodes, *shape), dtype=dtype, device=comm.device)
+    bounds = rt.way_bounds
+    if grid.is_last:
+        full[start:end] = mine
+        for r in range(comm.world_size):
+            if r != comm.rank:
+                comm.send(mine, r, "output")
+    for w in range(grid.ways):
+        src = grid.rank_of(S - 1, w)
+        if src != comm.rank:
+            a, b = bounds[w], bounds[w + 1]
+            full[a:b] = comm.recv((b - a, *shape), dtype, src)
+    return full
+
+
+def _row_check(rt: Runtime, rows: int) -> Optional[RowCheck]:
+    """A check for operations that combine vertex rows outside layers (:mod:`.rows`), on the first
+    pass of each mode of a plan that cuts the graph (the same pass on every rank)."""
+    plan = rt.plan
+    if plan.num_chunks == 1 or ("train" if rt.module.training else "eval") in rt.rows_checked:
+        return None
+    cut = f"num_chunks={plan.num_chunks}" + (f" over {plan.ways} graph-parallel ways" if plan.ways > 1 else "")
+    return RowCheck(rows, rt.module_names, cut)
+
+
+def _verdict(rt: Runtime, check: RowCheck) -> None:
+    """After the checked pass: every rank raises the same error if any rank found an operation."""
+    rt.rows_checked.add("train" if rt.module.training else "eval")
+    check.verdict(rt.comm)
+
+
+def _check_output(out, rows: int) -> Tensor:
+    if not isinstance(out, Tensor) or out.dim() == 0 or out.size(0) != rows:
+        what = f"a {type(out).__name__}" if not isinstance(out, Tensor) else f"shape {tuple(out.shape)}"
+        raise UnsupportedModelError(
+            f"The pipelined model must return one tensor with a row per vertex; its forward returned {what} for a "
+            f"chunk of {rows} vertices. Return the node embeddings or logits only (compute auxiliary losses outside "
+            f"the model).")
+    return out

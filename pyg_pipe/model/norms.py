@@ -1,0 +1,33 @@
+"""Modules whose output at a vertex depends on the rows of all vertices: graph-wide statistics.
+
+BatchNorm (mean and variance over the rows), InstanceNorm, GraphNorm, PairNorm, PyG's ``LayerNorm``
+in graph mode, ... A chunk holds only its own rows, so the engine computes these statistics itself
+(:mod:`pyg_pipe.engine.statistics`), and the tracer keeps each such module whole
+(:mod:`pyg_pipe.model.trace`).
+"""
+from __future__ import annotations
+
+import torch
+
+BATCH_NORM = torch.nn.modules.batchnorm._BatchNorm
+
+
+def graph_wide_modules() -> tuple:
+    """Module classes other than BatchNorm whose output at a vertex depends on all vertices' rows."""
+    from torch_geometric.nn import norm as pyg_norm
+    classes = [torch.nn.modules.instancenorm._InstanceNorm]
+    for name in ("InstanceNorm", "GraphNorm", "PairNorm", "MeanSubtractionNorm", "DiffGroupNorm", "GraphSizeNorm"):
+        cls = getattr(pyg_norm, name, None)
+        if cls is not None:
+            classes.append(cls)
+    return tuple(classes)
+
+
+def needs_statistics(module: torch.nn.Module) -> bool:
+    """True for modules computing statistics over vertices (in the mode they are in)."""
+    from torch_geometric.nn import LayerNorm as PygLayerNorm
+    if isinstance(module, BATCH_NORM):
+        return True
+    if isinstance(module, PygLayerNorm):
+        return module.mode != "node"
+    return isinstance(module, graph_wide_modules())

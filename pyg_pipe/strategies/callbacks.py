@@ -1,0 +1,91 @@
+"""Callbacks the strategies add to the Trainer: communication logging and gradient clipping by the norm
+over all stages."""
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from ..engine import CATEGORIES
+
+
+class CommLogger(Callback):
+    """Logs the pipeline's communication of every training epoch: ``comm/bytes`` (summed over all
+    ranks) and ``comm/<category>`` for each category of :mod:`pyg_pipe.engine.comm` the grid sends."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self._epoch: Dict[str, int] = {}
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._epoch = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.strategy.comm is None:
+            return
+        for k, v in self.strategy.comm.totals(reduce=True).items():
+            self._epoch[k] = self._epoch.get(k, 0) + v
+        self.strategy.comm.reset_counters()
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if not self._epoch:
+            return
+        self.strategy.comm_history.append(dict(self._epoch))
+        # the counts are already summed over ranks (the same on every rank): sync_dist only keeps
+        # Lightning from asking for it
+        log = dict(on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
+        pl_module.log("comm/bytes", torch.tensor(float(self._epoch["total"]), dtype=torch.float64), **log)
+        for cat in self.categories:
+            pl_module.log(f"comm/{cat}", torch.tensor(float(self._epoch.get(cat, 0)), dtype=torch.float64), **log)
+
+    @property
+    def categories(self) -> List[str]:
+        """The categories this grid can send (pipeline ones with stages, halo ones with ways)."""
+        engine = self.strategy.engine
+        stages, ways = (engine.num_stages, engine.ways) if engine is not None and engine.grid is not None else (2, 2)
+        skip = set()
+        if stages == 1:
+            skip |= {"stage_activations", "stage_gradients", "carried"}
+        if ways == 1:
+            skip |= {"halo_forward", "halo_backward", "weight_allreduce"}
+        return [c for c in CATEGORIES if c not in skip]
+
+
+class GlobalNormClipping(Callback):
+    """``Trainer(gradient_clip_val=..., gradient_clip_algorithm="norm")`` over the whole model.
+
+    Each rank holds the gradients of its stage only, so the norm Lightning computes per rank is not the
+    model's. Before the optimizer step (Lightning's ``on_before_optimizer_step``, after AMP unscaling and
+    before Lightning clips) every rank adds the squared norms of the gradients it owns (replicated
+    parameters counted once), one all-reduce sums them, and all ranks scale by the same factor as one
+    process would. Lightning's own clipping then finds every rank's norm within the bound and leaves the
+    gradients unchanged. (With manual optimization, call ``trainer.strategy.clip_gradients_by_global_norm``.)
+    """
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        algorithm = trainer.gradient_clip_algorithm
+        norm = algorithm is None or algorithm == "norm"
+        if trainer.gradient_clip_val and norm and pl_module.automatic_optimization:
+            self.strategy.clip_gradients_by_global_norm(optimizer, float(trainer.gradient_clip_val))
+
+
+def clip_by_global_norm(optimizer, owned: Callable[[torch.nn.Parameter], bool], max_norm: float, comm,
+                        device) -> None:
+    """``clip_grad_norm_`` over the whole model: each rank adds the squared norms of the gradients it
+    ``owned`` (replicated parameters are owned by one rank), one all-reduce sums them, and every rank
+    scales its gradients by the same factor."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        if owned(p):
+            sq += p.grad.detach().double().pow(2).sum()
+    if comm is not None:
+        comm.all_reduce(sq, None, "the gradient norm")
+    coef = float(max_norm) / (float(sq.sqrt()) + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            p.grad.detach().mul_(coef)

@@ -1,0 +1,48 @@
+"""The launchers of pyg_pipe's strategies: Lightning's own, with what pipelines need around them.
+
+* Before any worker starts (in the launching process), the model is checked for refusals that its
+  structure decides (pooling, more stages than layers), so they surface once, in a few lines.
+* The spawn / fork launcher also brings rank 0's pipeline state home with the results, so
+  ``trainer.save_checkpoint`` after ``fit`` in the main process still holds the history.
+"""
+from __future__ import annotations
+
+import io
+from typing import Any, Dict
+
+import torch
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+
+class CheckedScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's script (popen) launcher, checking the model before it starts the other processes."""
+
+    def __init__(self, strategy, *args: Any) -> None:
+        super().__init__(*args)
+        self.strategy = strategy
+
+    def launch(self, function, *args, trainer=None, **kwargs):
+        self.strategy.check_before_launch()
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class ResultsLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn / fork launcher, checking the model first and returning the pipeline's state and
+    counters of rank 0 to the main process."""
+
+    def launch(self, function, *args, trainer=None, **kwargs):
+        self._strategy.check_before_launch()
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    def get_extra_results(self, trainer) -> Dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        buffer = io.BytesIO()
+        torch.save(self._strategy.worker_results(), buffer)
+        extra["pyg_pipe"] = buffer.getvalue()
+        return extra
+
+    def update_main_process_results(self, trainer, extra: Dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        if "pyg_pipe" in extra:
+            self._strategy.take_worker_results(torch.load(io.BytesIO(extra["pyg_pipe"]), weights_only=False))

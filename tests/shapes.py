@@ -230,6 +230,14 @@ def _gcnii():
     return gnn.Sequential("x, edge_index", layers)
 
 
+def _adjacency(g):
+    """The graph as a torch.sparse CSR ``adj_t`` (rows are destinations), as PyG's RevGNN example passes it."""
+    x, e, _, _ = g
+    ei, N = e["edge_index"], x.size(0)
+    adj_t = torch.sparse_coo_tensor(torch.stack([ei[1], ei[0]]), torch.ones(ei.size(1)), (N, N)).coalesce()
+    return dict(x=x, edge_index=adj_t.to_sparse_csr())
+
+
 def _data_inputs(g):
     x, e, y, _ = g
     return dict(data=Data(x=x, edge_index=e["edge_index"], edge_weight=e["edge_weight"], y=y))
@@ -250,6 +258,7 @@ SHAPES = {
     "ResGCN+-ckpt": (lambda: ResGCNPlus(4, ckpt_grad=True), lambda g: dict(x=g[0], edge_index=g[1]["edge_index"],
                                                                           edge_attr=g[1]["edge_attr"])),
     "GroupAddRev": (lambda: RevGNN(3), _plain),
+    "GroupAddRev-adj_t": (lambda: RevGNN(3), _adjacency),
     "LSTM-state": (lambda: LSTMDepth(3), _plain),
     "forward(data)": (DataNet, _data_inputs),
     "control-flow": (ControlFlow, _plain),

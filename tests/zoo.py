@@ -107,6 +107,9 @@ ZOO = {
     "PNAConv": (_pna, _plain),
     "ClusterGCNConv": (lambda a, b: gnn.ClusterGCNConv(a, b), _plain),
     "GENConv": (lambda a, b: gnn.GENConv(a, b), _plain),
+    "GENConv-edge-batchnorm": (lambda a, b: gnn.GENConv(a, b, edge_dim=3), _attr),
+    "EdgeConv-mlp-batchnorm": (lambda a, b: gnn.EdgeConv(gnn.MLP([2 * a, b, b])), _plain),
+    "PointNetConv-mlp-batchnorm": (lambda a, b: gnn.PointNetConv(gnn.MLP([a + 3, b, b]), gnn.MLP([b, b, b])), _pos),
     "GENConv-edge": (lambda a, b: gnn.GENConv(a, b, edge_dim=3, norm="layer"), _attr),
     "GCN2Conv": (lambda a, b: gnn.GCN2Conv(HIDDEN, alpha=0.1), _with_x0, "fixed"),
     "WLConvContinuous": (lambda a, b: gnn.WLConvContinuous(), _weighted, "fixed"),
@@ -165,21 +168,28 @@ class ZooNet(nn.Module):
         return self.lin_out(x)
 
 
-def zoo_graph(sizes=(16, 48), seed: int = 0):
+def zoo_graph(sizes=(16, 48), seed: int = 0, ring: bool = False):
     """Disconnected random undirected graphs of ``sizes`` vertices, a few self loops and one isolated
     vertex per part, and every edge tensor the zoo needs. With chunks of ``sizes[0]`` consecutive
     vertices (:func:`tests.harness.ranges`) the first chunk is a whole component, with no halo, while
-    the others read each other's rows."""
+    the others read each other's rows.
+
+    ``ring``: the first part is a directed cycle instead (no self loops there), so that chunk has as
+    many local edges as rows: tensors per vertex and per edge have the same length there."""
     gen = torch.Generator().manual_seed(seed)
     eis, offset = [], 0
-    for size in sizes:
+    for i, size in enumerate(sizes):
+        if ring and i == 0:
+            eis.append(torch.stack([torch.arange(size), (torch.arange(size) + 1) % size]))
+            offset += size
+            continue
         src = torch.randint(0, size - 1, (3 * size,), generator=gen)
         dst = torch.randint(0, size - 1, (3 * size,), generator=gen)
         keep = src != dst
         eis.append(to_undirected(torch.stack([src[keep], dst[keep]]), num_nodes=size) + offset)
         offset += size
     N = offset
-    loops = torch.arange(0, N, 7)
+    loops = torch.arange(sizes[0] if ring else 0, N, 7)
     edge_index = torch.cat(eis + [torch.stack([loops, loops])], 1)
     E = edge_index.size(1)
     y = torch.randint(0, 3, (N,), generator=gen)

@@ -1,0 +1,95 @@
+"""The hooks around PyG's layers: inert outside the engine; on a chunk, node tensors extended to the local
+graph and edge tensors left per edge, decided by what they are, also when a chunk has exactly as many
+local edges as rows (a directed cycle); layers PyG runs with another flow refused by name.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch_geometric.nn import GATConv, GraphConv, SAGEConv
+
+from pyg_pipe import UnsupportedModelError
+from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
+from pyg_pipe.engine.layers import LayerHooks, _parameter_names
+from tests.harness import ranges
+from tests.zoo import zoo_graph
+
+
+class EdgeWeighted(nn.Module):
+    """Edge weights computed in the model, next to computed node features: on the cycle's chunk both have
+    16 rows, so only the layer's parameter names (``x``, ``edge_weight``) tell them apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.edge = nn.Linear(8, 12), nn.Linear(3, 1)
+        self.conv1, self.conv2 = GraphConv(12, 12), GraphConv(12, 3)
+
+    def forward(self, x, edge_index, edge_attr):
+        ew = self.edge(edge_attr).squeeze(-1).sigmoid()
+        h = self.conv1(self.lin(x).relu(), edge_index, ew).relu()
+        return self.conv2(h, edge_index, ew)
+
+
+def test_hooks_do_nothing_outside_the_engine():
+    x, g, _, _ = zoo_graph()
+    torch.manual_seed(0)
+    model = EdgeWeighted()
+    plain = copy.deepcopy(model)
+    hooks = LayerHooks(model)
+    hooks.install()
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(model(x, g["edge_index"], g["edge_attr"]),
+                                       plain(x, g["edge_index"], g["edge_attr"]))
+    finally:
+        hooks.remove()
+    assert not model.conv1._forward_pre_hooks and not model.conv1._propagate_forward_pre_hooks
+
+
+def test_node_and_edge_tensors_of_the_same_length_on_a_chunk():
+    torch.set_default_dtype(torch.float64)
+    try:
+        x, g, y, mask = zoo_graph(ring=True)     # chunk 0: a directed 16-cycle, 16 rows and 16 local edges
+        torch.manual_seed(0)
+        model = EdgeWeighted()
+        plain = copy.deepcopy(model)
+        engine = GNNPipeEngine(model, PipelineConfig(num_chunks=4, partition=ranges, shuffle_chunks=False),
+                               Comm(torch.device("cpu")), num_stages=1)
+        engine.install()
+        lg = None
+        for _ in range(2):                        # lr = 0: every training forward equals one process
+            out = model(x, g["edge_index"], g["edge_attr"])
+            out.sum().backward()
+            lg = engine.runtime.graph.chunks[0]
+        engine.uninstall()
+        assert lg.rows == lg.num_edges == 16
+        with torch.no_grad():
+            torch.testing.assert_close(out.detach(), plain(x, g["edge_index"], g["edge_attr"]), atol=1e-9, rtol=0)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_parameter_names_are_the_layers_own():
+    assert _parameter_names(GraphConv(4, 4), 3) == ["x", "edge_index", "edge_weight"]
+    assert _parameter_names(SAGEConv(4, 4), 3) == ["x", "edge_index", "size"]
+    assert _parameter_names(GATConv(4, 4), 5)[:3] == ["x", "edge_index", "edge_attr"]
+
+
+def test_another_flow_is_refused_by_name():
+    class Backwards(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = GraphConv(8, 3, flow="target_to_source")
+
+        def forward(self, x, edge_index):
+            return self.conv(x, edge_index)
+
+    x, g, _, _ = zoo_graph()
+    engine = GNNPipeEngine(Backwards(), PipelineConfig(num_chunks=1), Comm(torch.device("cpu")), num_stages=1)
+    engine.install()
+    try:
+        with pytest.raises(UnsupportedModelError, match=r"Layer 'conv' \(GraphConv\) uses flow='target_to_source'"):
+            engine.module(x, g["edge_index"])
+    finally:
+        engine.uninstall()

@@ -1,0 +1,125 @@
+"""The staleness policy, checked where stale rows differ from fresh ones: the chunked training forward
+with a learning rate > 0 equals a reference that reads exactly what the policy says.
+
+The reference is plain PyTorch on the whole graph, written from the algorithm's definition
+(``docs/gnnpipe.md``), not from the engine's data structures. For every layer that reads computed
+rows it keeps a |V|-row history ``H``:
+
+* before the first step, ``H`` holds the exact layer inputs (an exact pass with the initial weights);
+* at the start of step ``t``, T2: when ``t % R == 0`` ``H`` is copied to a snapshot, otherwise ``H`` is
+  restored from the snapshot;
+* T1: the chunks of every way run in the order ``randperm(C / W)`` seeded with ``seed·1000003 + t``;
+  at each position the chunks of all ways at that position run together, layer by layer: their fresh
+  rows are written into ``H`` and each layer reads its input rows from ``H`` (fresh for chunks that ran
+  earlier in the step or at the same position on another way, the snapshot's otherwise);
+* the first layer reads the input features, which are always true.
+
+Each step the reference gets the engine's current weights (so the gradient policy, tested in
+``test_backward.py``, plays no part) and its own history; with lr > 0 the weights change every step,
+so a wrong order, a missing write, a wrong snapshot step or a restore of the wrong version makes the
+outputs differ. One process (1 stage x 1 way, 4 chunks) and 2 stages x 2 ways (8 chunks).
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch_geometric.nn import GraphConv, SAGEConv
+
+from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
+from tests.dist import run_distributed
+from tests.harness import ranges
+from tests.zoo import zoo_graph
+
+PERIOD, STEPS, SEED = 3, 7, 5
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = GraphConv(8, 12)
+        self.conv2 = SAGEConv(12, 12)
+        self.conv3 = GraphConv(12, 3)
+
+    def forward(self, x, edge_index):
+        h = self.conv1(x, edge_index).relu()
+        h = self.conv2(h, edge_index).relu()
+        return self.conv3(h, edge_index)
+
+
+class Reference:
+    """GNNPipe's forward with history, on the whole graph (see the module docstring)."""
+
+    def __init__(self, model: Net, x, edge_index, ptr, ways: int):
+        self.model, self.x, self.edge_index = model, x, edge_index
+        self.ptr, self.ways = ptr.tolist(), ways
+        self.cpw = (len(self.ptr) - 1) // ways
+        with torch.no_grad():  # history starts at the exact layer inputs
+            h1 = model.conv1(x, edge_index).relu()
+            self.history = [h1, model.conv2(h1, edge_index).relu()]
+        self.snapshot = None
+
+    def forward(self, step: int) -> torch.Tensor:
+        m, x, ei = self.model, self.x, self.edge_index
+        if step % PERIOD == 0 or self.snapshot is None:
+            self.snapshot = [h.clone() for h in self.history]
+        else:
+            self.history = [s.clone() for s in self.snapshot]
+        order = torch.randperm(self.cpw, generator=torch.Generator().manual_seed(SEED * 1_000_003 + step)).tolist()
+        out = torch.zeros(x.size(0), 3, dtype=x.dtype)
+        with torch.no_grad():
+            h1 = m.conv1(x, ei).relu()  # reads the inputs: always true
+            for k in order:
+                rows = torch.cat([torch.arange(self.ptr[c], self.ptr[c + 1])
+                                  for c in (w * self.cpw + k for w in range(self.ways))])
+                self.history[0][rows] = h1[rows]
+                h2 = m.conv2(self.history[0], ei).relu()
+                self.history[1][rows] = h2[rows]
+                out[rows] = m.conv3(self.history[1], ei)[rows]
+        return out
+
+
+def _worker(rank, world, stages, ways, chunks):
+    torch.set_default_dtype(torch.float64)
+    x, g, y, mask = zoo_graph()
+    ei = g["edge_index"]
+    torch.manual_seed(0)
+    model = Net()
+    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, partition=ranges, snapshot_period=PERIOD,
+                                                 seed=SEED, balance="layers"),
+                           Comm(torch.device("cpu"), timeout=60), num_stages=stages, ways=ways)
+    engine.install()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    reference = None
+    for step in range(STEPS):
+        weights = _gathered(model, engine)
+        if reference is None:
+            reference = Reference(weights, x, ei, ranges(ei, x.size(0), chunks)[1], ways)
+        reference.model.load_state_dict(weights.state_dict())
+        want = reference.forward(step)
+        out = model(x, ei)
+        torch.testing.assert_close(out, want, atol=1e-9, rtol=0, msg=f"training forward at step {step}")
+        opt.zero_grad()
+        F.cross_entropy(out[mask], y[mask]).backward()
+        opt.step()
+    assert engine.runtime.history.of(0).initialised
+    engine.uninstall()
+
+
+def _gathered(model, engine) -> Net:
+    """The model with every stage's current weights (a plain copy)."""
+    from pyg_pipe.engine import sync_module_state
+    plain = copy.deepcopy(model)
+    if engine.plan is not None:
+        sync_module_state(plain, engine.owners, engine.owner_ranks)
+    return plain
+
+
+def test_one_process_chunks_read_what_the_policy_says():
+    _worker(0, 1, 1, 1, 4)
+
+
+@pytest.mark.parametrize("stages,ways,chunks", [(2, 2, 8)])
+def test_pipeline_and_ways_read_what_the_policy_says(stages, ways, chunks):
+    run_distributed(_worker, stages * ways, stages, ways, chunks, timeout=240)

@@ -1,0 +1,98 @@
+"""One pass over a rank's chunks: the fill and its records, the drain, the exact pass, and when a call's
+history is (re)filled. One process with four chunks (history read and written), driven through the
+step functions with a runtime built from a plan, as the engine does.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch_geometric.nn import GCNConv, GraphConv
+
+from pyg_pipe.engine import Comm, PipelineConfig, step
+from pyg_pipe.engine.grid import RankGrid
+from pyg_pipe.engine.layers import LayerHooks
+from pyg_pipe.engine.plan import decide_shape, make_plan
+from pyg_pipe.engine.runtime import Runtime
+from pyg_pipe.engine.statistics import StatisticsHooks
+from pyg_pipe.model.inputs import CallInputs
+from pyg_pipe.model.trace import forward_function
+from tests.harness import ranges
+from tests.zoo import zoo_graph
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = GCNConv(8, 12), GraphConv(12, 3)
+
+    def forward(self, x, edge_index, edge_weight=None):
+        return self.conv2(self.conv1(x, edge_index, edge_weight).relu(), edge_index)
+
+
+@pytest.fixture
+def setup():
+    torch.set_default_dtype(torch.float64)
+    x, g, y, mask = zoo_graph()
+    torch.manual_seed(0)
+    model = Net()
+    comm = Comm(torch.device("cpu"))
+    inputs = CallInputs((x, g["edge_index"], g["edge_weight"]), {})
+    config = PipelineConfig(num_chunks=4, partition=ranges, shuffle_chunks=False, snapshot_period=None)
+    shape = decide_shape(model, inputs, 1, 1, 1, 1, None)
+    plan = make_plan(model, config, shape, inputs, comm, 0)
+    rt = Runtime(plan, RankGrid(0, 1, 1, 1), comm, config, model, forward_function(model), inputs)
+    hooks = [LayerHooks(model), StatisticsHooks(model)]
+    for h in hooks:
+        h.install()
+    yield rt, model, inputs, x, g, y, mask
+    for h in hooks:
+        h.remove()
+    torch.set_default_dtype(torch.float32)
+
+
+def test_the_exact_pass_equals_the_plain_model(setup):
+    rt, model, inputs, x, g, *_ = setup
+    with torch.no_grad():
+        got = step.exact(rt, inputs)
+        for h in (model.conv1, model.conv2):
+            assert h._forward_pre_hooks  # installed, yet inert outside a pass
+        want = model(x, g["edge_index"], g["edge_weight"])
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_fill_runs_every_chunk_in_order_and_drain_walks_them_back(setup):
+    rt, model, inputs, x, g, y, mask = setup
+    step.prepare_history(rt, inputs, 0)
+    out, record = step.fill(rt, inputs, 0, 0)
+    assert [r.chunk for r in record.chunks] == [0, 1, 2, 3]     # no shuffling: the chunk order
+    torch.testing.assert_close(out, model(x, g["edge_index"], g["edge_weight"]).detach(), atol=1e-12, rtol=0)
+    leaf = out.detach().requires_grad_()  # the engine's autograd Function hands the drain this gradient
+    F.cross_entropy(leaf[mask], y[mask]).backward()
+    step.drain(leaf.grad, record)
+    assert all(p.grad is not None for p in model.parameters())
+    assert record.run.history.grads == {}                        # pending cross-chunk gradients consumed
+
+
+def test_a_call_history_is_filled_once_and_again_for_new_edge_values(setup, monkeypatch):
+    rt, model, inputs, x, g, *_ = setup
+    passes = []
+    exact = step.exact
+    monkeypatch.setattr(step, "exact", lambda *a, **k: passes.append(1) or exact(*a, **k))
+    step.prepare_history(rt, inputs, 0)
+    step.prepare_history(rt, inputs, 0)
+    assert len(passes) == 1 and rt.history.of(0).initialised
+    same_values = CallInputs((x, g["edge_index"], g["edge_weight"].clone()), {})
+    step.prepare_history(rt, same_values, 0)                     # another tensor, same values: nothing to do
+    assert len(passes) == 1
+    new_values = CallInputs((x, g["edge_index"], g["edge_weight"] * 2), {})
+    step.prepare_history(rt, new_values, 0)                      # new weights change every layer: refilled
+    assert len(passes) == 2
+    step.prepare_history(rt, inputs, 1)                          # a second call of the step has its own history
+    assert len(passes) == 3 and rt.history.of(1).initialised
+
+
+def test_the_output_has_to_be_one_row_per_vertex():
+    with pytest.raises(Exception, match="must return one tensor with a row per vertex"):
+        step._check_output((torch.zeros(3), torch.zeros(3)), 3)
+    with pytest.raises(Exception, match=r"shape \(4, 2\) for a chunk of 5 vertices"):
+        step._check_output(torch.zeros(4, 2), 5)

@@ -17,9 +17,8 @@ The user's forward runs as ordinary Python on a chunk's rows (tensors with one r
 3. **layer exit** (forward hook): the outputs are cut back to the chunk's rows.
 
 Which argument is a node tensor and which an edge tensor is decided by what it is: an edge input
-handed out for the chunk, else its row count (the chunk's vertices or its local edges); when the
-chunk has as many rows as local edges, by the name of the layer's parameter it is passed to (names
-holding ``edge`` are per edge, as PyG names them).
+handed out for the chunk, else its row count; with as many chunk rows as local edges, by the layer's
+parameter name (PyG names per-edge parameters ``edge_*``).
 
 Which extended rows are already right is decided by structure, never by values: a node argument
 is *clean* when it is one of the inputs handed out for this chunk, unchanged (its halo rows are then
@@ -27,10 +26,9 @@ the true input rows); a call site's sources are clean when every node argument o
 clean and no propagate of that call has returned yet. Clean sources need no exchange and no history
 (the first layer of a model reads the input features). Everything else is exchanged.
 
-Rows beyond the chunk are only ever *read* at a call site, after the exchange replaced them, so
-their local values (copies of chunk rows, a numerically safe filler) never reach a chunk row.
-Layers that hold graph-wide statistics (a BatchNorm in a message MLP) also get hooks around
-``message`` / ``edge_update``, so the statistics know they run over edges (:mod:`.statistics`).
+Rows beyond the chunk are only ever *read* at a call site, after the exchange replaced them, so their
+fillers (copies of chunk rows) never reach a chunk row. Layers holding graph-wide statistics (a
+BatchNorm in a message MLP) also get hooks around ``message`` / ``edge_update`` (:mod:`.statistics`).
 """
 from __future__ import annotations
 
@@ -65,7 +63,7 @@ class LayerHooks:
         if self.handles:
             return
         degrees.install()
-        self.handles.append(_Undo(degrees.uninstall))
+        self.handles.append(_DegreesInstalled())
         for name, m in self.model.named_modules():
             if not isinstance(m, MessagePassing):
                 continue
@@ -95,14 +93,11 @@ class LayerHooks:
         self.handles, self.patched = [], []
 
 
-class _Undo:
-    """A hook handle that runs ``fn`` when removed."""
-
-    def __init__(self, fn):
-        self.fn = fn
+class _DegreesInstalled:
+    """The handle of :func:`degrees.install`: removing it uninstalls."""
 
     def remove(self):
-        self.fn()
+        degrees.uninstall()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,9 +142,7 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
     names = _parameter_names(module, len(args))
 
     def visit(value, param: str):
-        """Extends one argument (or the tensors of a tuple/list argument) to the local graph."""
-        if isinstance(value, (tuple, list)):
-            return type(value)(visit(v, param) for v in value)
+        """Extends one tensor argument to the local graph (edge tensors re-cut for a transposed graph)."""
         if not isinstance(value, Tensor) or value.dim() == 0 or value.layout != torch.strided:
             return value
         kind, vdim = _kind(ctx, module, value, param)
@@ -159,26 +152,33 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
             node_args.append((value, vdim))
         return value
 
-    args = [visit(a, n) for a, n in zip(args, names)]
-    kwargs = {k: visit(v, k) for k, v in kwargs.items()}
+    args = [_each(a, visit, n) for a, n in zip(args, names)]
+    kwargs = {k: _each(v, visit, k) for k, v in kwargs.items()}
     if in_backward():  # a recomputation decides as the forward did (its arguments are detached copies)
         clean = ctx.clean_calls.get((name, index), False)
     else:
         clean = all(ctx.is_clean(t) for t, _ in node_args)
         ctx.clean_calls[(name, index)] = clean
     extended = {id(t): _extend(ctx, cg, lg, t, vdim, clean) for t, vdim in node_args}
+    node_args.clear()
 
-    def replace(value):
-        if isinstance(value, (tuple, list)):
-            return type(value)(replace(v) for v in value)
+    def replace(value, _):
         return extended.get(id(value), value) if isinstance(value, Tensor) else value
 
-    args = [replace(a) for a in args]
-    kwargs = {k: replace(v) for k, v in kwargs.items()}
+    args = [_each(a, replace) for a in args]
+    kwargs = {k: _each(v, replace) for k, v in kwargs.items()}
     inv = Invocation(name, index, cg, lg, clean, graph=graph)
     _swap_cache(ctx, inv, module)
     ctx.stack.append(inv)
     return tuple(args), kwargs
+
+
+def _each(value, fn, param: str = ""):
+    """``fn(tensor, param)`` for ``value`` or each element of a tuple / list ``value`` (a module-level
+    recursion: closures that call themselves would keep every chunk's tensors alive in a reference cycle)."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_each(v, fn, param) for v in value)
+    return fn(value, param)
 
 
 def _kind(ctx: ChunkContext, module: MessagePassing, value: Tensor, param: str) -> Tuple[Optional[str], int]:

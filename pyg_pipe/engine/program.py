@@ -160,21 +160,21 @@ class Programs:
 def signature(module: torch.nn.Module, inputs: CallInputs) -> tuple:
     """What a traced program depends on besides tensor values: the module's mode, and which arguments
     are ``None``, tensors, ``Data`` (with which attributes) or Python values (baked in by tracing)."""
+    return (module.training, tuple(_kind(a) for a in inputs.args),
+            tuple(sorted((k, _kind(v)) for k, v in inputs.kwargs.items())))
+
+
+def _kind(v):
     from torch_geometric.data import Data
-
-    def kind(v):
-        if v is None or isinstance(v, (bool, int, float, str)):
-            return repr(v)
-        if isinstance(v, Tensor):
-            return "tensor"
-        if isinstance(v, Data):
-            return "data:" + ",".join(sorted(v.keys()))
-        if isinstance(v, (tuple, list)):
-            return tuple(kind(x) for x in v)
-        return type(v).__name__
-
-    return (module.training, tuple(kind(a) for a in inputs.args),
-            tuple(sorted((k, kind(v)) for k, v in inputs.kwargs.items())))
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return repr(v)
+    if isinstance(v, Tensor):
+        return "tensor"
+    if isinstance(v, Data):
+        return "data:" + ",".join(sorted(v.keys()))
+    if isinstance(v, (tuple, list)):
+        return tuple(_kind(x) for x in v)
+    return type(v).__name__
 
 
 def _last_uses(steps: List[fx.Node], keep) -> Dict[str, List[str]]:

@@ -22,20 +22,20 @@ def flatten(value: Any, leaf: Callable[[Any], bool] = is_tensor) -> Tuple[List[A
     """``(leaves, structure)``: the values for which ``leaf`` holds, in order, and the rest of ``value``
     (dicts, lists and tuples walked into, any other value kept in the structure)."""
     leaves: List[Any] = []
+    return leaves, _strip(value, leaf, leaves)
 
-    def strip(v):
-        if isinstance(v, dict):
-            return ("dict", tuple((k, strip(x)) for k, x in v.items()))
-        if type(v) in (list, tuple):
-            return (type(v).__name__, tuple(strip(x) for x in v))
-        if isinstance(v, tuple):  # a namedtuple, torch.return_types.*, torch.Size: rebuilt as its class
-            return ("tuple_of", (type(v), tuple(strip(x) for x in v)))
-        if leaf(v):
-            leaves.append(v)
-            return ("leaf", len(leaves) - 1)
-        return ("value", v)
 
-    return leaves, strip(value)
+def _strip(v: Any, leaf: Callable[[Any], bool], leaves: List[Any]) -> Any:
+    if isinstance(v, dict):
+        return ("dict", tuple((k, _strip(x, leaf, leaves)) for k, x in v.items()))
+    if type(v) in (list, tuple):
+        return (type(v).__name__, tuple(_strip(x, leaf, leaves) for x in v))
+    if isinstance(v, tuple):  # a namedtuple, torch.return_types.*, torch.Size: rebuilt as its class
+        return ("tuple_of", (type(v), tuple(_strip(x, leaf, leaves) for x in v)))
+    if leaf(v):
+        leaves.append(v)
+        return ("leaf", len(leaves) - 1)
+    return ("value", v)
 
 
 def unflatten(leaves: List[Any], structure: Any) -> Any:

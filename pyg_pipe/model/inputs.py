@@ -142,25 +142,24 @@ class CallInputs:
 
     def edge_tensors(self) -> List[Tensor]:
         """The call's per-edge inputs (edge weights, attributes, sparse adjacency values), in order."""
-        from torch_geometric.data import Data
         out: List[Tensor] = []
-
-        def scan(v):
-            if isinstance(v, Tensor) and v.layout != torch.strided:
-                out.append(graph_edges(v)[2])
-            elif isinstance(v, Tensor) and v.dim() > 0 and not is_graph_tensor(v) and v.size(0) == self.num_edges \
-                    and v.size(0) != self.num_nodes:
-                out.append(v)
-            elif isinstance(v, Data):
-                for _, a in v.items():
-                    scan(a)
-            elif isinstance(v, (tuple, list)):
-                for a in v:
-                    scan(a)
-
         for v in list(self.args) + list(self.kwargs.values()):
-            scan(v)
+            self._edge_tensors(v, out)
         return out
+
+    def _edge_tensors(self, v, out: List[Tensor]) -> None:
+        from torch_geometric.data import Data
+        if isinstance(v, Tensor) and v.layout != torch.strided:
+            out.append(graph_edges(v)[2])
+        elif isinstance(v, Tensor) and v.dim() > 0 and not is_graph_tensor(v) and v.size(0) == self.num_edges \
+                and v.size(0) != self.num_nodes:
+            out.append(v)
+        elif isinstance(v, Data):
+            for _, a in v.items():
+                self._edge_tensors(a, out)
+        elif isinstance(v, (tuple, list)):
+            for a in v:
+                self._edge_tensors(a, out)
 
     def requires_grad(self) -> Optional[str]:
         """The name of an input that requires grad (pyg_pipe does not back-propagate into inputs)."""

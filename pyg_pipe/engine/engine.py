@@ -96,7 +96,7 @@ class GNNPipeEngine:
         self._instance_forward = None
         self._grads: Optional[GradientSum] = None
         self._calls = 0                             # training calls of the model in this step
-        self._ending = False                        # the end of the backward pass is queued
+        self._ending: Optional[int] = None          # the backward pass whose end is queued
         self._steps_only = False
         self._in_step = False
 
@@ -181,15 +181,16 @@ class GNNPipeEngine:
 
     def _drained(self, grad: Tensor, record: steps.CallRecord) -> None:
         """A call's drain, its weight-gradient parts collected; the first queues the end of the backward pass."""
-        if not self._ending:
-            self._ending = True
+        task = torch._C._current_graph_task_id()
+        if self._ending != task:  # once per backward pass (a pass that failed queued nothing that ran)
+            self._ending = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         with self._grads.collecting():
             steps.drain(grad, record)
 
     def _end_backward(self) -> None:
         """The backward pass is over: weight gradients summed over their ranks, the step ends."""
-        self._ending = False
+        self._ending = None
         self.comm.counting = True
         try:
             self._grads.reduce()

@@ -1,11 +1,13 @@
-"""GNNPipe against single-process PyG: epoch time, peak memory and communication, side by side.
+"""GNNPipe against single-process PyG and against graph_parallel: epoch time, peak memory and communication,
+side by side.
 
 Default setting: a 32-layer GCNII, hidden 64, on a generated 50,000-vertex graph with about
 1,000,000 edges (``--graph community``: 400 communities with 90% of edges inside, or ``--graph random``:
 8 random blocks); gnnpipe on 2 processes with one thread each (``strategy="gnnpipe"`` through a real
 Lightning Trainer) against one process with two threads running plain PyG on its fastest path (a
-torch.sparse CSR adjacency, ``cached=True`` normalisation). Every configuration runs in fresh
-processes, one after the other, in one invocation, and the ratios are printed at the end.
+torch.sparse CSR adjacency, ``cached=True`` normalisation) and against ``strategy="graph_parallel"`` on
+the same 2 processes. Every configuration runs in fresh processes, one after the other, in one
+invocation, and the ratios are printed at the end.
 
     python benchmarks/gnnpipe_epoch.py                       # the full setting (about 10 minutes)
     python benchmarks/gnnpipe_epoch.py --nodes 5000 --degree 20 --layers 8 --epochs 3   # a quick look
@@ -114,7 +116,10 @@ def run_pipe(args) -> None:
         def on_train_batch_end(self, trainer, *a):
             self.times.append(time.perf_counter() - self.t0)
 
-    strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks, snapshot_period=args.snapshot_period or None)
+    if args.strategy == "graph_parallel":
+        strategy = pyg_pipe.GraphParallelStrategy()
+    else:
+        strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks, snapshot_period=args.snapshot_period or None)
     timer = Timer()
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.procs, max_epochs=args.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -160,6 +165,7 @@ def main():
                    help="GNNPipeStrategy(snapshot_period=...); 0 turns snapshots off")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--worker", choices=["single", "pipe"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--strategy", choices=["gnnpipe", "graph_parallel"], default="gnnpipe", help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
 
@@ -186,6 +192,13 @@ def main():
     net_single = single["peak_mb"] - single["base_mb"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "graph_parallel")
+        launch(args, "pipe", chunks=args.procs, json=path, strategy="graph_parallel")
+        ranks = [json.load(open(f"{path}.rank{r}")) for r in range(args.procs)]
+        results["graph_parallel"] = ranks
+        t_gp = med(ranks[0]["times"])
+        m_gp = max(r["peak_mb"] for r in ranks)
+        net_gp = max(r["peak_mb"] - r["base_mb"] for r in ranks)
         for c in args.chunks:
             path = os.path.join(tmp, f"pipe{c}")
             launch(args, "pipe", chunks=c, json=path)
@@ -202,10 +215,14 @@ def main():
     print(f"\nsetting: {results['setting']}")
     print(f"single process ({args.threads_single} threads, sparse CSR, cached): epoch {t_single:.3f} s, "
           f"peak {m_single:.0f} MB (net {net_single:.0f} MB)")
-    print(f"{'chunks':>6} {'epoch s':>8} {'time ratio':>10} {'peak MB':>8} {'mem ratio':>9} {'net MB':>7} "
-          f"{'net ratio':>9} {'bytes/epoch':>12} {'formula':>12}")
+    print(f"graph_parallel ({args.procs} processes x 1 thread): epoch {t_gp:.3f} s ({t_gp / t_single:.2f} x single), "
+          f"worst peak {m_gp:.0f} MB (net {net_gp:.0f} MB, {net_gp / max(net_single, 1e-9):.2f} x single net)")
+    print(f"{'chunks':>6} {'epoch s':>8} {'time ratio':>10} {'vs gp':>6} {'peak MB':>8} {'mem ratio':>9} {'net MB':>7} "
+          f"{'net ratio':>9} {'vs gp':>6} {'bytes/epoch':>12} {'formula':>12}")
     for c, t, tr, pk, mr, net, nr, b, w in rows:
-        print(f"{c:>6} {t:>8.3f} {tr:>10.2f} {pk:>8.0f} {mr:>9.2f} {net:>7.0f} {nr:>9.2f} {b:>12,} {w:>12,}")
+        print(f"{c:>6} {t:>8.3f} {tr:>10.2f} {t / t_gp:>6.2f} {pk:>8.0f} {mr:>9.2f} {net:>7.0f} {nr:>9.2f} "
+              f"{net / max(net_gp, 1e-9):>6.2f} {b:>12,} {w:>12,}")
+    results["graph_parallel_summary"] = {"epoch_s": t_gp, "peak_mb": m_gp, "net_mb": net_gp}
     results["rows"] = [dict(zip(("chunks", "epoch_s", "time_ratio", "peak_mb", "mem_ratio", "net_mb", "net_ratio",
                                  "bytes", "formula_bytes"), r)) for r in rows]
     if args.out:

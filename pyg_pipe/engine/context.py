@@ -116,11 +116,14 @@ class ChunkContext:
         statistics: graph-wide statistics for this run (:class:`pyg_pipe.engine.statistics.Statistics`).
         cache: per-chunk store for ``cached=True`` layers and normalisations of unchanged inputs.
         observer: the row check on a plan's first pass (:mod:`pyg_pipe.engine.rows`), else ``None``.
+        replay: the run recomputes a chunk's fill in its drain (halo rows are read as the fill read them).
     """
 
     def __init__(self, cg, lg, halo: Optional[HaloSource], graphs, statistics, cache: Dict,
-                 observer: Optional[Observer] = None):
+                 observer: Optional[Observer] = None, replay: bool = False):
         self.cg, self.lg = cg, lg
+        self.replay = replay
+        self.task = torch._C._current_graph_task_id()  # the autograd pass this run's forward belongs to
         self.halo, self.graphs, self.statistics = halo, graphs, statistics
         self.cache = cache
         self.observer = observer
@@ -137,6 +140,11 @@ class ChunkContext:
 
     def __exit__(self, *exc) -> None:
         _STACK.remove(self)
+
+    def recomputing(self) -> bool:
+        """True while a layer of this run is recomputed in a backward pass (checkpointing, reversible
+        blocks), not run by the run's own forward (which may itself run inside a backward: a replay)."""
+        return torch._C._current_graph_task_id() != self.task
 
     @contextmanager
     def engine_work(self) -> Iterator[None]:

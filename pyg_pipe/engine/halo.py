@@ -19,9 +19,14 @@ other ways send for them and, from ``G``, what later chunks of this way read fro
 and receive of one call site is posted together (``batch_isend_irecv``). All routes of a step are
 computed before its first chunk runs, so the per-chunk loop has no host synchronisation.
 
-Recomputation during backward (``torch.utils.checkpoint``, reversible blocks that rebuild their
-inputs) calls the site again: it exchanges live with the other ways (which recompute at the same
-point) and reads the history as it is then, without writing its own rows.
+Recomputation reads exactly what the forward read: the engine's own (a *replay* of a chunk's fill in
+the drain, ``recompute=True``, :mod:`.step`) and the model's (``torch.utils.checkpoint``, reversible
+blocks that rebuild their inputs, calling the site again during backward). With one chunk per way it
+exchanges live with the other ways, which recompute at the same point. With history, nothing is
+exchanged or written: a halo row owned by a chunk at the same or an earlier clock
+was written this step before the read (by its owner, or received from its way), and nothing writes
+it again in the step, so the buffer still holds it; a row owned by a later chunk was read before its
+owner wrote it, so it is taken from the start-of-step rows (:meth:`CallHistory.read_start`).
 
 One pass over a rank's chunks (the fill of one call of the model, or an exact pass) is a
 :class:`HaloPass`: the step's clocks, whether history is read and written, and the history of that
@@ -36,7 +41,7 @@ from torch import Tensor
 
 from ..graph.chunks import ChunkedGraph, LocalGraph
 from .comm import Comm
-from .context import in_backward
+from .context import current, in_backward
 from .grid import RankGrid
 from .history import CallHistory
 from .schedule import Schedule
@@ -62,6 +67,7 @@ class _Routes:
 
     def __init__(self):
         self.own_pos = self.own_scale = None
+        self.stale_pos = self.stale_ids = None                              # halo rows read stale
         self.sends: List[Tuple[int, Tensor, Tensor]] = []                   # (way, halo positions, scale)
         self.recvs: List[Tuple[int, int, Tensor, Tensor, Tensor, Tensor]] = []  # (way, n, cur sel, cur rows,
         #                                                                        other sel, other ids)
@@ -136,9 +142,12 @@ class HaloPass:
         return out.movedim(0, vdim) if vdim else out
 
     def _halo(self, key: str, cg: ChunkedGraph, lg: LocalGraph, rows: Tensor) -> Tensor:
+        ctx = current()
+        if ctx is not None and self.read_history and (ctx.replay or ctx.recomputing()):
+            return self._replayed(key, cg, lg, rows)
         received = self._exchange_rows(cg, lg, rows) if self.grid.ways > 1 else []
         if self.write_history:
-            if not in_backward():
+            if not (ctx.recomputing() if ctx is not None else in_backward()):
                 self.history.write(key, lg.start, rows)
             for _, ids, r in received:
                 self.history.write_ids(key, ids, r)
@@ -149,6 +158,14 @@ class HaloPass:
         halo = rows.new_empty((lg.halo.numel(), *rows.shape[1:]))
         for w, ids, r in received:
             halo[self.exchange.positions(cg, lg, w, ids)] = r
+        return halo
+
+    def _replayed(self, key: str, cg: ChunkedGraph, lg: LocalGraph, rows: Tensor) -> Tensor:
+        """The halo rows the fill read (module docstring): the buffer's, the stale ones from the start of the step."""
+        r = self._route(cg, lg)
+        halo = self.history.read(key, lg.halo, rows)
+        if r.stale_pos is not None:
+            halo[r.stale_pos] = self.history.read_start(key, r.stale_ids, rows)
         return halo
 
     def _exchange_rows(self, cg: ChunkedGraph, lg: LocalGraph, rows: Tensor) -> List[Tuple[int, Tensor, Tensor]]:
@@ -182,6 +199,10 @@ class HaloPass:
         scale = schedule.gradient_scale(owner, lg.index)
         owner_way = owner // cpw
         own = torch.nonzero(fresh & (owner_way == me)).view(-1)
+        stale = torch.nonzero(~fresh).view(-1)
+        if stale.numel():
+            r.stale_pos = stale.to(dev)
+            r.stale_ids = lg.halo[r.stale_pos]
         if own.numel():
             r.own_pos, r.own_scale = own.to(dev), scale[own].to(dev)
         for w in range(self.grid.ways):

@@ -44,7 +44,7 @@ from ..model.errors import UnsupportedModelError
 from ..model.inputs import is_graph_tensor
 from ..model.norms import needs_statistics
 from . import degrees
-from .context import ChunkContext, Invocation, Site, current, in_backward
+from .context import ChunkContext, Invocation, Site, current
 
 
 class LayerHooks:
@@ -110,7 +110,7 @@ def _entry(name: str):
         ctx = current()
         if ctx is None:
             return None
-        if in_backward():  # recomputed during backward (checkpointing, reversible blocks): the forward's call
+        if ctx.recomputing():  # recomputed during backward (checkpointing, reversible blocks): the forward's call
             if ctx.counts.get(name, 0) > 1:
                 raise UnsupportedModelError(
                     f"Layer '{name}' ({type(module).__name__}) runs again during backward (checkpointing or a "
@@ -154,7 +154,7 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
 
     args = [_each(a, visit, n) for a, n in zip(args, names)]
     kwargs = {k: _each(v, visit, k) for k, v in kwargs.items()}
-    if in_backward():  # a recomputation decides as the forward did (its arguments are detached copies)
+    if ctx.recomputing():  # a recomputation decides as the forward did (its arguments are detached copies)
         clean = ctx.clean_calls.get((name, index), False)
     else:
         clean = all(ctx.is_clean(t) for t, _ in node_args)
@@ -265,7 +265,7 @@ def _sources(name: str, args_attr: str, stats: bool):
                 continue
             joined = ctx.halo.join(f"{site}:{arg}", inv.cg, inv.lg, t, vdim)
             kwargs[arg] = type(value)((joined, *value[1:])) if isinstance(value, (tuple, list)) else joined
-        if not in_backward():
+        if not ctx.recomputing():
             ctx.sites.append(Site(site, tuple(sources), clean))
         if stats:  # edge_updater: edge_update computes per-edge values next
             inv.in_edges = True

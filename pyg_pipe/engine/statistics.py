@@ -45,12 +45,22 @@ class Statistics:
         way_rows: rows of every way in this pass (``None``: one way).
         rows: rows this chunk owns (statistics over vertex tensors take the first ``rows`` rows).
         update_running: whether running statistics are updated (not in the history pass).
+        replay: the run is a replay of a chunk's fill (:mod:`.step`), whose forward moved them already;
+            a layer recomputed inside it during backward (checkpointing) moves them, as in one process.
     """
 
-    def __init__(self, comm, group, way_rows: Optional[List[int]], rows: int, update_running: bool = True):
+    def __init__(self, comm, group, way_rows: Optional[List[int]], rows: int, update_running: bool = True,
+                 replay: bool = False):
         self.comm, self.group, self.way_rows, self.rows = comm, group, way_rows, rows
-        self.update_running = update_running
+        self.update_running, self.replay = update_running, replay
         self.inside_gather = False
+
+    def moves_running(self) -> bool:
+        """Whether a norm run now updates its running statistics."""
+        if not self.update_running:
+            return False
+        ctx = current()
+        return not (self.replay and ctx is not None and not ctx.recomputing())
 
 
 class StatisticsHooks:
@@ -137,7 +147,7 @@ def _batch_norm(module, original, stats: Statistics, inv, x: Tensor) -> Tensor:
     y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + module.eps)
     if module.affine:
         y = y * module.weight.view(shape) + module.bias.view(shape)
-    if module.training and module.track_running_stats and stats.update_running:
+    if module.training and module.track_running_stats and stats.moves_running():
         with torch.no_grad():
             module.num_batches_tracked.add_(1)
             momentum = module.momentum

@@ -17,6 +17,13 @@ reaches the call: per chunk, the gradients of what it sent (or of its output row
 autograd runs through the chunk (the halo joins route halo-row gradients to their owners), and the
 gradients of what it received go to stage s-1.
 
+**Recomputation** (``recompute``, torchgpipe's ``checkpoint="except_last"``): the fill runs every
+chunk but the last of the order without autograd and keeps only what the chunk received from stage
+s-1 and the random-number state it started with; the drain runs the chunk again (a *replay*: same
+inputs, same random numbers, the halo rows the fill read, :mod:`.halo`) and back-propagates through
+it at once. A stage then holds one chunk's activations instead of all of them, for one more forward
+per chunk; the results are the same bit for bit.
+
 The **exact pass** (inference, and the pass that fills a call's history before its first step) runs
 one chunk per way, whole partitions, halo rows exchanged fresh, stage after stage. Both passes run
 a chunk with the one :func:`run_chunk`.
@@ -39,6 +46,7 @@ from .program import signature
 from .rows import RowCheck
 from .runtime import Runtime
 from .sites import kind_of, same_as_first_chunk, site_keys
+from .tree import flatten, unflatten
 from .statistics import Statistics
 
 
@@ -47,11 +55,12 @@ class ChunkRecord:
     """One chunk's run: what the drain needs of it."""
 
     chunk: int
-    ctx: ChunkContext
+    ctx: Optional[ChunkContext]
     received: Dict[str, Any]
     sent: Dict[str, Any]
     out: Optional[Tensor]
     activation: Optional[str]
+    rng: Optional[Tuple[Tensor, Optional[Tensor]]] = None   # set when the drain replays the chunk
 
 
 @dataclass
@@ -61,6 +70,8 @@ class CallRecord:
     runtime: Runtime
     run: HaloPass
     chunks: List[ChunkRecord]
+    localizer: Optional[Localizer] = None
+    runner: Any = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,8 +84,9 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
     plan, grid = rt.plan, rt.grid
     history = rt.history.of(call)
     use_history = plan.chunks_per_way > 1
+    replay = rt.recompute
     if use_history:
-        history.begin_step(step, rt.config.snapshot_period)
+        history.begin_step(step, rt.config.snapshot_period, keep_start=True)  # replays read the start rows
     run = rt.halo.begin(history, rt.schedule.clocks(step), use_history, use_history)
     localizer = Localizer(inputs, rt.chunked, rt.adjacency)
     sig = signature(rt.module, inputs)
@@ -83,11 +95,15 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
     rt.comm.counting = True
     chunks: List[ChunkRecord] = []
     reference, mine, check = None, None, None
-    for c in rt.schedule.order(step, grid.way):
+    order = rt.schedule.order(step, grid.way)
+    for i, c in enumerate(order):
         if reference is None:  # the pass's first chunk is checked (every chunk makes the same calls)
             check = _row_check(rt, rt.chunked[0].chunks[c].rows)
-        rec = run_chunk(rt, run, localizer, rt.chunked, c, runner, ("train", sig, c), plan.chunks_per_way == 1,
-                        init=False, check=check if reference is None else None, train=True)
+        keep = not replay or i == len(order) - 1  # the last chunk's drain comes next: nothing to save by replaying
+        rng = None if keep else _rng_state(rt.comm.device)
+        with torch.enable_grad() if keep else torch.no_grad():
+            rec = run_chunk(rt, run, localizer, rt.chunked, c, runner, ("train", sig, c), plan.chunks_per_way == 1,
+                            init=False, check=check if reference is None else None, train=True, protect=not keep)
         keys = site_keys(rec.ctx.sites)
         if reference is None:
             reference = keys
@@ -102,13 +118,16 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
             mine[lg.start - start:lg.end - start] = out.detach()
         else:
             rt.link.send(("train", sig, c), rec.sent, activation)
+        if rng is not None:  # the drain replays it: keep what it received and its random state only
+            rec = ChunkRecord(c, None, rec.received, {}, None, rec.activation, rng)
         chunks.append(rec)
+        history.evict()
     full = share_output(rt, mine, start, end, ("train", sig))
     rt.comm.flush()
     rt.comm.counting = False
     if check is not None:
         _verdict(rt, check)
-    return full[rt.graph.inv], CallRecord(rt, run, chunks)
+    return full[rt.graph.inv], CallRecord(rt, run, chunks, localizer, runner)
 
 
 def drain(grad: Tensor, record: CallRecord) -> None:
@@ -121,7 +140,10 @@ def drain(grad: Tensor, record: CallRecord) -> None:
     if not grid.is_last:
         rt.link.expect_grads(record.chunks[-1].sent)
     for i, rec in enumerate(reversed(record.chunks)):
+        if rec.rng is not None:
+            rec = _replay(record, rec)
         drain_chunk(rt, rec, grad_new, first=i == 0)
+        record.run.history.evict()
     rt.comm.flush()
     rt.comm.counting = False
     record.run.history.clear_grads()
@@ -176,27 +198,56 @@ def prepare_history(rt: Runtime, inputs: CallInputs, call: int) -> None:
 
 
 def run_chunk(rt: Runtime, run: HaloPass, localizer: Localizer, cgs: List[ChunkedGraph], c: int, runner,
-              link_key, one_per_way: bool, init: bool, check: Optional[RowCheck], train: bool) -> ChunkRecord:
+              link_key, one_per_way: bool, init: bool, check: Optional[RowCheck], train: bool,
+              received: Optional[Dict[str, Any]] = None, protect: bool = False) -> ChunkRecord:
     """Chunk ``c`` of the chunking ``cgs`` through this rank's stage: inputs cut to the chunk, values
-    from the previous stage, the stage's program. ``check``: the row check watches this run."""
+    from the previous stage, the stage's program. ``check``: the row check watches this run.
+    ``received``: a replay (module docstring), with the values the fill received. ``protect``: the
+    program gets copies of the received values (a replay needs them intact, and a reversible block
+    frees its input's storage)."""
     grid = rt.grid
     lg = cgs[0].chunks[c]
+    replay = received is not None
     if one_per_way and grid.ways > 1:
-        stats = Statistics(rt.comm, grid.stage_group, rt.way_rows, lg.rows, update_running=not init)
+        stats = Statistics(rt.comm, grid.stage_group, rt.way_rows, lg.rows, update_running=not init, replay=replay)
     else:
-        stats = Statistics(rt.comm, None, None, lg.rows, update_running=not init)
-    ctx = ChunkContext(cgs[0], lg, run, localizer.resolver(c, rt.derive), stats, rt.layer_cache, check)
+        stats = Statistics(rt.comm, None, None, lg.rows, update_running=not init, replay=replay)
+    ctx = ChunkContext(cgs[0], lg, run, localizer.resolver(c, rt.derive), stats, rt.layer_cache, check, replay)
     stage = runner.stage
     with ctx:
         args, kwargs = localizer.localize(c, ctx)
-        received = rt.link.recv(link_key, stage.inputs, train) if stage is not None and grid.prev is not None else {}
+        if received is None:
+            received = rt.link.recv(link_key, stage.inputs, train) if stage is not None and grid.prev is not None \
+                else {}
+        given = {k: _copied(v) for k, v in received.items()} if protect else received
         if check is None:
-            sent, out = runner.run(args, kwargs, received)
+            sent, out = runner.run(args, kwargs, given)
         else:
-            check.returned(list(received.values()))
+            check.returned(list(given.values()))
             with check:
-                sent, out = runner.run(args, kwargs, received)
+                sent, out = runner.run(args, kwargs, given)
     return ChunkRecord(c, ctx, received, sent, out, stage.activation if stage is not None else None)
+
+
+def _replay(record: CallRecord, rec: ChunkRecord) -> ChunkRecord:
+    """The chunk's fill again, with autograd (module docstring)."""
+    rt = record.runtime
+    dev = rt.comm.device
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), torch.enable_grad():
+        torch.set_rng_state(rec.rng[0])
+        if rec.rng[1] is not None:
+            torch.cuda.set_rng_state(rec.rng[1], dev)
+        return run_chunk(rt, record.run, record.localizer, rt.chunked, rec.chunk, record.runner, None, False,
+                         init=False, check=None, train=True, received=rec.received)
+
+
+def _copied(value):
+    leaves, structure = flatten(value)
+    return unflatten([t.clone() for t in leaves], structure)
+
+
+def _rng_state(device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
 def drain_chunk(rt: Runtime, rec: ChunkRecord, grad_new: Optional[Tensor], first: bool) -> None:

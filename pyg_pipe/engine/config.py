@@ -1,6 +1,7 @@
 """The engine's knobs, checked when they are set (see :class:`pyg_pipe.GNNPipeStrategy` for their meaning)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence, Union
 
@@ -23,6 +24,12 @@ class PipelineConfig:
         seed: seed of the partitioner and of the chunk order.
         per_chunk_statistics: graph-wide statistics per chunk when a way runs several (approximate).
         split_points: ``{"module.name": SplitPoint.BEGINNING | END}``.
+        recompute: a stage keeps only each chunk's inputs during the fill and recomputes the chunk's
+            activations in the drain (``"auto"``: whenever a way runs several chunks).
+        offload: where history buffers go beyond the budget: ``None`` (the device), ``"host"``, ``"disk"``.
+        offload_budget: bytes of history kept on the device before offloading (``None``: none with
+            ``offload`` set; ``"auto"``: half the free memory).
+        offload_dir: directory of the ``"disk"`` tier's files (``None``: a temporary directory).
     """
 
     num_chunks: Optional[int] = None
@@ -34,6 +41,10 @@ class PipelineConfig:
     seed: int = 0
     per_chunk_statistics: bool = False
     split_points: Optional[Dict[str, SplitPoint]] = None
+    recompute: Union[bool, str] = "auto"
+    offload: Optional[str] = None
+    offload_budget: Union[None, int, str] = None
+    offload_dir: Optional[str] = None
 
     def validate(self) -> None:
         """Raises ``ValueError`` naming the first knob with a value the engine cannot use, and the fix."""
@@ -44,6 +55,19 @@ class PipelineConfig:
                                                  or isinstance(self.snapshot_period, bool) or self.snapshot_period < 1):
             raise ValueError(f"snapshot_period={self.snapshot_period!r} must be a positive integer, or None to "
                              f"turn periodic snapshots off.")
+        if self.recompute not in (True, False, "auto"):
+            raise ValueError(f"recompute={self.recompute!r} must be True, False or 'auto' (recompute when a way "
+                             f"runs several chunks).")
+        if self.offload not in (None, "host", "disk"):
+            raise ValueError(f"offload={self.offload!r} must be None (history on the device), 'host' or 'disk'.")
+        if not (self.offload_budget in (None, "auto") or (isinstance(self.offload_budget, int)
+                                                          and not isinstance(self.offload_budget, bool)
+                                                          and self.offload_budget >= 0)):
+            raise ValueError(f"offload_budget={self.offload_budget!r} must be a number of bytes (>= 0), 'auto' (half "
+                             f"the free memory) or None (offload every history buffer).")
+        if self.offload_dir is not None and not os.path.isdir(self.offload_dir):
+            raise ValueError(f"offload_dir={self.offload_dir!r} is not an existing directory; create it or pass "
+                             f"None for a temporary one.")
         from ..graph.partition import PARTITION_METHODS
         if not callable(self.partition) and self.partition not in PARTITION_METHODS:
             raise ValueError(f"partition={self.partition!r} must be one of {', '.join(PARTITION_METHODS)} or a "

@@ -1,4 +1,4 @@
-"""Historical embeddings: one |V|-row buffer per (propagate call site, source argument), per call of the model.
+"""Historical embeddings: one buffer per (propagate call site, source argument), per call of the model.
 
 A *call site* is one neighbour access of the model: the k-th ``propagate`` (or ``edge_updater``)
 call of one ``MessagePassing`` module within one run of a stage (so K-hop layers such as APPNP
@@ -14,12 +14,17 @@ already run this step are fresh, the others historical (:mod:`pyg_pipe.engine.sc
 drain accumulates, per site, the gradients of fresh cross-chunk reads (``G``), added to the
 owner chunk's rows when its backward runs.
 
+With graph-parallel ways (hybrid), a way's buffers hold only the rows it can ever touch: its own
+rows and those its vertices read from other ways (over every graph of the call, both edge
+directions), not |V|; a |V|-entry map turns vertex ids into buffer rows. Per-process history then
+falls with the ways.
+
 Snapshots (T2, ``period = R``): at the start of step ``t`` the buffers are copied to a snapshot
 when ``t % R == 0`` (or when a buffer has none yet) and restored from it otherwise, so historical
 rows are an anchor refreshed every R steps instead of whatever the last step left.
 
-This module is the one place that owns these buffers: offloading or compressing history changes
-here only.
+This module is the one place that owns these buffers; where their bytes sit (the device, host
+memory, files on disk) is :mod:`.tiers`' business.
 """
 from __future__ import annotations
 
@@ -28,9 +33,17 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
+from .tiers import Tiers
+
 
 class CallHistory:
     """Buffers of historical rows and of pending cross-chunk gradients of one call, keyed by ``"site:arg"``.
+
+    Args:
+        num_nodes: |V|.
+        device: the rank's device.
+        tiers: where buffers are allocated (:mod:`.tiers`; default: the device).
+        rows: the vertex ids (new, ascending) this rank's buffers hold (``None``: all of them).
 
     Attributes:
         initialised: whether the buffers were filled by an exact pass (or restored from a checkpoint).
@@ -38,12 +51,21 @@ class CallHistory:
             the same graph refill them; :mod:`.step`).
     """
 
-    def __init__(self, num_nodes: int, device: torch.device):
+    def __init__(self, num_nodes: int, device: torch.device, tiers: Optional[Tiers] = None,
+                 rows: Optional[Tensor] = None):
         self.num_nodes = num_nodes
         self.device = device
+        self.tiers = tiers if tiers is not None else Tiers(device)
+        self.size, self.local = num_nodes, None          # buffer rows; vertex id -> buffer row (None: the same)
+        if rows is not None:
+            self.size = rows.numel()
+            self.local = torch.full((num_nodes,), -1, dtype=torch.long, device=device)
+            self.local[rows.to(device)] = torch.arange(self.size, device=device)
         self.buffers: Dict[str, Tensor] = {}
         self.snapshot: Dict[str, Tensor] = {}
         self.grads: Dict[str, Tensor] = {}
+        self.start: Dict[str, Tensor] = {}       # the rows at the start of the step (for replays)
+        self._spare: Dict[str, Dict[str, Tensor]] = {}
         self.initialised = False
         self.edge_inputs: tuple = ()
 
@@ -52,49 +74,92 @@ class CallHistory:
         """The buffer of ``key``, created (zeros) with ``like``'s trailing shape and dtype."""
         buf = self.buffers.get(key)
         if buf is None:
-            buf = torch.zeros((self.num_nodes, *like.shape[1:]), dtype=like.dtype, device=self.device)
-            self.buffers[key] = buf
+            buf = self.buffers[key] = self.tiers.zeros((self.size, *like.shape[1:]), like.dtype)
         return buf
+
+    def _at(self, ids: Tensor, buf: Tensor) -> Tensor:
+        """Buffer rows of the vertices ``ids``, on ``buf``'s device."""
+        return (ids if self.local is None else self.local[ids]).to(buf.device)
 
     def write(self, key: str, start: int, rows: Tensor) -> None:
         """Stores the rows ``start .. start + len(rows) - 1`` (vertex-first, detached)."""
-        self.buffer(key, rows)[start:start + rows.size(0)] = rows.detach()
+        buf = self.buffer(key, rows)
+        if self.local is None:
+            buf[start:start + rows.size(0)] = rows.detach()
+        else:
+            buf[self.local[start:start + rows.size(0)].to(buf.device)] = rows.detach().to(buf.device)
 
     def write_ids(self, key: str, ids: Tensor, rows: Tensor) -> None:
         """Stores ``rows`` at the vertices ``ids``."""
-        self.buffer(key, rows)[ids] = rows.detach()
+        buf = self.buffer(key, rows)
+        buf[self._at(ids, buf)] = rows.detach().to(buf.device)
 
     def read(self, key: str, ids: Tensor, like: Tensor) -> Tensor:
-        """The stored rows ``ids`` (a copy)."""
-        return self.buffer(key, like)[ids]
+        """The stored rows ``ids`` (a copy, on the device)."""
+        buf = self.buffer(key, like)
+        return self.tiers.to_device(buf[self._at(ids, buf)])
+
+    def evict(self) -> None:
+        """After a chunk: buffers in files stop occupying the process's memory (:mod:`.tiers`)."""
+        self.tiers.evict()
+
+    def read_start(self, key: str, ids: Tensor, like: Tensor) -> Tensor:
+        """The rows ``ids`` as they were at the start of the step (kept with ``begin_step(keep_start=True)``;
+        a buffer created during the step started as zeros)."""
+        start = self.start.get(key)
+        if start is None:
+            return like.new_zeros((ids.numel(), *like.shape[1:]))
+        return self.tiers.to_device(start[self._at(ids, start)])
 
     # ------------------------------------------------------------------ gradients of fresh reads
     def add_grad(self, key: str, ids: Tensor, grad: Tensor) -> None:
         """Adds ``grad`` to the pending gradient of the rows ``ids`` (their owner's backward takes it)."""
         g = self.grads.get(key)
         if g is None:
-            g = self.grads[key] = grad.new_zeros((self.num_nodes, *grad.shape[1:]))
-        g.index_add_(0, ids, grad)
+            g = self.grads[key] = grad.new_zeros((self.size, *grad.shape[1:]))
+        g.index_add_(0, self._at(ids, g), grad)
 
     def take_grad(self, key: str, start: int, end: int) -> Optional[Tensor]:
         """The accumulated gradient of rows ``start .. end-1`` (``None`` if nothing reached them)."""
         g = self.grads.get(key)
-        return None if g is None else g[start:end]
+        if g is None:
+            return None
+        return g[start:end] if self.local is None else g[self.local[start:end]]
 
     def clear_grads(self) -> None:
         self.grads = {}
 
     # ------------------------------------------------------------------ steps and snapshots
-    def begin_step(self, step: int, period: Optional[int]) -> None:
-        """T2: snapshot every ``period`` steps, restore the snapshot in between."""
-        self.grads = {}
-        if period is None or not self.buffers:
+    def begin_step(self, step: int, period: Optional[int], keep_start: bool = False) -> None:
+        """T2: snapshot every ``period`` steps, restore the snapshot in between. ``keep_start``: the rows
+        as they are now stay readable through the step (:meth:`read_start`); with snapshots they are
+        the snapshot itself, without they cost a copy."""
+        self.grads, self.start = {}, {}
+        if not self.buffers:
+            return
+        if period is None:
+            if keep_start:
+                self.start = self._copies("start")
             return
         if step % period == 0 or set(self.snapshot) != set(self.buffers):  # (no snapshot yet: take one)
-            self.snapshot = {k: v.clone() for k, v in self.buffers.items()}
+            self.snapshot = self._copies("snapshot")
         else:
             for k, v in self.buffers.items():
                 v.copy_(self.snapshot[k])
+        if keep_start:
+            self.start = self.snapshot  # equal to the buffers now; the buffers change, the snapshot does not
+
+    def _copies(self, role: str) -> Dict[str, Tensor]:
+        """Copies of the buffers, written into the tensors this role used before where they fit (a tier's
+        files and the device budget are then taken once, not every step)."""
+        spare = self._spare.setdefault(role, {})
+        out = {}
+        for k, v in self.buffers.items():
+            t = spare.get(k)
+            if t is None or t.shape != v.shape or t.dtype != v.dtype:
+                t = spare[k] = self.tiers.zeros(v.shape, v.dtype)
+            out[k] = t.copy_(v)
+        return out
 
     def renew(self) -> None:
         """Drops the snapshot: the next step takes a new one (after the buffers were refilled)."""
@@ -107,8 +172,8 @@ class CallHistory:
 
     def load_state_dict(self, state: dict) -> None:
         """Restores saved buffers and snapshot."""
-        self.buffers = {k: v.to(self.device).clone() for k, v in state["buffers"].items()}
-        self.snapshot = {k: v.to(self.device).clone() for k, v in state["snapshot"].items()}
+        self.buffers = {k: self.tiers.copy(v) for k, v in state["buffers"].items()}
+        self.snapshot = {k: self.tiers.copy(v) for k, v in state["snapshot"].items()}
         self.initialised = bool(state.get("initialised", False)) and bool(self.buffers)
 
 
@@ -117,18 +182,23 @@ class HistoryStore:
 
     Args:
         num_nodes: |V|.
-        device: where the buffers live.
+        device: the rank's device.
+        tiers: where the buffers live (:mod:`.tiers`).
+        rows: the vertex ids this rank's buffers hold (``None``: all; :class:`CallHistory`).
     """
 
-    def __init__(self, num_nodes: int, device: torch.device):
+    def __init__(self, num_nodes: int, device: torch.device, tiers: Optional[Tiers] = None,
+                 rows: Optional[Tensor] = None):
         self.num_nodes, self.device = num_nodes, device
+        self.tiers = tiers if tiers is not None else Tiers(device)
+        self.rows = rows
         self.calls: Dict[int, CallHistory] = {}
 
     def of(self, call: int) -> CallHistory:
         """The history of the ``call``-th call of a step (created empty)."""
         hit = self.calls.get(call)
         if hit is None:
-            hit = self.calls[call] = CallHistory(self.num_nodes, self.device)
+            hit = self.calls[call] = CallHistory(self.num_nodes, self.device, self.tiers, self.rows)
         return hit
 
     def state_dict(self) -> dict:

@@ -4,7 +4,8 @@
 ``chunked``          every input graph cut into the plan's chunks (:mod:`pyg_pipe.graph.chunks`)
 ``way_chunked``      the same with one chunk per way (exact passes: inference, the history pass)
 ``schedule``         chunk order and freshness (:mod:`.schedule`)
-``history``          historical rows per call of the model and call site (:mod:`.history`)
+``history``          historical rows per call of the model and call site (:mod:`.history`), in the
+                     memory tier the knobs choose (:mod:`.tiers`)
 ``halo``             the halo exchange among ways and with history (:mod:`.halo`)
 ``link``             values crossing the stage cuts, per chunk (:mod:`.link`)
 ``programs``         what this stage runs per kind of call (:mod:`.program`)
@@ -33,6 +34,7 @@ from .link import StageLink
 from .plan import Plan
 from .program import Programs
 from .schedule import Schedule
+from .tiers import Tiers
 from .sites import CallSites
 
 
@@ -59,8 +61,11 @@ class Runtime:
         bounds = way_ptr(plan.ptr, W).tolist()
         self.way_bounds: List[int] = bounds
         self.way_rows: List[int] = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        self.recompute = plan.chunks_per_way > 1 and config.recompute is not False  # (:mod:`.step`)
         self.schedule = Schedule(plan.num_chunks, W, config.shuffle_chunks, config.seed, config.unbiased_gradients)
-        self.history = HistoryStore(plan.num_nodes, dev)
+        self.history = HistoryStore(plan.num_nodes, dev,
+                                    Tiers(dev, config.offload, config.offload_budget, config.offload_dir),
+                                    way_reads(self.chunked, *bounds[grid.way:grid.way + 2]) if W > 1 else None)
         self.halo = HaloExchange(grid, comm, self.schedule)
         self.link = StageLink(comm, grid.prev, grid.next)
         self.programs = Programs(module, fn, plan.sizes, config.split_points, grid.stage, grid.is_last)
@@ -109,6 +114,16 @@ class Runtime:
         self.sites.load_state_dict(state.get("sites"))
         if state.get("history"):
             self.history.load_state_dict(state["history"])
+
+
+def way_reads(chunked: List[ChunkedGraph], start: int, end: int):
+    """The vertices (new ids, ascending) a way owning ``start .. end-1`` can read or be read at: its own, and
+    the other end of every edge of every graph with one end in the way (both directions, for transposes)."""
+    ids = [torch.arange(start, end, device=chunked[0].new_src.device)]
+    for cg in chunked:
+        s, d = cg.new_src, cg.new_dst
+        ids += [s[(d >= start) & (d < end)], d[(s >= start) & (s < end)]]
+    return torch.unique(torch.cat(ids))
 
 
 def chunk_graphs(inputs: CallInputs, perm, ptr, ways: int, device) -> List[ChunkedGraph]:

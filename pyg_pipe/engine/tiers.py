@@ -1,0 +1,123 @@
+"""Where the history's |V|-row buffers live: the device, host memory, or files on disk.
+
+=========== ==================================================================================
+``device``  ordinary tensors on the rank's device (the default)
+``host``    CPU tensors (pinned when the device is a GPU); reads gather rows on the host and copy
+            them to the device, writes copy a chunk's rows back. On a CPU run this is the device.
+``disk``    memory-mapped files in ``offload_dir`` (a temporary directory by default), one per
+            buffer; after every chunk the pages are handed back to the kernel
+            (``madvise(MADV_DONTNEED)``: the data stays in the file and the page cache, the
+            process stops holding it), so a run's resident memory holds one chunk's rows, not
+            the buffers, and buffers larger than the machine's memory work
+=========== ==================================================================================
+
+A byte budget (``offload_budget``) keeps buffers on the device while they fit and puts the rest in
+the tier: an int, or ``"auto"`` (half the memory the device has free when the first buffer is made:
+``torch.cuda.mem_get_info`` on a GPU, ``MemAvailable`` on a CPU). Values are the same in every tier;
+only where the bytes sit changes, so results are identical to the all-device run.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import tempfile
+from typing import List, Optional, Union
+
+import torch
+from torch import Tensor
+
+OFFLOAD_TIERS = (None, "host", "disk")
+
+
+class Tiers:
+    """Allocates history buffers on the device or in the offload tier, within the budget.
+
+    Args:
+        device: the rank's device.
+        offload: ``None`` (everything on the device), ``"host"`` or ``"disk"``.
+        budget: bytes the device may hold before buffers go to the tier (``None``: none, every
+            buffer goes to the tier; ``"auto"``: from free memory).
+        directory: where ``disk`` files go (``None``: a temporary directory, removed at exit).
+    """
+
+    def __init__(self, device: torch.device, offload: Optional[str] = None,
+                 budget: Union[None, int, str] = None, directory: Optional[str] = None):
+        self.device, self.offload, self.budget, self.directory = device, offload, budget, directory
+        self.on_device = 0                      # bytes of buffers kept on the device
+        self._maps: List[mmap.mmap] = []
+        self._tmp: Optional[str] = None
+        self._count = 0
+
+    def zeros(self, shape, dtype: torch.dtype) -> Tensor:
+        """A zero buffer, on the device while the budget allows, else in the tier."""
+        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        if self.offload is None or self.on_device + nbytes <= self._budget():
+            self.on_device += nbytes
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        if self.offload == "host":
+            t = torch.zeros(shape, dtype=dtype)
+            return t.pin_memory() if self.device.type == "cuda" else t
+        return self._mapped(shape, dtype, nbytes)
+
+    def copy(self, t: Tensor) -> Tensor:
+        """A copy of ``t`` in the same kind of place a new buffer would get."""
+        out = self.zeros(t.shape, t.dtype)
+        out.copy_(t)
+        return out
+
+    def evict(self) -> None:
+        """Hands the disk buffers' resident pages back to the kernel (after each chunk)."""
+        for m in self._maps:
+            m.madvise(mmap.MADV_DONTNEED)
+
+    def to_device(self, rows: Tensor) -> Tensor:
+        return rows if rows.device == self.device else rows.to(self.device, non_blocking=True)
+
+    def close(self) -> None:
+        """Drops the files (the buffers must not be used after)."""
+        self._maps = []
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __del__(self):
+        self.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _budget(self) -> float:
+        if self.offload is None:
+            return float("inf")
+        if self.budget == "auto":  # decided once, when the first buffer is made
+            self.budget = free_memory(self.device) // 2
+        return self.budget or 0
+
+    def _mapped(self, shape, dtype: torch.dtype, nbytes: int) -> Tensor:
+        if self._tmp is None:
+            self._tmp = tempfile.mkdtemp(prefix="pyg_pipe_history_", dir=self.directory)
+        path = os.path.join(self._tmp, f"buffer{self._count}.bin")
+        self._count += 1
+        with open(path, "wb+") as f:
+            f.truncate(max(nbytes, 1))
+            m = mmap.mmap(f.fileno(), max(nbytes, 1))
+        os.unlink(path)  # the mapping keeps the file alive; nothing is left behind
+        self._maps.append(m)
+        return torch.frombuffer(m, dtype=dtype, count=_numel(shape)).view(shape)
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on ``device`` (available memory of the machine for a CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

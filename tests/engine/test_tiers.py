@@ -1,0 +1,103 @@
+"""Memory tiers of the history (:mod:`pyg_pipe.engine.tiers`): buffers on the device, in host memory or in
+memory-mapped files, within a byte budget. Training with history in any tier equals training with it on
+the device, bit for bit (a PyG ``GCN2Conv`` stack with dropout on a graph of several components, 2
+stages x 4 chunks, with and without snapshots, recompute on and off), and a run holds its buffers where
+the knobs say.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch_geometric.nn import GCN2Conv
+
+from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig, sync_module_state
+from pyg_pipe.engine.tiers import Tiers
+from tests.dist import run_distributed
+from tests.zoo import zoo_graph
+
+
+def test_disk_buffers_keep_their_values_when_pages_are_handed_back(tmp_path):
+    tiers = Tiers(torch.device("cpu"), "disk", None, str(tmp_path))
+    buf = tiers.zeros((1000, 16), torch.float32)
+    assert tiers._maps and buf.untyped_storage().data_ptr() != 0
+    rows = torch.randn(1000, 16)
+    buf.copy_(rows)
+    tiers.evict()                               # the pages leave the process, the values stay in the file
+    assert torch.equal(buf, rows)
+    assert not [f for f in tmp_path.rglob("*") if f.is_file()]   # files are unlinked at once (the mapping keeps them)
+    tiers.close()
+    assert list(tmp_path.iterdir()) == []       # and the directory goes with the tiers
+
+
+def test_the_budget_keeps_buffers_on_the_device_while_they_fit():
+    tiers = Tiers(torch.device("cpu"), "disk", 2 * 100 * 4 * 4)
+    placed = [tiers.zeros((100, 4), torch.float32) for _ in range(3)]
+    assert tiers.on_device == 2 * 100 * 4 * 4 and len(tiers._maps) == 1   # two fit, the third is mapped
+    assert all(p.abs().sum() == 0 for p in placed)
+    everything = Tiers(torch.device("cpu"))
+    everything.zeros((100, 4), torch.float32)
+    assert not everything._maps                                          # no offload: all on the device
+
+
+def test_bad_offload_knobs_name_the_argument(tmp_path):
+    with pytest.raises(ValueError, match="offload='gpu'"):
+        PipelineConfig(offload="gpu").validate()
+    with pytest.raises(ValueError, match="offload_budget=-1"):
+        PipelineConfig(offload="disk", offload_budget=-1).validate()
+    with pytest.raises(ValueError, match="offload_dir="):
+        PipelineConfig(offload="disk", offload_dir=str(tmp_path / "missing")).validate()
+
+
+class GCNII(nn.Module):
+    def __init__(self, layers=4):
+        super().__init__()
+        self.lin = nn.Linear(8, 12)
+        self.convs = nn.ModuleList(GCN2Conv(12, alpha=0.1, theta=0.5, layer=i + 1) for i in range(layers))
+        self.out = nn.Linear(12, 3)
+
+    def forward(self, x, edge_index):
+        x = x0 = F.dropout(self.lin(x), 0.2, self.training).relu()
+        for conv in self.convs:
+            x = F.dropout(conv(x, x0, edge_index), 0.2, self.training).relu()
+        return self.out(x)
+
+
+def _train(x, ei, y, mask, **cfg):
+    torch.manual_seed(0)
+    model = GCNII()
+    sync_module_state(model, {}, [0])
+    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=4, balance="layers", **cfg),
+                           Comm(torch.device("cpu"), timeout=60), num_stages=2, ways=1)
+    engine.install()
+    try:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        for step in range(4):
+            torch.manual_seed(100 + step)
+            out = model(x, ei)
+            opt.zero_grad()
+            F.cross_entropy(out[mask], y[mask]).backward()
+            opt.step()
+        sync_module_state(model, engine.owners, engine.owner_ranks)
+        tiers = engine.runtime.history.tiers
+        return [p.detach().clone() for p in model.parameters()], len(tiers._maps), tiers.on_device
+    finally:
+        engine.uninstall()
+
+
+def _worker(rank, world, offload_dir):
+    x, g, y, mask = zoo_graph(sizes=(24, 40, 40))
+    ei = g["edge_index"]
+    for common in (dict(snapshot_period=2), dict(snapshot_period=None, recompute=False)):
+        want, maps, on_device = _train(x, ei, y, mask, **common)
+        assert maps == 0 and on_device > 0
+        for offload, budget in (("host", None), ("disk", None), ("disk", on_device // 2)):
+            got, maps, kept = _train(x, ei, y, mask, offload=offload, offload_budget=budget, offload_dir=offload_dir,
+                                     **common)
+            for a, b in zip(want, got):
+                assert torch.equal(a, b), (common, offload, budget)
+            if offload == "disk":
+                assert maps > 0 and kept == (0 if budget is None else kept) and kept <= (budget or 0)
+
+
+def test_training_with_history_in_any_tier_is_bit_identical(tmp_path):
+    run_distributed(_worker, 2, str(tmp_path), timeout=300)

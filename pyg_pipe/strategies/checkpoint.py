@@ -2,15 +2,26 @@
 
 Each rank holds the parameters of its stage (and their optimizer state) and the history of its call
 sites. A checkpoint holds the whole model, as one process's would (so it loads into the plain model),
-plus ``checkpoint["pyg_pipe"] = {"plan", "ranks", "world_size"}``: the plan and every rank's
-call sites and history, gathered on rank 0 tensor by tensor (each travels once, as it is; only the
-nested structure around them is pickled).
+plus ``checkpoint["pyg_pipe"] = {"plan", "world_size", "shards"}``: the plan, and the names of one
+file per rank beside the checkpoint (``<checkpoint>.pyg_pipe-rank<r>-of-<P>``) holding that rank's call
+sites and history. Each rank writes its own shard, so no rank ever holds another's history and rank
+0's memory does not grow with the number of processes. Loading on the same number of processes reads
+each rank's shard (and resumes bit for bit); on another number, the pipeline is planned anew and the
+history restarts from an exact pass (a warning says so).
+
+A checkpoint saved after ``fit`` from the main process (spawned workers have ended) cannot have its
+shards written by the workers: the workers send their state home at the end of fit and the
+checkpoint holds it inline, ``{"plan", "world_size", "ranks"}`` (every rank's state gathered on rank 0
+tensor by tensor), which loads the same way.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor
 
@@ -72,13 +83,22 @@ class PipelineCheckpoints:
         return merged_optimizer_state(state, {i: owners.get(name_of.get(id(p)), 0) for i, p in enumerate(params)},
                                       s.comm)
 
-    def add_to(self, checkpoint: Dict[str, Any]) -> None:
-        """Puts ``checkpoint["pyg_pipe"]`` in a checkpoint being saved (a collective while training)."""
+    def add_to(self, checkpoint: Dict[str, Any], filepath) -> None:
+        """Puts ``checkpoint["pyg_pipe"]`` in a checkpoint being saved to ``filepath``; while training, every
+        rank writes its shard beside it."""
         s = self.strategy
         if not s.checkpoint_history:
             return
         if s.engine is not None and s.engine.plan is not None:
-            state = pipeline_state(s.engine.state_dict(), s.comm)
+            mine = s.engine.state_dict()
+            P = s.world_size
+            path = shard_path(filepath, s.global_rank, P)
+            fs = get_filesystem(path)
+            fs.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with fs.open(path, "wb") as f:
+                torch.save({"rank": mine["rank"], "world_size": P}, f)
+            state = {"plan": mine["plan"], "world_size": P,
+                     "shards": [os.path.basename(shard_path(filepath, r, P)) for r in range(P)]}
         elif self.final_local is not None:
             state = pipeline_state(self.final_local, Comm(s.root_device, timeout=s.comm_timeout))
         else:
@@ -86,16 +106,26 @@ class PipelineCheckpoints:
         if state is not None:
             checkpoint["pyg_pipe"] = state
 
-    def restore_from(self, checkpoint: Dict[str, Any]) -> None:
+    def restore_from(self, checkpoint: Dict[str, Any], path) -> None:
         """Hands this rank's part of a loaded checkpoint's pipeline state to the engine (now or at setup)."""
         s = self.strategy
         saved = checkpoint.get("pyg_pipe")
         if saved:
-            state = rank_state(saved, s.global_rank, s.world_size)
+            if s.checkpoint_history:
+                state = rank_state(saved, s.global_rank, s.world_size, path)
+            else:  # the history restarts from an exact pass
+                state = {"plan": saved["plan"], "rank": None}
             if s.engine is not None:
                 s.engine.load_state_dict(state)
             else:
                 self.pending = state
+
+    def remove(self, filepath) -> None:
+        """Deletes this rank's shard of the checkpoint at ``filepath`` (Lightning deletes the checkpoint)."""
+        path = shard_path(filepath, self.strategy.global_rank, self.strategy.world_size)
+        fs = get_filesystem(path)
+        if fs.exists(path):
+            fs.rm(path)
 
     def install_pending(self) -> None:
         if self.pending is not None:
@@ -130,11 +160,32 @@ def pipeline_state(mine: dict, comm: Comm) -> Optional[dict]:
     return {"plan": gathered[0]["plan"], "ranks": [g["rank"] for g in gathered], "world_size": comm.world_size}
 
 
-def rank_state(saved: dict, rank: int, world_size: int) -> dict:
-    """This rank's engine state from a checkpoint's ``saved`` pipeline state (the plan alone when the
-    world size differs: the history then restarts from an exact pass)."""
-    same = saved.get("world_size") == world_size
-    return {"plan": saved["plan"], "rank": saved["ranks"][rank] if same else None}
+def shard_path(filepath, rank: int, world_size: int) -> str:
+    """The file of rank ``rank``'s shard of the checkpoint ``filepath``."""
+    return f"{os.fspath(filepath)}.pyg_pipe-rank{rank}-of-{world_size}"
+
+
+def rank_state(saved: dict, rank: int, world_size: int, path=None) -> dict:
+    """This rank's engine state from a checkpoint's ``saved`` pipeline state, loaded from ``path`` (the plan
+    alone when the world size differs: the history then restarts from an exact pass)."""
+    P = saved.get("world_size")
+    if P != world_size:
+        rank_zero_warn(f"pyg_pipe: the checkpoint was saved by {P} processes and this run has {world_size}: the "
+                       f"parameters and the optimizer state load; the pipeline is planned anew for {world_size} and "
+                       f"the historical embeddings restart from an exact pass over the graph (the run continues, "
+                       f"not bit for bit as on {P}).")
+        return {}
+    if "ranks" in saved:  # inline (saved after fit from the main process)
+        return {"plan": saved["plan"], "rank": saved["ranks"][rank]}
+    shard = os.path.join(os.path.dirname(os.fspath(path)), saved["shards"][rank])
+    fs = get_filesystem(shard)
+    if not fs.exists(shard):
+        raise FileNotFoundError(
+            f"pyg_pipe: the checkpoint {os.fspath(path)!r} keeps rank {rank}'s history in {shard!r}, which is missing. "
+            f"Copy the checkpoint together with its files '*.pyg_pipe-rank*-of-{P}', or load it with "
+            f"GNNPipeStrategy(checkpoint_history=False) to restart the history from an exact pass.")
+    with fs.open(shard, "rb") as f:
+        return {"plan": saved["plan"], "rank": torch.load(f, map_location="cpu", weights_only=False)["rank"]}
 
 
 def merged_optimizer_state(state: dict, owner_of_index: Mapping[int, int], comm: Comm) -> dict:

@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 
 from ..engine import Comm, GNNPipeEngine, PipelineConfig, refuse_graph_builders, sync_module_state
+from ..memory import PeakMemory
 from ..model import UnsupportedModelError
 from ..model.find import count_layers, pipelined_module
 from .batch import SameGraph, check_batch
@@ -62,6 +63,11 @@ class GNNPipeStrategy(DDPStrategy):
         split_points: ``{"module.name": SplitPoint.BEGINNING | SplitPoint.END}``: cut the pipeline
             before / after that module (the convention of ``torch.distributed.pipelining``; calling
             ``pyg_pipe.pipe_split()`` in the forward does the same).
+        recompute: keep only each chunk's stage inputs in the forward and recompute its activations in
+            the backward (bit-identical; ``"auto"``: whenever a device runs several chunks; docs/memory.md).
+        offload, offload_budget, offload_dir: historical embeddings beyond ``offload_budget`` bytes on the
+            device (``"auto"``: half the free memory; ``None``: none) go to ``"host"`` memory or ``"disk"``
+            (memory-mapped files in ``offload_dir``); identical results (docs/memory.md).
         fused_kernels: while training, route PyG's sparse-adjacency aggregation (layers given a
             torch.sparse ``adj_t``) to the compiled CSR kernels of :mod:`pyg_pipe.ops` (built on
             first use; ``PYG_PIPE_DISABLE_EXTENSIONS=1`` or ``False`` here keeps PyG's own path).
@@ -87,6 +93,10 @@ class GNNPipeStrategy(DDPStrategy):
         fused_kernels: bool = True,
         per_chunk_statistics: bool = False,
         split_points: Optional[Dict[str, Any]] = None,
+        recompute: Union[bool, str] = "auto",
+        offload: Optional[str] = None,
+        offload_budget: Union[None, int, str] = None,
+        offload_dir: Optional[str] = None,
         accelerator=None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment=None,
@@ -103,7 +113,9 @@ class GNNPipeStrategy(DDPStrategy):
         self.config = PipelineConfig(num_chunks=num_chunks, shuffle_chunks=shuffle_chunks,
                                      snapshot_period=snapshot_period, unbiased_gradients=unbiased_gradients,
                                      balance=balance, partition=partition, seed=seed,
-                                     per_chunk_statistics=per_chunk_statistics, split_points=split_points)
+                                     per_chunk_statistics=per_chunk_statistics, split_points=split_points,
+                                     recompute=recompute, offload=offload, offload_budget=offload_budget,
+                                     offload_dir=offload_dir)
         self.config.validate()
         if comm_timeout <= 0:
             raise ValueError(f"comm_timeout={comm_timeout} must be a positive number of seconds.")
@@ -116,6 +128,8 @@ class GNNPipeStrategy(DDPStrategy):
         self.comm_history: List[Dict[str, int]] = []
         self.plan_seconds = 0.0  # time the engine spent planning (tracing, partitioning, history passes)
         self.notes: List[str] = []  # what the engine decided on its own (e.g. graph-parallel ways for a shallow model)
+        self.peak_memory: List[int] = []  # per rank: peak bytes of the fit net of the start (pyg_pipe.memory)
+        self._memory: Optional[PeakMemory] = None
         self.checkpoints = PipelineCheckpoints(self)
         self._kernels = None
         self._same_graph = SameGraph()
@@ -158,12 +172,13 @@ class GNNPipeStrategy(DDPStrategy):
     def worker_results(self) -> dict:
         """What a spawned worker sends home (rank 0's): the pipeline state at the end of fit, counters."""
         return {"state": self.checkpoints.final_state, "comm_history": self.comm_history,
-                "plan_seconds": self.plan_seconds, "notes": self.notes}
+                "plan_seconds": self.plan_seconds, "notes": self.notes, "peak_memory": self.peak_memory}
 
     def take_worker_results(self, results: dict) -> None:
         """Takes what :meth:`worker_results` sent, in the main process."""
         self.checkpoints.final_state, self.comm_history = results["state"], results["comm_history"]
         self.plan_seconds, self.notes = results["plan_seconds"], results["notes"]
+        self.peak_memory = results["peak_memory"]
 
     # ----------------------------------------------------------------------- setup / teardown
     @property
@@ -197,6 +212,7 @@ class GNNPipeStrategy(DDPStrategy):
         self.engine.steps_only()  # training passes only inside training_step
         self.engine.install()
         self.checkpoints.install_pending()
+        self._memory = PeakMemory(self.root_device).start()
         for kind in (CommLogger, GlobalNormClipping):
             if not any(isinstance(cb, kind) for cb in trainer.callbacks):
                 trainer.callbacks.append(kind(self))
@@ -281,6 +297,8 @@ class GNNPipeStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         self.checkpoints.at_train_end(gather_now=isinstance(self._launcher, ResultsLauncher))
+        if self._memory is not None and self.comm is not None:
+            self.peak_memory = self.comm.all_gather_objects(self._memory.net_bytes(), "gathering peak memory")
 
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
@@ -303,11 +321,15 @@ class GNNPipeStrategy(DDPStrategy):
         return self.checkpoints.optimizer_state(optimizer)
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        self.checkpoints.add_to(checkpoint)
+        self.checkpoints.add_to(checkpoint, filepath)
         super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def remove_checkpoint(self, filepath) -> None:
+        self.checkpoints.remove(filepath)
+        super().remove_checkpoint(filepath)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False if weights_only is None
                                              else weights_only)
-        self.checkpoints.restore_from(checkpoint)
+        self.checkpoints.restore_from(checkpoint, checkpoint_path)
         return checkpoint

@@ -3,8 +3,9 @@ defaults (sanity check, checkpointing, logger, progress bar) unless a test is ab
 
 Transparency (one chunk: parameters in the user's model after fit equal single-process PyG),
 validation metrics on every rank, the logged communication against the formula, checkpoints that
-load into the plain model and resume exactly, a module in eval mode, and what a resume with other
-settings says.
+load into the plain model and resume exactly (the history in one shard per rank beside the
+checkpoint), a resume on another number of processes, a module in eval mode, and what a resume with
+other settings says.
 """
 import copy
 import os
@@ -17,6 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from pyg_pipe import GNNPipeStrategy
 from pyg_pipe.engine import gnnpipe_bytes
+from pyg_pipe.strategies.checkpoint import rank_state
 from tests.lit import NodeClassifier, graph_loader
 from tests.models import as_data, make_model, small_graph
 
@@ -106,17 +108,39 @@ def test_checkpoint_loads_into_plain_model_and_resume_is_exact(data, tmp_path):
     for p, q in zip(plain.parameters(), first.parameters()):
         torch.testing.assert_close(p, q)
     assert len(ckpt["optimizer_states"][0]["state"]) == len(list(model.parameters()))
-    assert ckpt["pyg_pipe"]["plan"]["num_chunks"] == 4 and len(ckpt["pyg_pipe"]["ranks"]) == 2
+    state = ckpt["pyg_pipe"]
+    assert state["plan"]["num_chunks"] == 4 and "ranks" not in state     # rank 0 holds no other rank's history
+    shards = [torch.load(os.path.join(ckpt_dir, f), weights_only=False) for f in state["shards"]]
+    assert len(shards) == 2 and all(s["rank"]["history"]["calls"] for s in shards)
+    # Lightning's removal of older checkpoints takes their shards along
+    assert {f.split(".pyg_pipe-")[0] for f in os.listdir(ckpt_dir) if ".pyg_pipe-" in f} == \
+        {f for f in os.listdir(ckpt_dir) if f.endswith(".ckpt")}
     resumed = NodeClassifier(copy.deepcopy(model), optimizer="adam", lr=0.01)
     trainer(tmp_path / "c", max_epochs=4, callbacks=[ModelCheckpoint(dirpath=ckpt_dir)], **kw).fit(
         resumed, train_dataloaders=graph_loader(data), ckpt_path=os.path.join(ckpt_dir, "last.ckpt"))
     for (name, p), q in zip(resumed.named_parameters(), straight.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
+    # on another number of processes: planned anew, history from an exact pass (rank_state warns; tested apart)
+    elsewhere = NodeClassifier(copy.deepcopy(model), optimizer="adam", lr=0.01)
+    t = trainer(tmp_path / "e", devices=1, max_epochs=3, **kw)
+    t.fit(elsewhere, train_dataloaders=graph_loader(data), ckpt_path=os.path.join(ckpt_dir, "last.ckpt"))
+    assert t.state.finished
+    moved = [not torch.equal(p, q) for p, q in zip(elsewhere.state_dict().values(), ckpt["state_dict"].values())]
+    assert any(moved)  # the checkpoint's weights trained on for an epoch
     # a resume with other settings says which one differs
     other = NodeClassifier(copy.deepcopy(model), optimizer="adam", lr=0.01)
     with pytest.raises(Exception, match=r"saved with num_chunks = 4, but this run has 8"):
         trainer(tmp_path / "d", max_epochs=4, num_chunks=8).fit(
             other, train_dataloaders=graph_loader(data), ckpt_path=os.path.join(ckpt_dir, "last.ckpt"))
+
+
+def test_a_checkpoint_of_another_world_size_restarts_the_history_and_says_so(tmp_path):
+    saved = {"plan": {"num_chunks": 4}, "world_size": 2, "shards": ["a.ckpt.pyg_pipe-rank0-of-2",
+                                                                   "a.ckpt.pyg_pipe-rank1-of-2"]}
+    with pytest.warns(UserWarning, match="saved by 2 processes and this run has 4.*planned anew.*exact pass"):
+        assert rank_state(saved, 3, 4, tmp_path / "a.ckpt") == {}
+    with pytest.raises(FileNotFoundError, match="rank 1's history.*a.ckpt.pyg_pipe-rank1-of-2.*checkpoint_history=False"):
+        rank_state(saved, 1, 2, tmp_path / "a.ckpt")
 
 
 def test_save_checkpoint_after_fit_keeps_the_pipeline_state(data, tmp_path):

@@ -6,7 +6,8 @@ the whole ``fit``) and what to compare with one process training the plain model
 * on a GPU: ``torch.cuda.max_memory_allocated`` since the start (the peak statistics are reset
   there), minus what was allocated at the start;
 * on a CPU: the kernel's resident-set high-water mark (``VmHWM``), reset at the start by writing
-  ``5`` to ``/proc/self/clear_refs`` (Linux 4.0 and later), minus the resident size at the start.
+  ``5`` to ``/proc/self/clear_refs`` (Linux 4.0 and later), minus the resident size at the start
+  (after ``malloc_trim`` hands freed memory back, so memory freed before is not reused unseen).
   What a process held before (the libraries, the graph, the model) is not counted, so a run and a
   single-process reference that load the same data compare their training memory. Where the mark
   cannot be reset, the lifetime peak is used (an upper bound) and ``exact`` is ``False``.
@@ -37,6 +38,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
         else:
+            _trim()  # memory freed earlier but kept by malloc would be reused unseen: hand it back first
             self.base = _resident()
             self.exact = _reset_high_water_mark()
         return self
@@ -46,6 +48,14 @@ class PeakMemory:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device) - self.base)
         return max(_high_water_mark() - self.base, 0)
+
+
+def _trim() -> None:
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _resident() -> int:

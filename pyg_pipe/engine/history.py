@@ -88,20 +88,20 @@ class CallHistory:
             buf[start:start + rows.size(0)] = rows.detach()
         else:
             buf[self.local[start:start + rows.size(0)].to(buf.device)] = rows.detach().to(buf.device)
+        self.tiers.release(buf)
 
     def write_ids(self, key: str, ids: Tensor, rows: Tensor) -> None:
         """Stores ``rows`` at the vertices ``ids``."""
         buf = self.buffer(key, rows)
         buf[self._at(ids, buf)] = rows.detach().to(buf.device)
+        self.tiers.release(buf)
 
     def read(self, key: str, ids: Tensor, like: Tensor) -> Tensor:
         """The stored rows ``ids`` (a copy, on the device)."""
         buf = self.buffer(key, like)
-        return self.tiers.to_device(buf[self._at(ids, buf)])
-
-    def evict(self) -> None:
-        """After a chunk: buffers in files stop occupying the process's memory (:mod:`.tiers`)."""
-        self.tiers.evict()
+        rows = self.tiers.to_device(buf[self._at(ids, buf)])
+        self.tiers.release(buf)
+        return rows
 
     def read_start(self, key: str, ids: Tensor, like: Tensor) -> Tensor:
         """The rows ``ids`` as they were at the start of the step (kept with ``begin_step(keep_start=True)``;
@@ -109,22 +109,35 @@ class CallHistory:
         start = self.start.get(key)
         if start is None:
             return like.new_zeros((ids.numel(), *like.shape[1:]))
-        return self.tiers.to_device(start[self._at(ids, start)])
+        rows = self.tiers.to_device(start[self._at(ids, start)])
+        self.tiers.release(start)
+        return rows
 
     # ------------------------------------------------------------------ gradients of fresh reads
     def add_grad(self, key: str, ids: Tensor, grad: Tensor) -> None:
         """Adds ``grad`` to the pending gradient of the rows ``ids`` (their owner's backward takes it)."""
         g = self.grads.get(key)
         if g is None:
-            g = self.grads[key] = grad.new_zeros((self.size, *grad.shape[1:]))
-        g.index_add_(0, self._at(ids, g), grad)
+            if self.tiers.offload is None:  # on the device: lives through the drain only
+                g = self.grads[key] = grad.new_zeros((self.size, *grad.shape[1:]))
+            else:  # offloaded: the same file every step
+                g = self._spare.setdefault("grads", {}).get(key)
+                if g is None or g.shape[1:] != grad.shape[1:] or g.dtype != grad.dtype:
+                    g = self._spare["grads"][key] = self.tiers.zeros((self.size, *grad.shape[1:]), grad.dtype)
+                else:
+                    g.zero_()
+                self.grads[key] = g
+        g.index_add_(0, self._at(ids, g), grad.to(g.device))
+        self.tiers.release(g)
 
     def take_grad(self, key: str, start: int, end: int) -> Optional[Tensor]:
         """The accumulated gradient of rows ``start .. end-1`` (``None`` if nothing reached them)."""
         g = self.grads.get(key)
         if g is None:
             return None
-        return g[start:end] if self.local is None else g[self.local[start:end]]
+        rows = self.tiers.to_device(g[start:end] if self.local is None else g[self.local[start:end].to(g.device)])
+        self.tiers.release(g)
+        return rows
 
     def clear_grads(self) -> None:
         self.grads = {}
@@ -146,6 +159,7 @@ class CallHistory:
         else:
             for k, v in self.buffers.items():
                 v.copy_(self.snapshot[k])
+                self.tiers.release(v, self.snapshot[k])
         if keep_start:
             self.start = self.snapshot  # equal to the buffers now; the buffers change, the snapshot does not
 
@@ -159,6 +173,7 @@ class CallHistory:
             if t is None or t.shape != v.shape or t.dtype != v.dtype:
                 t = spare[k] = self.tiers.zeros(v.shape, v.dtype)
             out[k] = t.copy_(v)
+            self.tiers.release(t, v)
         return out
 
     def renew(self) -> None:
@@ -174,6 +189,7 @@ class CallHistory:
         """Restores saved buffers and snapshot."""
         self.buffers = {k: self.tiers.copy(v) for k, v in state["buffers"].items()}
         self.snapshot = {k: self.tiers.copy(v) for k, v in state["snapshot"].items()}
+        self.tiers.evict()
         self.initialised = bool(state.get("initialised", False)) and bool(self.buffers)
 
 

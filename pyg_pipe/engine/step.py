@@ -121,7 +121,6 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
         if rng is not None:  # the drain replays it: keep what it received and its random state only
             rec = ChunkRecord(c, None, rec.received, {}, None, rec.activation, rng)
         chunks.append(rec)
-        history.evict()
     full = share_output(rt, mine, start, end, ("train", sig))
     rt.comm.flush()
     rt.comm.counting = False
@@ -143,7 +142,6 @@ def drain(grad: Tensor, record: CallRecord) -> None:
         if rec.rng is not None:
             rec = _replay(record, rec)
         drain_chunk(rt, rec, grad_new, first=i == 0)
-        record.run.history.evict()
     rt.comm.flush()
     rt.comm.counting = False
     record.run.history.clear_grads()

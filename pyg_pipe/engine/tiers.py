@@ -5,10 +5,10 @@
 ``host``    CPU tensors (pinned when the device is a GPU); reads gather rows on the host and copy
             them to the device, writes copy a chunk's rows back. On a CPU run this is the device.
 ``disk``    memory-mapped files in ``offload_dir`` (a temporary directory by default), one per
-            buffer; after every chunk the pages are handed back to the kernel
+            buffer; after every access to a buffer its pages are handed back to the kernel
             (``madvise(MADV_DONTNEED)``: the data stays in the file and the page cache, the
-            process stops holding it), so a run's resident memory holds one chunk's rows, not
-            the buffers, and buffers larger than the machine's memory work
+            process stops holding it), so a run's resident memory holds at most one buffer's
+            pages at a time, not the buffers, and buffers larger than the machine's memory work
 =========== ==================================================================================
 
 A byte budget (``offload_budget``) keeps buffers on the device while they fit and puts the rest in
@@ -22,7 +22,7 @@ import mmap
 import os
 import shutil
 import tempfile
-from typing import List, Optional, Union
+from typing import Dict, Optional, Union
 
 import torch
 from torch import Tensor
@@ -45,7 +45,7 @@ class Tiers:
                  budget: Union[None, int, str] = None, directory: Optional[str] = None):
         self.device, self.offload, self.budget, self.directory = device, offload, budget, directory
         self.on_device = 0                      # bytes of buffers kept on the device
-        self._maps: List[mmap.mmap] = []
+        self._maps: Dict[int, mmap.mmap] = {}    # storage address -> its mapping
         self._tmp: Optional[str] = None
         self._count = 0
 
@@ -64,19 +64,28 @@ class Tiers:
         """A copy of ``t`` in the same kind of place a new buffer would get."""
         out = self.zeros(t.shape, t.dtype)
         out.copy_(t)
+        self.release(out)
         return out
 
     def evict(self) -> None:
-        """Hands the disk buffers' resident pages back to the kernel (after each chunk)."""
-        for m in self._maps:
+        """Hands every disk buffer's resident pages back to the kernel."""
+        for m in self._maps.values():
             m.madvise(mmap.MADV_DONTNEED)
+
+    def release(self, *buffers: Tensor) -> None:
+        """Hands the pages of ``buffers`` back to the kernel if they are disk buffers (after an access)."""
+        if self._maps:
+            for t in buffers:
+                m = self._maps.get(t.untyped_storage().data_ptr())
+                if m is not None:
+                    m.madvise(mmap.MADV_DONTNEED)
 
     def to_device(self, rows: Tensor) -> Tensor:
         return rows if rows.device == self.device else rows.to(self.device, non_blocking=True)
 
     def close(self) -> None:
         """Drops the files (the buffers must not be used after)."""
-        self._maps = []
+        self._maps = {}
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
@@ -101,8 +110,9 @@ class Tiers:
             f.truncate(max(nbytes, 1))
             m = mmap.mmap(f.fileno(), max(nbytes, 1))
         os.unlink(path)  # the mapping keeps the file alive; nothing is left behind
-        self._maps.append(m)
-        return torch.frombuffer(m, dtype=dtype, count=_numel(shape)).view(shape)
+        t = torch.frombuffer(m, dtype=dtype, count=_numel(shape)).view(shape)
+        self._maps[t.untyped_storage().data_ptr()] = m
+        return t
 
 
 def free_memory(device: torch.device) -> int:

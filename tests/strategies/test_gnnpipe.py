@@ -87,6 +87,8 @@ def test_gcnii_carries_x0_and_counts_it(data, tmp_path):
     want = gnnpipe_bytes(data.num_nodes, 2, width=16, out_width=3, carried_width=16)
     assert float(t.callback_metrics["comm/carried"]) == want["carried"] > 0
     assert float(t.callback_metrics["comm/bytes"]) == want["total"]
+    # every rank's peak memory over the fit comes home (pyg_pipe.memory; its value is not judged here)
+    assert len(t.strategy.peak_memory) == 2 and all(isinstance(p, int) and p >= 0 for p in t.strategy.peak_memory)
 
 
 def test_checkpoint_loads_into_plain_model_and_resume_is_exact(data, tmp_path):

@@ -116,10 +116,16 @@ def run_pipe(args) -> None:
         def on_train_batch_end(self, trainer, *a):
             self.times.append(time.perf_counter() - self.t0)
 
+    memory = dict(recompute={"on": True, "off": False}.get(args.recompute, "auto"),
+                  offload=None if args.offload == "none" else args.offload)
     if args.strategy == "graph_parallel":
         strategy = pyg_pipe.GraphParallelStrategy()
+    elif args.strategy == "hybrid":
+        strategy = pyg_pipe.HybridStrategy(stages=2, ways=args.procs // 2, num_chunks=args.chunks,
+                                           snapshot_period=args.snapshot_period or None, **memory)
     else:
-        strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks, snapshot_period=args.snapshot_period or None)
+        strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks, snapshot_period=args.snapshot_period or None,
+                                            **memory)
     timer = Timer()
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.procs, max_epochs=args.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -165,8 +171,13 @@ def main():
                    help="GNNPipeStrategy(snapshot_period=...); 0 turns snapshots off")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--worker", choices=["single", "pipe"], default=None, help=argparse.SUPPRESS)
-    p.add_argument("--strategy", choices=["gnnpipe", "graph_parallel"], default="gnnpipe", help=argparse.SUPPRESS)
+    p.add_argument("--strategy", choices=["gnnpipe", "graph_parallel", "hybrid"], default="gnnpipe",
+                   help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--recompute", choices=["auto", "on", "off"], default="auto",
+                   help="GNNPipeStrategy(recompute=...)")
+    p.add_argument("--offload", choices=["none", "host", "disk"], default="none",
+                   help="GNNPipeStrategy(offload=...)")
     args = p.parse_args()
 
     if args.worker == "single":
@@ -201,7 +212,7 @@ def main():
         net_gp = max(r["peak_mb"] - r["base_mb"] for r in ranks)
         for c in args.chunks:
             path = os.path.join(tmp, f"pipe{c}")
-            launch(args, "pipe", chunks=c, json=path)
+            launch(args, "pipe", chunks=c, json=path, recompute=args.recompute)
             ranks = [json.load(open(f"{path}.rank{r}")) for r in range(args.procs)]
             results[f"gnnpipe_c{c}"] = ranks
             t = med(ranks[0]["times"])

@@ -8,6 +8,8 @@ lines are ``import pyg_pipe`` and ``strategy="gnnpipe"`` (here the configured fo
 Pass ``--dataset cora`` (or reddit, flickr, ogbn-arxiv, ...) to use a real dataset when online.
 """
 import argparse
+import copy
+import os
 
 import lightning.pytorch as pl
 import torch
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 import pyg_pipe
 from pyg_pipe.engine import gnnpipe_bytes
 from pyg_pipe.graph import load_dataset
+from pyg_pipe.memory import PeakMemory
 from pyg_pipe.models import gcnii
 
 
@@ -50,6 +53,20 @@ class NodeClassifier(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
 
 
+def single_process_peak(model, data, steps: int = 2) -> int:
+    """Peak memory of training the plain model on the whole graph in this one process (net of the data)."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    meter = PeakMemory().start()
+    for _ in range(steps):
+        out = model(data.x, data.edge_index)
+        loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return meter.net_bytes()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="sbm", help="sbm / powerlaw / karate (offline) or a real dataset name")
@@ -67,6 +84,9 @@ def main():
     data = load_dataset(args.dataset, **kwargs)
     num_classes = int(data.y.max()) + 1
     model = gcnii(data.num_features, args.hidden, num_classes, num_layers=args.layers, dropout=args.dropout)
+
+    # the reference: plain PyG in one process (only in the launching process; the workers it starts skip it)
+    single = single_process_peak(model, data) if "LOCAL_RANK" not in os.environ else None
 
     strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, max_epochs=args.epochs,
@@ -86,6 +106,12 @@ def main():
               f"the formula (activations {comm['stage_activations']/2**20:.2f}, gradients "
               f"{comm['stage_gradients']/2**20:.2f}, carried x0 {comm['carried']/2**20:.2f}, "
               f"output {comm['output']/2**20:.2f} MiB)")
+        peaks = strategy.peak_memory
+        line = (f"peak memory per process, net of the data: worst {max(peaks)/2**20:.1f} MiB (ranks: "
+                f"{', '.join(f'{p/2**20:.1f}' for p in peaks)})")
+        if single:
+            line += f"; plain PyG in one process {single/2**20:.1f} MiB: {max(peaks)/single:.2f} x"
+        print(line)
 
 
 if __name__ == "__main__":

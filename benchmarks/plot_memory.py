@@ -18,15 +18,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 def main(path):
     r = json.load(open(path))
     procs = sorted({run["procs"] for run in r["runs"]})
-    fig, axes = plt.subplots(1, len(procs), figsize=(5.2 * len(procs), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(procs), figsize=(6.2 * len(procs), 4.0), squeeze=False)
     for ax, P in zip(axes[0], procs):
         runs = [run for run in r["runs"] if run["procs"] == P]
         labels, worst, per_rank, times = [], [], [], []
         for run in runs:
-            mode = run["mode"].replace("gnnpipe ", "")
-            rc = "" if run["recompute"] in (None, "off") else " +rc"
-            label = "graph\nparallel" if run["mode"] == "graph_parallel" else \
-                f"{'gnnpipe' if run['mode'] == 'gnnpipe' else mode}{rc}\n{run['chunks']} ch"
+            if run["mode"] == "graph_parallel":
+                label = "graph\nparallel"
+            else:
+                name = {"gnnpipe": "pipe"}.get(run["mode"], run["mode"].replace("gnnpipe ", "").split(" ")[0])
+                label = f"{name}{'' if run['recompute'] in (None, 'off') else '+rc'}\n{run['chunks']} ch"
             labels.append(label)
             worst.append(run["net_ratio"])
             per_rank.append([m / run["single_net_mb"] for m in run["net_mb"]])
@@ -46,7 +47,7 @@ def main(path):
         ax.legend(fontsize=7)
     s = r["setting"]
     fig.suptitle(f"{s['layers']}-layer GCNII, {s['nodes']:,} vertices ({s['graph']}), hidden {s['hidden']}; "
-                 f"bar labels: step time ÷ one process", fontsize=9)
+                 f"bar labels: step time ÷ one process (under MALLOC_MMAP_THRESHOLD_, see memory.md)", fontsize=9)
     fig.tight_layout()
     out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "img", "memory.png")
     fig.savefig(out, dpi=110)

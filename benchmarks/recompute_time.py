@@ -1,0 +1,85 @@
+"""Step time with and without recomputation, side by side in one run (alternating steps of two engines
+on the same 2 processes), so the machine's drift hits both alike.
+
+    python benchmarks/recompute_time.py                     # 16-layer GCNII, 20k vertices, 4 and 8 chunks
+    python benchmarks/recompute_time.py --nodes 5000 --layers 8 --rounds 3
+
+Prints, per chunk count, the median step time of each (rank 1, the last stage, which finishes last)
+and their ratio per round.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _worker(rank, world, args):
+    from torch_geometric.utils import to_torch_csr_tensor
+
+    from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig, sync_module_state
+    from pyg_pipe.graph import sbm_graph
+    from pyg_pipe.models import gcnii
+
+    N = args.nodes
+    data = sbm_graph(N, num_classes=max(N // 125, 8), avg_degree=args.degree, homophily=0.9, num_features=64, seed=0)
+    data.y = data.y % 8
+    adj = to_torch_csr_tensor(data.edge_index.flip(0), size=(N, N))
+    for chunks in args.chunks:
+        runs = {}
+        for rc in (False, True):
+            torch.manual_seed(0)
+            model = gcnii(64, 64, 8, num_layers=args.layers, dropout=0.0, cached=True)
+            sync_module_state(model, {}, [0])
+            engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, recompute=rc, balance="layers"),
+                                   Comm(torch.device("cpu")), num_stages=world, ways=1)
+            runs[rc] = (model, engine, torch.optim.Adam(model.parameters(), lr=0.01), [])
+
+        def step(rc):
+            model, engine, opt, times = runs[rc]
+            engine.install()
+            t0 = time.perf_counter()
+            out = model(data.x, adj)
+            loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+            engine.uninstall()
+        for _ in range(2):  # planning, history, warm-up
+            step(False)
+            step(True)
+        for rc in (False, True):
+            runs[rc][3].clear()
+        for _ in range(args.rounds):
+            for rc in (False, True):
+                for _ in range(args.steps):
+                    step(rc)
+        if rank == world - 1:
+            off, on = statistics.median(runs[False][3]), statistics.median(runs[True][3])
+            per = [statistics.median(runs[True][3][i:i + args.steps]) / statistics.median(runs[False][3][i:i + args.steps])
+                   for i in range(0, len(runs[True][3]), args.steps)]
+            print(f"chunks {chunks}: step {off:.3f} s without recomputation, {on:.3f} s with: {on / off:.2f} x "
+                  f"(per round: {', '.join(f'{r:.2f}' for r in per)})", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=20_000)
+    p.add_argument("--degree", type=float, default=20.0)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--chunks", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args()
+    from tests.dist import run_distributed
+    run_distributed(_worker, 2, args, timeout=3000)
+
+
+if __name__ == "__main__":
+    main()

@@ -35,6 +35,14 @@ class ResultsLauncher(_MultiProcessingLauncher):
         self._strategy.check_before_launch()
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
+    def _wrapping_function(self, *args, **kwargs) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        # the worker ends here: take its process group down in order rather than leave gloo's threads to the
+        # interpreter's exit (a CI run once saw a worker abort there, "terminate called without an active
+        # exception", after a fit that had finished)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
     def get_extra_results(self, trainer) -> Dict[str, Any]:
         extra = super().get_extra_results(trainer)
         buffer = io.BytesIO()

@@ -66,6 +66,22 @@ def gcnii(c_in: int, hidden: int, c_out: int, num_layers: int = 4, dropout: floa
     return Sequential("x, edge_index", layers)
 
 
+class GCNIIStack(nn.Module):
+    """GCNII written as PyG's example does it, with dropout on every layer (the random numbers matter)."""
+
+    def __init__(self, layers: int = 4, c_in: int = 8, hidden: int = 12, c_out: int = 3):
+        super().__init__()
+        self.lin = nn.Linear(c_in, hidden)
+        self.convs = nn.ModuleList(GCN2Conv(hidden, alpha=0.1, theta=0.5, layer=i + 1) for i in range(layers))
+        self.out = nn.Linear(hidden, c_out)
+
+    def forward(self, x, edge_index):
+        x = x0 = F.dropout(self.lin(x), 0.2, self.training).relu()
+        for conv in self.convs:
+            x = F.dropout(conv(x, x0, edge_index), 0.2, self.training).relu()
+        return self.out(x)
+
+
 def make_model(name: str, c_in: int = 8, hidden: int = 16, c_out: int = 3, num_layers: int = 4):
     if name == "gcn":
         return GCN(c_in, hidden, num_layers, c_out)

@@ -12,26 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch_geometric.nn import GCN2Conv, DeepGCNLayer, GENConv
+from torch_geometric.nn import DeepGCNLayer, GENConv
 from torch_geometric.nn.models import GAT, GCN
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig, sync_module_state
 from tests.dist import run_distributed
+from tests.models import GCNIIStack as GCNII
 from tests.zoo import zoo_graph
-
-
-class GCNII(nn.Module):
-    def __init__(self, layers=4):
-        super().__init__()
-        self.lin = nn.Linear(8, 12)
-        self.convs = nn.ModuleList(GCN2Conv(12, alpha=0.1, theta=0.5, layer=i + 1) for i in range(layers))
-        self.out = nn.Linear(12, 3)
-
-    def forward(self, x, edge_index):
-        x = x0 = F.dropout(self.lin(x), 0.2, self.training).relu()
-        for conv in self.convs:
-            x = F.dropout(conv(x, x0, edge_index), 0.2, self.training).relu()
-        return self.out(x)
 
 
 class DeepGCN(nn.Module):

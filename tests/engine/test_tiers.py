@@ -7,12 +7,11 @@ the knobs say.
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch_geometric.nn import GCN2Conv
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig, sync_module_state
 from pyg_pipe.engine.tiers import Tiers
 from tests.dist import run_distributed
+from tests.models import GCNIIStack as GCNII
 from tests.zoo import zoo_graph
 
 
@@ -46,20 +45,6 @@ def test_bad_offload_knobs_name_the_argument(tmp_path):
         PipelineConfig(offload="disk", offload_budget=-1).validate()
     with pytest.raises(ValueError, match="offload_dir="):
         PipelineConfig(offload="disk", offload_dir=str(tmp_path / "missing")).validate()
-
-
-class GCNII(nn.Module):
-    def __init__(self, layers=4):
-        super().__init__()
-        self.lin = nn.Linear(8, 12)
-        self.convs = nn.ModuleList(GCN2Conv(12, alpha=0.1, theta=0.5, layer=i + 1) for i in range(layers))
-        self.out = nn.Linear(12, 3)
-
-    def forward(self, x, edge_index):
-        x = x0 = F.dropout(self.lin(x), 0.2, self.training).relu()
-        for conv in self.convs:
-            x = F.dropout(conv(x, x0, edge_index), 0.2, self.training).relu()
-        return self.out(x)
 
 
 def _train(x, ei, y, mask, **cfg):

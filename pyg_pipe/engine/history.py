@@ -81,13 +81,23 @@ class CallHistory:
         """Buffer rows of the vertices ``ids``, on ``buf``'s device."""
         return (ids if self.local is None else self.local[ids]).to(buf.device)
 
+    def _span(self, start: int, end: int, buf: Tensor):
+        """Buffer rows of the vertices ``start .. end-1`` (a slice without a map)."""
+        return slice(start, end) if self.local is None else self.local[start:end].to(buf.device)
+
+    def _reused(self, role: str, key: str, shape, dtype: torch.dtype) -> Tensor:
+        """The tensor ``role`` used for ``key`` before when it fits, else a new one from the tiers (a tier's
+        files and the device budget are then taken once, not every step)."""
+        spare = self._spare.setdefault(role, {})
+        t = spare.get(key)
+        if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            t = spare[key] = self.tiers.zeros(shape, dtype)
+        return t
+
     def write(self, key: str, start: int, rows: Tensor) -> None:
         """Stores the rows ``start .. start + len(rows) - 1`` (vertex-first, detached)."""
         buf = self.buffer(key, rows)
-        if self.local is None:
-            buf[start:start + rows.size(0)] = rows.detach()
-        else:
-            buf[self.local[start:start + rows.size(0)].to(buf.device)] = rows.detach().to(buf.device)
+        buf[self._span(start, start + rows.size(0), buf)] = rows.detach().to(buf.device)
         self.tiers.release(buf)
 
     def write_ids(self, key: str, ids: Tensor, rows: Tensor) -> None:
@@ -121,12 +131,7 @@ class CallHistory:
             if self.tiers.offload is None:  # on the device: lives through the drain only
                 g = self.grads[key] = grad.new_zeros((self.size, *grad.shape[1:]))
             else:  # offloaded: the same file every step
-                g = self._spare.setdefault("grads", {}).get(key)
-                if g is None or g.shape[1:] != grad.shape[1:] or g.dtype != grad.dtype:
-                    g = self._spare["grads"][key] = self.tiers.zeros((self.size, *grad.shape[1:]), grad.dtype)
-                else:
-                    g.zero_()
-                self.grads[key] = g
+                g = self.grads[key] = self._reused("grads", key, (self.size, *grad.shape[1:]), grad.dtype).zero_()
         g.index_add_(0, self._at(ids, g), grad.to(g.device))
         self.tiers.release(g)
 
@@ -135,7 +140,7 @@ class CallHistory:
         g = self.grads.get(key)
         if g is None:
             return None
-        rows = self.tiers.to_device(g[start:end] if self.local is None else g[self.local[start:end].to(g.device)])
+        rows = self.tiers.to_device(g[self._span(start, end, g)])
         self.tiers.release(g)
         return rows
 
@@ -164,16 +169,11 @@ class CallHistory:
             self.start = self.snapshot  # equal to the buffers now; the buffers change, the snapshot does not
 
     def _copies(self, role: str) -> Dict[str, Tensor]:
-        """Copies of the buffers, written into the tensors this role used before where they fit (a tier's
-        files and the device budget are then taken once, not every step)."""
-        spare = self._spare.setdefault(role, {})
+        """Copies of the buffers, in the tensors ``role`` used before (:meth:`_reused`)."""
         out = {}
         for k, v in self.buffers.items():
-            t = spare.get(k)
-            if t is None or t.shape != v.shape or t.dtype != v.dtype:
-                t = spare[k] = self.tiers.zeros(v.shape, v.dtype)
-            out[k] = t.copy_(v)
-            self.tiers.release(t, v)
+            out[k] = self._reused(role, k, v.shape, v.dtype).copy_(v)
+            self.tiers.release(out[k], v)
         return out
 
     def renew(self) -> None:

@@ -256,11 +256,21 @@ class Localizer:
         key = (id(cg), lg.index)
         hit = self._adjacency.get(key)
         if hit is None or hit[0] is not graph or hit[1] != graph._version:  # new values: cut again
-            _, _, values = graph_edges(graph)
-            dtype = values.dtype if values.is_floating_point() else torch.get_default_dtype()
-            hit = (graph, graph._version, cg.local_adjacency(lg, values, graph.layout, dtype), values.to(dtype))
+            values = self._values(graph, cg)
+            hit = (graph, graph._version, cg.local_adjacency(lg, values, graph.layout, values.dtype), values)
             self._adjacency[key] = hit
         return hit
+
+    def _values(self, graph: Tensor, cg: ChunkedGraph) -> Tensor:
+        """The values of a sparse input graph in its chunked graph's edge order, once per graph and version,
+        shared by every chunk (a copy: a view would keep the whole coalesced index tensor alive)."""
+        key = (id(cg), "values")
+        hit = self._adjacency.get(key)
+        if hit is None or hit[0] is not graph or hit[1] != graph._version:
+            _, _, values = graph_edges(graph)
+            dtype = values.dtype if values.is_floating_point() else torch.get_default_dtype()
+            hit = self._adjacency[key] = (graph, graph._version, values.to(dtype, copy=True))
+        return hit[2]
 
     def resolver(self, c: int, derived: Callable[[ChunkedGraph, str], ChunkedGraph]):
         """The graph resolver for chunk ``c`` (see :class:`GraphResolver`)."""

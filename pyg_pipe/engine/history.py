@@ -14,10 +14,11 @@ already run this step are fresh, the others historical (:mod:`pyg_pipe.engine.sc
 drain accumulates, per site, the gradients of fresh cross-chunk reads (``G``), added to the
 owner chunk's rows when its backward runs.
 
-With graph-parallel ways (hybrid), a way's buffers hold only the rows it can ever touch: its own
-rows and those its vertices read from other ways (over every graph of the call, both edge
-directions), not |V|; a |V|-entry map turns vertex ids into buffer rows. Per-process history then
-falls with the ways.
+Buffers hold only the rows another chunk can read: the endpoints of edges between chunks (over every
+graph of the call, both edge directions), and with graph-parallel ways (hybrid) only those with an
+end in the way's rows: its own boundary rows and the rows it reads from other ways, not |V|. A
+|V|-entry map turns vertex ids into buffer rows; a chunk's rows that nobody else reads are never
+written. Per-process history then falls with the ways, and with the locality of the chunks.
 
 Snapshots (T2, ``period = R``): at the start of step ``t`` the buffers are copied to a snapshot
 when ``t % R == 0`` (or when a buffer has none yet) and restored from it otherwise, so historical
@@ -43,7 +44,8 @@ class CallHistory:
         num_nodes: |V|.
         device: the rank's device.
         tiers: where buffers are allocated (:mod:`.tiers`; default: the device).
-        rows: the vertex ids (new, ascending) this rank's buffers hold (``None``: all of them).
+        rows: the vertex ids (new, ascending) this rank's buffers hold (``None``: all of them); every halo
+            row of this rank's chunks must be among them.
 
     Attributes:
         initialised: whether the buffers were filled by an exact pass (or restored from a checkpoint).
@@ -57,6 +59,7 @@ class CallHistory:
         self.device = device
         self.tiers = tiers if tiers is not None else Tiers(device)
         self.size, self.local = num_nodes, None          # buffer rows; vertex id -> buffer row (None: the same)
+        self._spans: Dict[tuple, tuple] = {}
         if rows is not None:
             self.size = rows.numel()
             self.local = torch.full((num_nodes,), -1, dtype=torch.long, device=device)
@@ -82,8 +85,17 @@ class CallHistory:
         return (ids if self.local is None else self.local[ids]).to(buf.device)
 
     def _span(self, start: int, end: int, buf: Tensor):
-        """Buffer rows of the vertices ``start .. end-1`` (a slice without a map)."""
-        return slice(start, end) if self.local is None else self.local[start:end].to(buf.device)
+        """``(positions, buffer rows)`` of the held vertices among ``start .. end-1``: positions within the
+        span (``None``: all of them, the buffer rows then a slice), computed once per span."""
+        if self.local is None:
+            return None, slice(start, end)
+        key = (start, end, buf.device)
+        hit = self._spans.get(key)
+        if hit is None:
+            sel = self.local[start:end]
+            pos = torch.nonzero(sel >= 0).view(-1)
+            hit = self._spans[key] = (pos, sel[pos].to(buf.device))
+        return hit
 
     def _reused(self, role: str, key: str, shape, dtype: torch.dtype) -> Tensor:
         """The tensor ``role`` used for ``key`` before when it fits, else a new one from the tiers (a tier's
@@ -97,7 +109,9 @@ class CallHistory:
     def write(self, key: str, start: int, rows: Tensor) -> None:
         """Stores the rows ``start .. start + len(rows) - 1`` (vertex-first, detached)."""
         buf = self.buffer(key, rows)
-        buf[self._span(start, start + rows.size(0), buf)] = rows.detach().to(buf.device)
+        pos, at = self._span(start, start + rows.size(0), buf)
+        rows = rows.detach()
+        buf[at] = (rows if pos is None else rows.index_select(0, pos)).to(buf.device)
         self.tiers.release(buf)
 
     def write_ids(self, key: str, ids: Tensor, rows: Tensor) -> None:
@@ -140,9 +154,14 @@ class CallHistory:
         g = self.grads.get(key)
         if g is None:
             return None
-        rows = self.tiers.to_device(g[self._span(start, end, g)])
+        pos, at = self._span(start, end, g)
+        rows = self.tiers.to_device(g[at])
         self.tiers.release(g)
-        return rows
+        if pos is None:
+            return rows
+        out = rows.new_zeros((end - start, *rows.shape[1:]))
+        out[pos] = rows
+        return out
 
     def clear_grads(self) -> None:
         self.grads = {}

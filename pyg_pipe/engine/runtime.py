@@ -2,12 +2,15 @@
 
 ==================== ===============================================================================
 ``chunked``          every input graph cut into the plan's chunks (:mod:`pyg_pipe.graph.chunks`)
-``way_chunked``      the same with one chunk per way (exact passes: inference, the history pass)
+``way_chunked``      the same with one chunk per way (exact passes: inference, the history pass; built
+                     on first use)
 ``schedule``         chunk order and freshness (:mod:`.schedule`)
 ``history``          historical rows per call of the model and call site (:mod:`.history`), in the
                      memory tier the knobs choose (:mod:`.tiers`)
 ``halo``             the halo exchange among ways and with history (:mod:`.halo`)
 ``link``             values crossing the stage cuts, per chunk (:mod:`.link`)
+``tiers``            where history and streamed values sit: device, host or disk (:mod:`.tiers`)
+``stores``           streaming only: the values of each call of the model, group by group (:mod:`.stream`)
 ``programs``         what this stage runs per kind of call (:mod:`.program`)
 ``sites``            the call sites met, per kind of call (:mod:`.sites`)
 caches               normalisations and ``cached=True`` layers per chunk, local sparse adjacencies,
@@ -55,17 +58,17 @@ class Runtime:
         self.plan, self.grid, self.comm, self.config, self.module = plan, grid, comm, config, module
         dev = comm.device
         W = plan.ways
-        self.chunked = chunk_graphs(inputs, plan.perm, plan.ptr, W, dev)
-        self.way_chunked = self.chunked if plan.num_chunks == W else \
-            chunk_graphs(inputs, plan.perm, way_ptr(plan.ptr, W), W, dev)
+        self.chunked = chunk_graphs(inputs.graphs, inputs.num_nodes, plan.perm, plan.ptr, W, dev)
+        self._way_chunked: Optional[List[ChunkedGraph]] = self.chunked if plan.num_chunks == W else None
         bounds = way_ptr(plan.ptr, W).tolist()
         self.way_bounds: List[int] = bounds
         self.way_rows: List[int] = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         self.recompute = plan.chunks_per_way > 1 and config.recompute is not False  # (:mod:`.step`)
         self.schedule = Schedule(plan.num_chunks, W, config.shuffle_chunks, config.seed, config.unbiased_gradients)
-        self.history = HistoryStore(plan.num_nodes, dev,
-                                    Tiers(dev, config.offload, config.offload_budget, config.offload_dir),
-                                    way_reads(self.chunked, *bounds[grid.way:grid.way + 2]) if W > 1 else None)
+        self.tiers = Tiers(dev, config.offload, config.offload_budget, config.offload_dir)
+        held = boundary(self.chunked, *bounds[grid.way:grid.way + 2])
+        self.history = HistoryStore(plan.num_nodes, dev, self.tiers, held if held.numel() < plan.num_nodes else None)
+        self.stores: Dict[int, "Store"] = {}
         self.halo = HaloExchange(grid, comm, self.schedule)
         self.link = StageLink(comm, grid.prev, grid.next)
         self.programs = Programs(module, fn, plan.sizes, config.split_points, grid.stage, grid.is_last)
@@ -76,6 +79,23 @@ class Runtime:
         self.rows_checked: Set[str] = set()
         self._derived: Dict = {}
         self._names: Optional[Dict[int, str]] = None
+
+    @property
+    def way_chunked(self) -> List[ChunkedGraph]:
+        """The input graphs with one chunk per way (exact passes), built on first use."""
+        if self._way_chunked is None:
+            plan = self.plan
+            bounds = way_ptr(plan.ptr, plan.ways).to(self.comm.device)
+            self._way_chunked = [cg.rechunked(bounds, plan.ways) for cg in self.chunked]
+        return self._way_chunked
+
+    def store(self, call: int) -> "Store":
+        """Streaming: the store of the ``call``-th call of a step (``-1``: inference), reused every step."""
+        from .stream import Store
+        hit = self.stores.get(call)
+        if hit is None:
+            hit = self.stores[call] = Store(self.tiers, self.plan.num_nodes)
+        return hit
 
     @property
     def graph(self) -> ChunkedGraph:
@@ -94,7 +114,7 @@ class Runtime:
         if hit is None:
             if kind != "flip":
                 raise ValueError(kind)
-            hit = self._derived[key] = ChunkedGraph(cg.dst, cg.src, cg.num_nodes, cg.perm, cg.ptr, cg.ways)
+            hit = self._derived[key] = cg.flipped()
         return hit
 
     @property
@@ -116,21 +136,22 @@ class Runtime:
             self.history.load_state_dict(state["history"])
 
 
-def way_reads(chunked: List[ChunkedGraph], start: int, end: int):
-    """The vertices (new ids, ascending) a way owning ``start .. end-1`` can read or be read at: its own, and
-    the other end of every edge of every graph with one end in the way (both directions, for transposes)."""
-    ids = [torch.arange(start, end, device=chunked[0].new_src.device)]
+def boundary(chunked: List[ChunkedGraph], start: int, end: int) -> Tensor:
+    """The vertices (new ids, ascending) whose rows history keeps for a way owning ``start .. end-1``: both
+    ends of every edge between two chunks with an end in the way, over every graph (both directions, so
+    transposes are covered): the way's rows other chunks read, and the rows its chunks read elsewhere."""
+    ids = [torch.empty(0, dtype=torch.long, device=chunked[0].new_src.device)]
     for cg in chunked:
         s, d = cg.new_src, cg.new_dst
-        ids += [s[(d >= start) & (d < end)], d[(s >= start) & (s < end)]]
+        keep = (cg.chunk_of[s] != cg.chunk_of[d]) & (((s >= start) & (s < end)) | ((d >= start) & (d < end)))
+        ids += [s[keep], d[keep]]
     return torch.unique(torch.cat(ids))
 
 
-def chunk_graphs(inputs: CallInputs, perm, ptr, ways: int, device) -> List[ChunkedGraph]:
-    """Every graph of ``inputs`` cut into the chunks ``ptr`` of the vertex order ``perm``."""
+def chunk_graphs(graphs, num_nodes: int, perm, ptr, ways: int, device) -> List[ChunkedGraph]:
+    """Every graph of ``graphs`` cut into the chunks ``ptr`` of the vertex order ``perm``."""
     out = []
-    for g in inputs.graphs:
+    for g in graphs:
         src, dst, _ = graph_edges(g)
-        out.append(ChunkedGraph(src.to(device), dst.to(device), inputs.num_nodes, perm.to(device), ptr.to(device),
-                                ways))
+        out.append(ChunkedGraph(src.to(device), dst.to(device), num_nodes, perm.to(device), ptr.to(device), ways))
     return out

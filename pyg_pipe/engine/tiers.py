@@ -46,6 +46,7 @@ class Tiers:
         self.device, self.offload, self.budget, self.directory = device, offload, budget, directory
         self.on_device = 0                      # bytes of buffers kept on the device
         self._maps: Dict[int, mmap.mmap] = {}    # storage address -> its mapping
+        self._device: Dict[int, int] = {}        # storage address -> bytes, of buffers counted on the device
         self._tmp: Optional[str] = None
         self._count = 0
 
@@ -54,7 +55,9 @@ class Tiers:
         nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
         if self.offload is None or self.on_device + nbytes <= self._budget():
             self.on_device += nbytes
-            return torch.zeros(shape, dtype=dtype, device=self.device)
+            t = torch.zeros(shape, dtype=dtype, device=self.device)
+            self._device[t.untyped_storage().data_ptr()] = nbytes
+            return t
         if self.offload == "host":
             t = torch.zeros(shape, dtype=dtype)
             return t.pin_memory() if self.device.type == "cuda" else t
@@ -66,6 +69,13 @@ class Tiers:
         out.copy_(t)
         self.release(out)
         return out
+
+    def free(self, t: Tensor) -> None:
+        """``t`` (a buffer from :meth:`zeros`) is no longer used: its device bytes return to the budget, its
+        file goes when the last tensor on it does. Tensors from elsewhere are ignored."""
+        ptr = t.untyped_storage().data_ptr()
+        self.on_device -= self._device.pop(ptr, 0)
+        self._maps.pop(ptr, None)
 
     def evict(self) -> None:
         """Hands every disk buffer's resident pages back to the kernel."""

@@ -82,25 +82,41 @@ class ChunkedGraph:
         ptr: [C + 1] chunk boundaries in new ids.
         ways: graph-parallel ways; chunk ``c`` belongs to way ``c // (C / ways)`` (for :meth:`mirrors`).
 
-    Per chunk: ``self.chunks[c]`` (a :class:`LocalGraph`). Whole graph: ``inv`` (old -> new id),
-    ``chunk_of`` (new id -> chunk).
+    Per chunk: ``self.chunks[c]`` (a :class:`LocalGraph`). Whole graph: ``new_src`` / ``new_dst`` (the
+    edges in new ids, user edge order), ``inv`` (old -> new id), ``chunk_of`` (new id -> chunk).
+    Another chunking of the same vertex order (:meth:`rechunked`) and the transpose (:meth:`flipped`)
+    share the renumbered edges instead of keeping copies.
     """
 
     def __init__(self, src: Tensor, dst: Tensor, num_nodes: int, perm: Tensor, ptr: Tensor, ways: int = 1):
-        device = src.device
-        N, E, C = int(num_nodes), src.numel(), ptr.numel() - 1
+        perm = perm.to(src.device)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(int(num_nodes), device=src.device)
+        self._build(inv[src], inv[dst], num_nodes, perm, inv, ptr, ways)
+
+    def rechunked(self, ptr: Tensor, ways: int) -> "ChunkedGraph":
+        """The same graph and vertex order cut at other chunk bounds (the one-chunk-per-way chunking)."""
+        out = ChunkedGraph.__new__(ChunkedGraph)
+        out._build(self.new_src, self.new_dst, self.num_nodes, self.perm, self.inv, ptr, ways)
+        return out
+
+    def flipped(self) -> "ChunkedGraph":
+        """The transposed graph (every edge reversed) in the same chunks."""
+        out = ChunkedGraph.__new__(ChunkedGraph)
+        out._build(self.new_dst, self.new_src, self.num_nodes, self.perm, self.inv, self.ptr, self.ways)
+        return out
+
+    def _build(self, s: Tensor, d: Tensor, num_nodes: int, perm: Tensor, inv: Tensor, ptr: Tensor, ways: int):
+        device = s.device
+        N, E, C = int(num_nodes), s.numel(), ptr.numel() - 1
         self.num_nodes, self.num_edges, self.num_chunks, self.ways = N, E, C, ways
         self.device = device
-        self.src, self.dst = src, dst
-        self.perm = perm.to(device)
+        self.perm, self.inv = perm, inv
         self.ptr = ptr.to(device)
-        self.inv = torch.empty_like(self.perm)
-        self.inv[self.perm] = torch.arange(N, device=device)
         self.chunk_of = torch.bucketize(torch.arange(N, device=device), self.ptr[1:], right=True)
         ptr_list = self.ptr.tolist()
         starts = self.ptr[:-1]
         rows = self.ptr[1:] - starts
-        s, d = self.inv[src], self.inv[dst]
         self.new_src, self.new_dst = s, d
         cs, cd = self.chunk_of[s], self.chunk_of[d]
         cross = cs != cd

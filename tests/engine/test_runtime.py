@@ -38,7 +38,7 @@ def test_a_transposed_graph_is_chunked_once():
     rt, _, ei = _runtime(4)
     flipped = rt.derive(rt.graph, "flip")
     assert rt.derive(rt.graph, "flip") is flipped and flipped in rt.training_graphs()
-    assert torch.equal(flipped.src, rt.graph.dst) and torch.equal(flipped.dst, rt.graph.src)
+    assert torch.equal(flipped.new_src, rt.graph.new_dst) and torch.equal(flipped.new_dst, rt.graph.new_src)
 
 
 def test_the_state_round_trips():

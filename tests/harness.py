@@ -56,13 +56,14 @@ def _build(make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
 
 
 def check_exact(make: Callable[[], torch.nn.Module], inputs: Dict, y, mask, stages: int, ways: int,
-                steps: int = 3, lr: float = 0.05, **cfg) -> str:
-    """One chunk per way: ``steps`` SGD+momentum steps through the engine equal plain PyG (output, loss,
-    the gradients this rank's stage owns, every parameter after syncing), then inference."""
+                steps: int = 3, lr: float = 0.05, chunks: Optional[int] = None, **cfg) -> str:
+    """One chunk per way (or streaming, where every read is fresh at any number of ``chunks``): ``steps``
+    SGD+momentum steps through the engine equal plain PyG (output, loss, the gradients this rank's
+    stage owns, every parameter after syncing), then inference."""
     model = _build(make)
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
-    engine = _engine(model, stages, ways, ways, **cfg)
+    engine = _engine(model, stages, ways, chunks or ways, **cfg)
     worst, what = 0.0, ""
     try:
         engine.install()
@@ -145,7 +146,8 @@ def check_lr0(make: Callable[[], torch.nn.Module], inputs: Dict, y, mask, stages
 
 
 #: the modes the sweeps run, and the world size each needs
-MODES = {"graph_parallel": 2, "pipeline": 2, "chunks": 2, "graph_parallel_chunks": 2, "hybrid": 4}
+MODES = {"graph_parallel": 2, "pipeline": 2, "chunks": 2, "graph_parallel_chunks": 2, "hybrid": 4, "streaming": 1,
+         "streaming_disk": 1}
 
 
 def check_mode(mode: str, make: Callable[[], torch.nn.Module], inputs: Dict, y, mask, world: int) -> str:
@@ -157,7 +159,15 @@ def check_mode(mode: str, make: Callable[[], torch.nn.Module], inputs: Dict, y, 
       run can be a whole component, with no halo): :func:`check_lr0`;
     * ``graph_parallel_chunks``: one stage, ``world`` ways of 2 chunks each: :func:`check_lr0`;
     * ``hybrid``: 2 stages x 2 ways, 8 chunks, shuffled, greedy partition: :func:`check_lr0`.
+    * ``streaming``: one device, 4 chunks of consecutive vertices, streamed group by group:
+      :func:`check_exact` at lr > 0 (every read is fresh); ``streaming_disk``: the same with every
+      buffer in memory-mapped files (``offload="disk"``, a budget of 0 bytes on the device).
     """
+    if mode == "streaming":
+        return check_exact(make, inputs, y, mask, 1, 1, chunks=4, partition=ranges, streaming=True)
+    if mode == "streaming_disk":
+        return check_exact(make, inputs, y, mask, 1, 1, chunks=4, partition=ranges, streaming=True, offload="disk",
+                           offload_budget=0)
     if mode == "graph_parallel":
         return check_exact(make, inputs, y, mask, 1, world)
     if mode == "pipeline":

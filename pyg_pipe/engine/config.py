@@ -30,6 +30,9 @@ class PipelineConfig:
         offload_budget: bytes of history kept on the device before offloading (``None``: none with
             ``offload`` set; ``"auto"``: half the free memory).
         offload_dir: directory of the ``"disk"`` tier's files (``None``: a temporary directory).
+        streaming: on one device, run the model layer group by layer group over all chunks (NGra chunk
+            streaming, :mod:`.stream`): exact, with the vertex data of every group boundary in the
+            memory tiers (``"auto"``: on one device with several chunks or an offload tier).
     """
 
     num_chunks: Optional[int] = None
@@ -45,6 +48,15 @@ class PipelineConfig:
     offload: Optional[str] = None
     offload_budget: Union[None, int, str] = None
     offload_dir: Optional[str] = None
+    streaming: Union[bool, str] = "auto"
+
+    def streams(self, devices: int) -> bool:
+        """Whether a run on ``devices`` devices streams (``streaming="auto"``: one device, and several chunks
+        or an offload tier or budget asked for)."""
+        if self.streaming == "auto":
+            return devices == 1 and ((self.num_chunks or 1) > 1 or self.offload is not None
+                                     or self.offload_budget is not None)
+        return bool(self.streaming)
 
     def validate(self) -> None:
         """Raises ``ValueError`` naming the first knob with a value the engine cannot use, and the fix."""
@@ -58,13 +70,16 @@ class PipelineConfig:
         if self.recompute not in (True, False, "auto"):
             raise ValueError(f"recompute={self.recompute!r} must be True, False or 'auto' (recompute when a way "
                              f"runs several chunks).")
+        if self.streaming not in (True, False, "auto"):
+            raise ValueError(f"streaming={self.streaming!r} must be True, False or 'auto' (stream on one device "
+                             f"with several chunks or an offload tier).")
         if self.offload not in (None, "host", "disk"):
             raise ValueError(f"offload={self.offload!r} must be None (history on the device), 'host' or 'disk'.")
         if not (self.offload_budget in (None, "auto") or (isinstance(self.offload_budget, int)
                                                           and not isinstance(self.offload_budget, bool)
                                                           and self.offload_budget >= 0)):
             raise ValueError(f"offload_budget={self.offload_budget!r} must be a number of bytes (>= 0), 'auto' (half "
-                             f"the free memory) or None (offload every history buffer).")
+                             f"the free memory) or None (offload every buffer).")
         if self.offload_dir is not None and not os.path.isdir(self.offload_dir):
             raise ValueError(f"offload_dir={self.offload_dir!r} is not an existing directory; create it or pass "
                              f"None for a temporary one.")

@@ -12,6 +12,10 @@ A call of the model is
   computed parts of them (:mod:`.weights`), and the step ends.
 * **anything else** (validation, test, predict): an exact pass (:func:`.step.exact`).
 
+On one device with several chunks (or an offload tier) the model is **streamed** instead
+(:mod:`.stream`, NGra): every layer group over all chunks in turn, exact, with the values between
+groups in the memory tiers; the same autograd Function carries its forward and backward.
+
 The first call with a graph makes a plan (:mod:`.plan`) and its runtime (:mod:`.runtime`); later
 calls with the same graph reuse them. Every rank returns the whole output, so the user's loss and
 metrics run unchanged and identically everywhere. The model object is not wrapped: an instance
@@ -29,6 +33,7 @@ from torch import Tensor
 from ..model.inputs import CallInputs
 from ..model.trace import forward_function
 from . import step as steps
+from . import stream
 from .comm import Comm
 from .config import PipelineConfig
 from .grid import RankGrid
@@ -51,6 +56,9 @@ class _Fill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, engine: "GNNPipeEngine", runtime: Runtime, inputs: CallInputs, call: int, anchor: Tensor):
         ctx.engine = engine
+        if runtime.plan.streaming:
+            out, ctx.record = stream.forward(runtime, inputs, True, runtime.store(call))
+            return out
         with torch.enable_grad():
             out, ctx.record = steps.fill(runtime, inputs, engine.step, call)
         return out
@@ -165,6 +173,8 @@ class GNNPipeEngine:
         runtime = self._runtime_for(inputs)
         if not (torch.is_grad_enabled() and (self._in_step or not self._steps_only)):
             with torch.no_grad():
+                if runtime.plan.streaming:
+                    return stream.forward(runtime, inputs, False, runtime.store(-1))[0]
                 return steps.exact(runtime, inputs)
         name = inputs.requires_grad()
         if name is not None:
@@ -179,14 +189,17 @@ class GNNPipeEngine:
         anchor = torch.zeros((), device=self.comm.device, requires_grad=True)
         return _Fill.apply(self, runtime, inputs, call, anchor)
 
-    def _drained(self, grad: Tensor, record: steps.CallRecord) -> None:
+    def _drained(self, grad: Tensor, record) -> None:
         """A call's drain, its weight-gradient parts collected; the first queues the end of the backward pass."""
         task = torch._C._current_graph_task_id()
         if self._ending != task:  # once per backward pass (a pass that failed queued nothing that ran)
             self._ending = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         with self._grads.collecting():
-            steps.drain(grad, record)
+            if isinstance(record, stream.StreamRecord):
+                stream.backward(grad, record)
+            else:
+                steps.drain(grad, record)
 
     def _end_backward(self) -> None:
         """The backward pass is over: weight gradients summed over their ranks, the step ends."""
@@ -226,7 +239,8 @@ class GNNPipeEngine:
         comm = self.comm
         if self._shape is None:
             self._shape = decide_shape(self.module, inputs, comm.world_size, *self.requested, self.min_ways,
-                                       self.config.split_points)
+                                       self.config.split_points, self.config.streaming
+                                       if self.config.streams(comm.world_size) else False)
             self.notes += [n for n in self._shape.notes if n not in self.notes]
             self.grid = RankGrid(comm.rank, comm.world_size, self._shape.stages, self._shape.ways)
         shape, grid = self._shape, self.grid

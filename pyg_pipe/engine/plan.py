@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -49,6 +49,8 @@ class Plan:
         param_stages: parameter / buffer name -> the stages that use it.
         digest: checksum of the primary graph's structure.
         graphs: the input graphs the plan was made for (compared by structure on every call).
+        streaming: one device runs every layer group over all chunks in turn (:mod:`.stream`); ``sizes``
+            then has one group per (virtual) stage.
     """
 
     stages: int
@@ -62,6 +64,7 @@ class Plan:
     param_stages: Mapping[str, FrozenSet[int]]
     digest: int
     graphs: Tuple[Tensor, ...] = field(repr=False, compare=False)
+    streaming: bool = False
 
     @property
     def chunks_per_way(self) -> int:
@@ -82,7 +85,8 @@ class Plan:
         """The decisions, for checkpoints (:func:`make_plan` takes them back as ``saved``)."""
         return {"stages": self.stages, "ways": self.ways, "num_chunks": self.num_chunks, "num_nodes": self.num_nodes,
                 "num_edges": self.num_edges, "perm": self.perm.cpu(), "ptr": self.ptr.cpu(),
-                "sizes": list(self.sizes) if self.sizes is not None else None, "digest": self.digest}
+                "sizes": list(self.sizes) if self.sizes is not None else None, "digest": self.digest,
+                "streaming": self.streaming}
 
 
 @dataclass(frozen=True)
@@ -96,15 +100,31 @@ class Shape:
     forced: bool
     ways_added: bool
     notes: Tuple[str, ...] = ()
+    streaming: bool = False
 
 
 def decide_shape(module: torch.nn.Module, inputs: CallInputs, world_size: int, stages: Optional[int],
-                 ways: Optional[int], min_ways: int, split_points) -> Shape:
+                 ways: Optional[int], min_ways: int, split_points, streaming: Union[bool, str] = False) -> Shape:
     """The grid for this model: as configured, or one stage per device with graph-parallel ways added
-    when the model has fewer layers than devices; and, with several stages, the traced program cut
-    into layer groups (the user's split points when marked)."""
+    when the model has fewer layers than devices; and, with several stages (or streaming on one
+    device), the traced program cut into layer groups (the user's split points when marked).
+    ``streaming``: stream on one device (a forward that does not trace streams as one group)."""
     refuse_graph_builders(module)
     S, W = grid_shape(world_size, stages, ways, min_ways)
+    if streaming:
+        if S * W != 1:
+            raise ValueError(f"streaming=True runs on one device, but this run has {S * W}; pass streaming=False "
+                             f"(or 'auto') to pipeline over the devices.")
+        try:
+            program = trace(module, inputs.args, inputs.kwargs)
+        except UnsupportedModelError as exc:
+            note = (f"pyg_pipe: the forward of {type(module).__name__} does not trace into layer groups ({exc}); "
+                    f"streaming it as one group, where every propagate of a computed value waits for all chunks "
+                    f"(exact, but the forward runs once per such layer).")
+            log.info(note)
+            return Shape(1, 1, None, None, False, False, (note,), streaming=True)
+        groups, forced = stage_groups(program, split_points)
+        return Shape(1, 1, program, groups, forced, False, streaming=True)
     if S == 1:
         return Shape(S, W, None, None, False, False)
     program = trace(module, inputs.args, inputs.kwargs)
@@ -141,7 +161,8 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
         notes: where decisions pyg_pipe made on its own are told (also logged).
     """
     S, W = shape.stages, shape.ways
-    wanted = chunk_count(config, S, W, inputs.num_nodes, shape.ways_added, notes)
+    wanted = stream_chunks(config, inputs, comm.device) if shape.streaming and config.num_chunks is None \
+        else chunk_count(config, S, W, inputs.num_nodes, shape.ways_added, notes)
     if saved is not None:
         check_resume(saved, S, W, wanted, inputs)
         C, perm, ptr = saved["num_chunks"], saved["perm"], saved["ptr"]
@@ -152,7 +173,10 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
     if C // W > 1 and not config.per_chunk_statistics:
         refuse_statistics(module, C // W, W)
     stage_sizes: Optional[Tuple[int, ...]] = None
-    if shape.program is not None:
+    if shape.streaming:  # every layer group is a stage of its own, all on this device
+        stage_sizes = (1,) * len(shape.groups) if shape.groups is not None else None
+        owners = {n: {0} for n, _ in list(module.named_parameters()) + list(module.named_buffers())}
+    elif shape.program is not None:
         if shape.forced:
             if len(shape.groups) != S:
                 raise UnsupportedModelError(
@@ -167,7 +191,8 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
     else:
         owners = {n: {0} for n, _ in list(module.named_parameters()) + list(module.named_buffers())}
     return Plan(S, W, C, inputs.num_nodes, inputs.num_edges, perm.cpu(), ptr.cpu(), stage_sizes,
-                {n: frozenset(s) for n, s in owners.items()}, graph_digest(inputs.primary), tuple(inputs.graphs))
+                {n: frozenset(s) for n, s in owners.items()}, graph_digest(inputs.primary), tuple(inputs.graphs),
+                shape.streaming)
 
 
 def chunk_count(config: PipelineConfig, stages: int, ways: int, num_nodes: int, ways_added: bool = False,
@@ -195,6 +220,31 @@ def chunk_count(config: PipelineConfig, stages: int, ways: int, num_nodes: int, 
                          f"{num_nodes} chunks.")
     check_chunks_per_way(C, ways)
     return C
+
+
+def stream_chunks(config: PipelineConfig, inputs: CallInputs, device: torch.device) -> int:
+    """Chunks for streaming when ``num_chunks`` is not set: enough that one chunk's working set of one layer
+    group (estimated as 16 rows of the widest per-vertex input, at least 64 wide, per vertex) fits
+    ``offload_budget`` (``"auto"``: half the free memory); 4 without a budget."""
+    from .tiers import free_memory
+    N = inputs.num_nodes
+    budget = config.offload_budget
+    if budget == "auto":
+        budget = free_memory(device) // 2
+    if not budget:
+        return min(4, N)
+    width = max([64] + [t[0].numel() for t in _node_inputs(inputs)])
+    need = N * width * 4 * 16
+    return int(min(max(2, -(-need // budget)), N))
+
+
+def _node_inputs(inputs: CallInputs) -> List[Tensor]:
+    """The floating-point tensors of a call with one row per vertex (top level and in ``Data``)."""
+    values = list(inputs.args) + list(inputs.kwargs.values())
+    for d in inputs.data:
+        values += [v for _, v in d.items()]
+    return [v for v in values if isinstance(v, Tensor) and v.layout == torch.strided and v.dim() > 0
+            and v.is_floating_point() and v.size(0) == inputs.num_nodes]
 
 
 def refuse_graph_builders(module: torch.nn.Module) -> None:

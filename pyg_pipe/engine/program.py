@@ -121,6 +121,7 @@ class Programs:
         self.sizes, self.split_points = sizes, split_points
         self.stage, self.last = stage, last
         self._cache: Dict[tuple, Tuple[Any, Optional[List[Stage]]]] = {}
+        self._every: Dict[tuple, List[StageProgram]] = {}
 
     def seed(self, inputs: CallInputs, program: Program) -> None:
         """Keeps a program traced while planning for calls like ``inputs`` (no second trace)."""
@@ -130,6 +131,19 @@ class Programs:
     def runner(self, inputs: CallInputs):
         """What this stage runs for a call like ``inputs``."""
         return self._get(inputs)[0]
+
+    def stage_runners(self, inputs: CallInputs) -> list:
+        """Every stage's runner for a call like ``inputs``, in order (streaming runs them one after another
+        on one device, :mod:`.stream`; an untraced forward is one)."""
+        if self.sizes is None:
+            return [WholeForward(self.module, self.fn)]
+        key = signature(self.module, inputs)
+        hit = self._every.get(key)
+        if hit is None:
+            runner, stages = self._get(inputs)
+            hit = self._every[key] = [StageProgram(runner.program, st, self.fn, i == len(stages) - 1)
+                                      for i, st in enumerate(stages)]
+        return hit
 
     def next_activation(self, inputs: CallInputs) -> Optional[str]:
         """The value feeding the next stage's first layer (its traffic counts as stage activations)."""

@@ -174,7 +174,7 @@ def prepare_history(rt: Runtime, inputs: CallInputs, call: int) -> None:
     per-edge inputs (edge weights, attributes, adjacency values) on the same graph changed, since they
     change what layers compute everywhere, degrees included (new node features, by contrast, reach
     history chunk by chunk, as the algorithm intends)."""
-    if rt.plan.chunks_per_way == 1:
+    if rt.plan.chunks_per_way == 1 or rt.plan.streaming:
         return
     history = rt.history.of(call)
     tensors = inputs.edge_tensors()

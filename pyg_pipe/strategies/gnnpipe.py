@@ -65,9 +65,14 @@ class GNNPipeStrategy(DDPStrategy):
             ``pyg_pipe.pipe_split()`` in the forward does the same).
         recompute: keep only each chunk's stage inputs in the forward and recompute its activations in
             the backward (bit-identical; ``"auto"``: whenever a device runs several chunks; docs/memory.md).
-        offload, offload_budget, offload_dir: historical embeddings beyond ``offload_budget`` bytes on the
-            device (``"auto"``: half the free memory; ``None``: none) go to ``"host"`` memory or ``"disk"``
-            (memory-mapped files in ``offload_dir``); identical results (docs/memory.md).
+        offload, offload_budget, offload_dir: historical embeddings (and, streaming, the values between
+            layer groups) beyond ``offload_budget`` bytes on the device (``"auto"``: half the free memory;
+            ``None``: none) go to ``"host"`` memory or ``"disk"`` (memory-mapped files in ``offload_dir``);
+            identical results (docs/memory.md).
+        streaming: on one device, run the model layer group by layer group over all chunks (NGra chunk
+            streaming): exact like plain PyG, holding one chunk of one layer on the device, with the values
+            between groups in the offload tier (``"auto"``: with ``devices=1`` and several chunks or an
+            ``offload`` tier; ``False``: one pipeline stage with historical embeddings instead).
         fused_kernels: while training, route PyG's sparse-adjacency aggregation (layers given a
             torch.sparse ``adj_t``) to the compiled CSR kernels of :mod:`pyg_pipe.ops` (built on
             first use; ``PYG_PIPE_DISABLE_EXTENSIONS=1`` or ``False`` here keeps PyG's own path).
@@ -97,6 +102,7 @@ class GNNPipeStrategy(DDPStrategy):
         offload: Optional[str] = None,
         offload_budget: Union[None, int, str] = None,
         offload_dir: Optional[str] = None,
+        streaming: Union[bool, str] = "auto",
         accelerator=None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment=None,
@@ -115,7 +121,7 @@ class GNNPipeStrategy(DDPStrategy):
                                      balance=balance, partition=partition, seed=seed,
                                      per_chunk_statistics=per_chunk_statistics, split_points=split_points,
                                      recompute=recompute, offload=offload, offload_budget=offload_budget,
-                                     offload_dir=offload_dir)
+                                     offload_dir=offload_dir, streaming=streaming)
         self.config.validate()
         if comm_timeout <= 0:
             raise ValueError(f"comm_timeout={comm_timeout} must be a positive number of seconds.")

@@ -25,6 +25,7 @@ class Net(nn.Module):
 
 def _engine(model, **cfg):
     cfg.setdefault("partition", ranges)
+    cfg.setdefault("streaming", False)  # one process with several chunks: the history path, not streaming
     return GNNPipeEngine(model, PipelineConfig(num_chunks=cfg.pop("num_chunks", 4), **cfg), Comm(torch.device("cpu")),
                          num_stages=1)
 

@@ -2,7 +2,9 @@
 checkpointing, reversible blocks, an LSTM state, ``forward(data)``, control flow, graph-wide norms, an
 edge encoder, a transposed graph, zero-initialised layers, K-hop layers, attention over all vertices
 (GPSConv), Graph U-Net) in every mode,
-against one process. float64; one process launch per mode.
+against one process. float64; one process launch per mode. Streaming (one device, 4 chunks, layer group by
+layer group) is exact at any learning rate, like graph parallelism; a forward that does not trace
+streams as one group.
 
 Exact where the algorithm is (graph parallel, one chunk per way); at several chunks, the training
 forward at lr = 0 equals one process; what cannot run is refused with a message naming the module
@@ -32,6 +34,8 @@ REFUSED = {
                "GCN-pyg-layernorm-graph": STATS + ["LayerNorm"], "GPSConv": ATTENTION},
     "graph_parallel_chunks": {"GraphUNet": POOLING, "GCN-batchnorm": STATS, "GCN-graphnorm": STATS,
                               "GCN-pyg-layernorm-graph": STATS, "GPSConv": ATTENTION},
+    "streaming": {"GraphUNet": POOLING, "GCN-batchnorm": STATS, "GCN-graphnorm": STATS,
+                  "GCN-pyg-layernorm-graph": STATS, "GPSConv": ATTENTION},
 }
 
 
@@ -46,10 +50,10 @@ def _sweep(rank, world, mode, path):
             json.dump(results, f)
 
 
-@pytest.mark.parametrize("mode", ["graph_parallel", "pipeline", "chunks", "graph_parallel_chunks"])
+@pytest.mark.parametrize("mode", ["graph_parallel", "pipeline", "chunks", "graph_parallel_chunks", "streaming"])
 def test_every_model_shape_is_exact_or_refused(mode, tmp_path):
     path = tmp_path / "shapes.json"
-    run_distributed(_sweep, 2, mode, str(path), timeout=600)
+    run_distributed(_sweep, harness.MODES[mode], mode, str(path), timeout=600)
     results = json.loads(path.read_text())
     wrong = {}
     for name, outcome in results.items():

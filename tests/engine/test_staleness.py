@@ -87,7 +87,7 @@ def _worker(rank, world, stages, ways, chunks):
     torch.manual_seed(0)
     model = Net()
     engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, partition=ranges, snapshot_period=PERIOD,
-                                                 seed=SEED, balance="layers"),
+                                                 seed=SEED, balance="layers", streaming=False),
                            Comm(torch.device("cpu"), timeout=60), num_stages=stages, ways=ways)
     engine.install()
     opt = torch.optim.Adam(model.parameters(), lr=0.05)

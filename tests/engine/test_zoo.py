@@ -12,6 +12,9 @@ so "exact" means within 1e-5 absolutely even where sums grow large. Modes:
   others read each other's rows; lr = 0, so every training forward equals one process (history starts
   exact and weights never change).
 * ``hybrid``: 2 stages x 2 ways, 8 chunks, shuffled, greedy partition; lr = 0.
+* ``streaming_disk``: one device, 4 chunks streamed layer group by layer group (every read fresh),
+  every buffer in a memory-mapped file; three SGD+momentum steps equal one process, as in
+  ``graph_parallel``.
 """
 import json
 
@@ -43,12 +46,13 @@ def _sweep(rank, world, mode, path):
             json.dump(results, f)
 
 
-@pytest.mark.parametrize("mode,world", [("graph_parallel", 2), ("pipeline", 2), ("chunks", 2), ("hybrid", 4)])
+@pytest.mark.parametrize("mode,world", [("graph_parallel", 2), ("pipeline", 2), ("chunks", 2), ("hybrid", 4),
+                                        ("streaming_disk", 1)])
 def test_every_conv_class_is_exact_or_refused(mode, world, tmp_path):
     path = tmp_path / "zoo.json"
     run_distributed(_sweep, world, mode, str(path), timeout=600)
     results = json.loads(path.read_text())
-    kind = "chunks" if mode in ("chunks", "hybrid") else "one"
+    kind = "chunks" if mode in ("chunks", "hybrid", "streaming_disk") else "one"
     wrong = {}
     for name, outcome in results.items():
         words = REFUSED.get((name, kind))

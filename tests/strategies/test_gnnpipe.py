@@ -79,6 +79,26 @@ def test_fit_matches_single_process_and_logs_bytes(data, devices, clip, tmp_path
     assert "comm/halo_forward" not in t.callback_metrics  # no graph-parallel ways: not logged
 
 
+def test_one_device_with_an_offload_tier_streams_exactly(data, tmp_path):
+    """devices=1 with offload="disk": the model streams group by group over the chunks (NGra), every value
+    between groups in memory-mapped files; the parameters after fit equal one process's at lr > 0."""
+    torch.manual_seed(0)
+    model = make_model("gcnii")
+    ref = reference_fit(model, data, epochs=3)
+    lit = NodeClassifier(model)
+    strategy = GNNPipeStrategy(num_chunks=4, offload="disk")
+    t = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=3, default_root_dir=str(tmp_path),
+                   enable_progress_bar=False)
+    t.fit(lit, train_dataloaders=graph_loader(data), val_dataloaders=graph_loader(data))
+    for (name, p), q in zip(lit.model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
+    with torch.no_grad():
+        out = ref.eval()(data.x, data.edge_index)
+    acc = (out.argmax(-1)[data.val_mask] == data.y[data.val_mask]).float().mean()
+    assert float(t.callback_metrics["val_acc"]) == pytest.approx(float(acc), abs=1e-6)
+    assert len(strategy.peak_memory) == 1
+
+
 def test_gcnii_carries_x0_and_counts_it(data, tmp_path):
     torch.manual_seed(0)
     lit = NodeClassifier(make_model("gcnii"), optimizer="adam", lr=0.01)

@@ -1,0 +1,546 @@
+"""NGra chunk streaming on one device: exact training of a graph whose activations do not fit it.
+
+The model is cut into its layer groups (:func:`pyg_pipe.model.split.layer_groups`, one per
+``MessagePassing`` unit), and the graph into chunks. Every value crossing a group boundary (the
+hidden state, GCNII's ``x0``, ...) lives in a :class:`Store` with one row per vertex, in the memory
+tier the knobs choose (:mod:`.tiers`: the device within ``offload_budget``, then host memory or
+memory-mapped files); the device holds one chunk of one group at a time. Group by group, all chunks
+run before the next group starts, so every neighbour row a chunk reads is this step's (NGra's
+dataflow: vertex data streamed in chunks, never a stale read)::
+
+    forward                                        backward (from the gradient of the output rows)
+    for g in groups:                               for g in reversed(groups):
+        for c in chunks:                               for c in chunks:
+            rows + halo of g's inputs  <- store            replay g on c (same random numbers)
+            run g on c                                     backward from the gradients of its outputs
+            c's rows of g's outputs    -> store            input gradients (rows + halo) -> store
+
+A chunk reads its halo at the group's inputs directly: the inputs are handed to the group with their
+true halo rows (*clean*, :mod:`.layers`), so a layer that propagates its input, or a per-vertex
+function of it computed inside the layer (GCNConv's ``lin(x)``), needs nothing else. A propagate whose
+sources are computed inside the group before the layer (DeepGCNLayer's ``conv(act(norm(x)))``, the
+second hop of APPNP) is a **barrier**: a first pass over all chunks stops there and writes every
+chunk's source rows into a site buffer, the next pass reads them; the backward splits the same way,
+so the gradient of every source row is complete before any chunk goes on to what precedes the site::
+
+    K barrier sites in a group:   forward  K + 1 passes, the last one stores the outputs
+                                  backward phase K .. 1: replay, back-propagate to site k only, its
+                                                         source-row gradients (own and halo) -> G_k
+                                           phase 0:      replay, full backward; every site's rows take
+                                                         G_k, which already holds what flowed through it
+
+Everything every chunk reads is fresh, so the result is the one-device result: exact, like
+inference, and like plain PyG up to the order of floating-point sums. Memory on the device: one
+chunk's activations of one group, plus the store buffers the budget keeps there. Each group runs
+twice per step (forward, replay), as with recomputation. Inference runs the forward only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..graph.chunks import ChunkedGraph, LocalGraph
+from ..model.errors import UnsupportedModelError
+from ..model.inputs import CallInputs, Localizer
+from .context import ChunkContext, current
+from .program import signature
+from .runtime import Runtime
+from .sites import same_as_first_chunk, site_keys
+from .statistics import Statistics
+from .tiers import Tiers
+from .tree import flatten, unflatten
+
+
+class _Barrier(Exception):
+    """Raised at the first propagate of a pass whose sources are not complete yet (a barrier site)."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+class Store:
+    """Rows of the values crossing group boundaries, and of barrier sites, with their gradients.
+
+    Node values (one row per chunk vertex along dimension 0) are kept as one ``[|V|, ...]`` buffer per
+    value (new vertex ids), from :class:`~pyg_pipe.engine.tiers.Tiers`; anything else a group passes on
+    (edge rows, an LSTM state) per chunk.
+    """
+
+    def __init__(self, tiers: Tiers, num_nodes: int):
+        self.tiers, self.num_nodes = tiers, num_nodes
+        self.rows: Dict[str, Tensor] = {}
+        self.chunks: Dict[str, Dict[int, Any]] = {}
+        self.grads: Dict[str, Tensor] = {}
+        self.chunk_grads: Dict[str, Dict[int, Any]] = {}
+        self.kinds: Dict[str, str] = {}                              # "rows" or "chunk", per value
+        self.pending: Dict[str, Dict[int, Tuple[LocalGraph, Any]]] = {}
+
+    def put(self, name: str, lg: LocalGraph, value) -> None:
+        """Stores chunk ``lg``'s part of ``value`` (detached). Whether a value is a node value is decided by
+        the first chunk whose rows and local edges differ in number; until then it is kept per chunk."""
+        kind = self.kinds.get(name)
+        if kind is None:
+            if not _is_rows(value, lg):
+                kind = "chunk"
+            elif value.size(0) != lg.num_edges:
+                kind = "rows"
+            if kind is not None:
+                self.kinds[name] = kind
+                for c, (lg2, v) in self.pending.pop(name, {}).items():
+                    self._put(kind, name, lg2, v)
+        if kind is None:
+            self.pending.setdefault(name, {})[lg.index] = (lg, value.detach())
+        else:
+            self._put(kind, name, lg, value)
+
+    def settle(self, names) -> None:
+        """After every chunk put ``names``: values no chunk told apart from edge tensors stay per chunk."""
+        for name in names:
+            if name in self.pending:
+                self.kinds[name] = "chunk"
+                for c, (lg, v) in self.pending.pop(name).items():
+                    self._put("chunk", name, lg, v)
+
+    def _put(self, kind: str, name: str, lg: LocalGraph, value) -> None:
+        if kind == "rows":
+            if not _is_rows(value, lg):
+                raise UnsupportedModelError(
+                    f"Value '{name}' passed between layer groups has one row per vertex for one chunk but shape "
+                    f"{tuple(value.shape)} for a chunk of {lg.rows} vertices; streaming needs the same kind of "
+                    f"value for every chunk. Train without streaming (streaming=False).")
+            buf = self.rows.get(name)
+            if buf is None:
+                buf = self.rows[name] = self.tiers.zeros((self.num_nodes, *value.shape[1:]), value.dtype)
+            buf[lg.start:lg.end] = value.detach().to(buf.device)
+            self.tiers.release(buf)
+        else:
+            leaves, spec = flatten(value)
+            self.chunks.setdefault(name, {})[lg.index] = unflatten(
+                [t.detach() if isinstance(t, Tensor) else t for t in leaves], spec)
+
+    def gather(self, name: str, ids: Tensor) -> Tensor:
+        """Rows ``ids`` of node value ``name``, on the device."""
+        buf = self.rows[name]
+        out = self.tiers.to_device(buf[ids.to(buf.device)])
+        self.tiers.release(buf)
+        return out
+
+    def add_grad(self, name: str, ids: Tensor, grad: Tensor) -> None:
+        """Adds ``grad`` to the gradient of rows ``ids`` of node value ``name``."""
+        g = self.grads.get(name)
+        if g is None:
+            like = self.rows[name]
+            g = self.grads[name] = self.tiers.zeros(like.shape, like.dtype)
+        g.index_add_(0, ids.to(g.device), grad.to(g.device, g.dtype))
+        self.tiers.release(g)
+
+    def grad_rows(self, name: str, lg: LocalGraph) -> Optional[Tensor]:
+        """The gradient of chunk ``lg``'s rows of node value ``name`` (``None``: nothing reached it)."""
+        g = self.grads.get(name)
+        if g is None:
+            return None
+        out = self.tiers.to_device(g[lg.start:lg.end])
+        self.tiers.release(g)
+        return out
+
+    def drop(self, name: str) -> None:
+        """Frees a value and its gradient (after the backward of the group that produced it)."""
+        for table in (self.rows, self.grads):
+            t = table.pop(name, None)
+            if t is not None:
+                self.tiers.free(t)
+        for table in (self.chunks, self.chunk_grads, self.kinds, self.pending):
+            table.pop(name, None)
+
+    def clear(self) -> None:
+        """Frees everything (the end of a step, or an inference pass)."""
+        for name in list(self.rows) + list(self.grads) + list(self.chunks) + list(self.chunk_grads):
+            self.drop(name)
+
+
+def _is_rows(value, lg: LocalGraph) -> bool:
+    """Possibly a node value: a tensor with one row per chunk vertex along dimension 0."""
+    return isinstance(value, Tensor) and value.layout == torch.strided and value.dim() > 0 \
+        and value.size(0) == lg.rows
+
+
+class _Join(torch.autograd.Function):
+    """``[rows | halo]`` at a barrier site; its backward depends on the phase (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, halo: Tensor, anchor: Tensor, site: "_Site", ids: Tensor):
+        ctx.site, ctx.ids, ctx.rows = site, ids, rows.size(0)
+        return torch.cat([rows, halo])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        site = ctx.site
+        if site.capture:  # phase k: the gradient of every source row (own and halo) -> G_k; stop here
+            site.store.add_grad(site.key, ctx.ids, grad)
+            site.reached = True
+            return None, None, torch.zeros((), device=grad.device), None, None
+        # a later phase: the rows take their complete gradient, gathered in the phase of this site (none: zero)
+        site.reached = True
+        g_rows = site.store.grad_rows(site.key, site.lg)
+        g_rows = grad.new_zeros((ctx.rows, *grad.shape[1:])) if g_rows is None else g_rows.to(grad.dtype)
+        return g_rows, None, None, None, None
+
+
+@dataclass
+class _Site:
+    key: str
+    store: Store
+    lg: LocalGraph
+    capture: bool = False
+    reached: bool = False
+    anchor: Optional[Tensor] = None
+
+
+class StreamHalo:
+    """The halo source of a streamed chunk (the chunk context's ``halo``): barrier sites read complete
+    buffers, the first incomplete one stops the pass (module docstring)."""
+
+    def __init__(self, store: Store, complete: List[str], capture: Optional[str] = None):
+        self.store, self.complete, self.capture = store, complete, capture
+        self.sites: Dict[str, _Site] = {}
+        self.constant: set = set()   # sites whose sources need no gradient
+
+    def join(self, key: str, cg: ChunkedGraph, lg: LocalGraph, t: Tensor, vdim: int) -> Tensor:
+        rows = t.narrow(vdim, 0, lg.rows)
+        if vdim:
+            rows = rows.movedim(vdim, 0)
+        if key not in self.complete:
+            self.store.kinds[key] = "rows"  # a layer's source rows, one per vertex
+            self.store.put(key, lg, rows)
+            raise _Barrier(key)
+        ids = lg.nodes
+        halo = self.store.gather(key, lg.halo)
+        if torch.is_grad_enabled() and rows.requires_grad:
+            site = self.sites[key] = _Site(key, self.store, lg, capture=key == self.capture)
+            site.anchor = torch.zeros((), device=rows.device, requires_grad=True)
+            out = _Join.apply(rows, halo.to(rows.dtype), site.anchor, site, ids)
+        else:
+            if not rows.requires_grad:
+                self.constant.add(key)
+            out = torch.cat([rows, halo.to(rows.dtype)])
+        return out.movedim(0, vdim) if vdim else out
+
+
+@dataclass
+class StreamRecord:
+    """What the forward of one call keeps for its backward."""
+
+    runtime: Runtime
+    inputs: CallInputs
+    localizer: Localizer
+    runners: list
+    store: Store
+    barriers: List[List[str]]                             # per group: its barrier sites, in pass order
+    rng: Dict[Tuple[int, int], tuple] = field(default_factory=dict)
+    caches: Dict[Tuple[int, int], dict] = field(default_factory=dict)
+    received: List[List[str]] = field(default_factory=list)   # per group: the names it receives
+
+
+def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple[Tensor, Optional[StreamRecord]]:
+    """The model on ``inputs``, group by group over all chunks (module docstring), its values in ``store``.
+    ``train``: keep what the backward needs (random states, the store) and return the record."""
+    from .step import _check_output, _row_check
+    cg = rt.graph
+    runners = rt.programs.stage_runners(inputs)
+    record = StreamRecord(rt, inputs, Localizer(inputs, rt.chunked, rt.adjacency), runners, store, [])
+    checking = _row_check(rt, cg.chunks[0].rows) is not None  # the first pass of this mode checks every group
+    out_full = None
+    for g, runner in enumerate(runners):
+        record.received.append(list(runner.stage.inputs) if g > 0 else [])  # (one untraced group: g = 0)
+        check = _row_check(rt, cg.chunks[0].rows) if checking else None
+        complete: List[str] = []
+        reference = None
+        while True:  # one pass over the chunks per barrier site met, and the last pass
+            barrier = None
+            for c in range(cg.num_chunks):
+                lg = cg.chunks[c]
+                try:
+                    rec = _run(rt, record, g, c, StreamHalo(store, complete), grad=False,
+                               check=check if c == 0 else None, moves=not complete)
+                except _Barrier as b:
+                    if barrier is not None and b.key != barrier:
+                        raise UnsupportedModelError(_differs(b.key, barrier))
+                    barrier = b.key
+                    continue
+                if barrier is not None:
+                    raise UnsupportedModelError(_differs(None, barrier))
+                keys = site_keys(rec.ctx.sites)
+                if reference is None:
+                    reference = keys
+                else:
+                    same_as_first_chunk(keys, reference)
+                if g == len(runners) - 1:
+                    out = _check_output(rec.out, lg.rows)
+                    if out_full is None:
+                        out_full = out.new_empty((cg.num_nodes, *out.shape[1:]))
+                    out_full[lg.start:lg.end] = out.detach()
+                else:
+                    for name, value in rec.sent.items():
+                        if name not in record.received[g]:  # (values passed on unchanged are stored already)
+                            store.put(name, lg, value)
+            if barrier is None:
+                break
+            complete.append(barrier)
+        if g < len(runners) - 1:
+            store.settle([n for n in rec.sent if n not in record.received[g]])
+        if check is not None:
+            check.verdict(rt.comm)
+        record.barriers.append(complete)
+        for key in complete:  # a barrier's rows are read again in the backward only
+            if not train:
+                store.drop(key)
+        if not train:  # inference: a value is not needed after the last group that receives it
+            for name in _last_used_by(record, g):
+                store.drop(name)
+    if checking:
+        rt.rows_checked.add("train" if rt.module.training else "eval")
+    return out_full[cg.inv], record if train else None
+
+
+def backward(grad: Tensor, record: StreamRecord) -> None:
+    """The backward of :func:`forward` (module docstring): weight gradients accumulate, group by group."""
+    rt, store = record.runtime, record.store
+    cg = rt.graph
+    store.grads[_OUTPUT] = grad[cg.perm]  # (on the device: autograd holds the output's gradient anyway)
+    for g in range(len(record.runners) - 1, -1, -1):
+        barriers = record.barriers[g]
+        for k in range(len(barriers), -1, -1):  # phase k > 0 gathers G of barrier k-1; phase 0 is the full backward
+            target = barriers[k - 1] if k > 0 else None
+            for c in range(cg.num_chunks):
+                with torch.enable_grad():
+                    halo = StreamHalo(store, barriers, capture=target)
+                    rec = _run(rt, record, g, c, halo, grad=True, check=None, moves=False)
+                    roots, grads = _roots(record, g, rec, cg.chunks[c])
+                    if not roots:
+                        continue
+                    with rec.ctx:
+                        if target is None:
+                            torch.autograd.backward(roots, grads)
+                        elif target in halo.sites:  # back-propagate only as far as the site
+                            torch.autograd.backward(roots, grads, inputs=[halo.sites[target].anchor])
+                        else:  # the site runs in a layer the model recomputes in the backward (checkpointing):
+                            kept = _weight_grads(rt.module)  # a whole backward, its weight gradients undone
+                            torch.autograd.backward(roots, grads)
+                            _restore(rt.module, kept)
+                    if target is None:
+                        _check_reached(halo, barriers, g)
+                        _collect(record, g, rec, cg.chunks[c])
+        for name in _produced_by(record, g):
+            store.drop(name)
+        for key in barriers:
+            store.drop(key)
+    store.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# one chunk of one group
+# ---------------------------------------------------------------------------------------------
+
+_OUTPUT = "__output__"
+
+
+@dataclass
+class _Ran:
+    ctx: ChunkContext
+    sent: Dict[str, Any]
+    out: Any
+    leaves: List[Tuple[str, Tensor, Tensor]]   # (value name, leaf, vertex ids of its rows)
+    chunk_leaves: Dict[str, Any]
+
+
+def _run(rt: Runtime, record: StreamRecord, g: int, c: int, halo: StreamHalo, grad: bool, check, moves: bool) -> _Ran:
+    """Group ``g`` on chunk ``c``: its inputs from the store (node values with their true halo rows: clean)."""
+    cg = rt.graph
+    lg = cg.chunks[c]
+    store = record.store
+    stats = Statistics(rt.comm, None, None, lg.rows, update_running=True, replay=not moves)
+    if (g, c) not in record.caches:  # cached=True layers: every run of this step sees the cache as it was
+        record.caches[(g, c)] = {k: v for k, v in rt.layer_cache.items() if _cache_of(k, c)}
+    cache = _CacheView(rt.layer_cache, record.caches[(g, c)], c)
+    ctx = ChunkContext(cg, lg, halo, record.localizer.resolver(c, rt.derive), stats, cache, check, replay=False)
+    leaves: List[Tuple[str, Tensor, Tensor]] = []
+    chunk_leaves: Dict[str, Any] = {}
+    received: Dict[str, Any] = {}
+    state = record.rng.get((g, c))
+    if state is None:  # the first run of this chunk of this group: its random numbers, for every later pass
+        record.rng[(g, c)] = _rng_state(rt.comm.device)
+    with ctx, _same_rng(state, rt.comm.device):
+        args, kwargs = record.localizer.localize(c, ctx)
+        for name in record.received[g]:
+            if name in store.rows:
+                ext = store.gather(name, lg.nodes)
+                if grad and ext.is_floating_point():
+                    ext.requires_grad_()
+                    leaves.append((name, ext, lg.nodes))
+                rows = ext[:lg.rows]
+                ctx.add_clean(rows, _extender(store, name, ext, lg, leaves, grad))
+                received[name] = rows
+            else:
+                value = store.chunks[name][lg.index]
+                if grad:
+                    ls, spec = flatten(value)
+                    ls = [t.detach().requires_grad_() if isinstance(t, Tensor) and t.is_floating_point() else t
+                          for t in ls]
+                    value = unflatten(ls, spec)
+                    chunk_leaves[name] = value
+                received[name] = value
+        runner = record.runners[g]
+        if check is None:
+            sent, out = runner.run(args, kwargs, received)
+        else:
+            check.returned(list(received.values()))
+            with check:
+                sent, out = runner.run(args, kwargs, received)
+    return _Ran(ctx, sent, out, leaves, chunk_leaves)
+
+
+def _cache_of(key, c: int) -> bool:
+    """Whether ``key`` of the layer cache is a ``cached=True`` layer's entry for chunk ``c`` (:mod:`.layers`)."""
+    return isinstance(key, tuple) and len(key) == 3 and key[2] == c and isinstance(key[0], int)
+
+
+class _CacheView(dict):
+    """The layer cache as a run of chunk ``c`` sees it: ``cached=True`` layers read what they held before the
+    step's first run of this chunk and group (the barrier passes and the replays compute what that run
+    computed, as one device's step would), and write to the cache itself."""
+
+    def __init__(self, real: dict, before: dict, c: int):
+        super().__init__()
+        self.real, self.before, self.c = real, before, c
+
+    def get(self, key, default=None):
+        if _cache_of(key, self.c):
+            return self.before.get(key, default)
+        return self.real.get(key, default)
+
+    def __setitem__(self, key, value):
+        self.real[key] = value
+
+
+def _extender(store: Store, name: str, ext: Tensor, lg: LocalGraph, leaves: list, grad: bool):
+    """The halo rows of a received node value, for the primary graph's chunk or another graph's."""
+    def extend(cg2: ChunkedGraph, lg2: LocalGraph) -> Tensor:
+        if lg2 is lg:
+            return ext[lg.rows:]
+        rows = store.gather(name, lg2.halo)
+        if grad and rows.is_floating_point():
+            rows.requires_grad_()
+            leaves.append((name, rows, lg2.halo))
+        return rows
+    return extend
+
+
+def _roots(record: StreamRecord, g: int, rec: _Ran, lg: LocalGraph) -> Tuple[List[Tensor], List[Tensor]]:
+    """The group's outputs for the chunk and the gradients that reached their rows."""
+    store = record.store
+    roots, grads = [], []
+    produced = {_OUTPUT: rec.out} if g == len(record.runners) - 1 else \
+        {k: v for k, v in rec.sent.items() if k not in record.received[g]}
+    for name, value in produced.items():
+        if name in store.rows or name in store.grads:
+            gr = store.grad_rows(name, lg)
+            if gr is not None and isinstance(value, Tensor) and value.requires_grad:
+                roots.append(value)
+                grads.append(gr.to(value.dtype))
+        else:
+            got = store.chunk_grads.get(name, {}).get(lg.index)
+            if got is None:
+                continue
+            for leaf, gr in zip(flatten(value)[0], flatten(got)[0]):
+                if isinstance(leaf, Tensor) and leaf.requires_grad and gr is not None:
+                    roots.append(leaf)
+                    grads.append(gr)
+    return roots, grads
+
+
+def _collect(record: StreamRecord, g: int, rec: _Ran, lg: LocalGraph) -> None:
+    """After a chunk's full backward: the gradients of its inputs into the store."""
+    store = record.store
+    for name, leaf, ids in rec.leaves:
+        if leaf.grad is not None:
+            store.add_grad(name, ids, leaf.grad)
+    for name, value in rec.chunk_leaves.items():
+        ls, spec = flatten(value)
+        gs = [t.grad if isinstance(t, Tensor) and t.requires_grad else None for t in ls]
+        if any(x is not None for x in gs):
+            prev = store.chunk_grads.setdefault(name, {}).get(lg.index)
+            if prev is not None:
+                gs = [a if b is None else b if a is None else a + b for a, b in zip(gs, flatten(prev)[0])]
+            store.chunk_grads[name][lg.index] = unflatten(gs, spec)
+
+
+def _weight_grads(module: torch.nn.Module) -> List[Optional[Tensor]]:
+    return [None if p.grad is None else p.grad.clone() for p in module.parameters()]
+
+
+def _restore(module: torch.nn.Module, kept: List[Optional[Tensor]]) -> None:
+    for p, g in zip(module.parameters(), kept):
+        p.grad = g
+
+
+def _check_reached(halo: StreamHalo, keys: List[str], g: int) -> None:
+    """In a chunk's full backward every barrier site's join must have run its backward (else the complete
+    gradient of its rows, which includes other chunks' reads of them, would be lost). (In a phase that
+    gathers one site's gradient, sites with no path to it need not run: they contribute nothing there.)"""
+    for key in keys:
+        site = halo.sites.get(key)
+        if key in halo.constant and site is None:
+            continue
+        if site is None or not site.reached:
+            raise UnsupportedModelError(
+                f"Streaming: the output of layer group {g} does not depend on call site '{key}' of the same chunk, "
+                f"but other chunks read its rows; the gradient of those reads has no path back. Train without "
+                f"streaming (streaming=False) or with num_chunks=1.")
+
+
+def _produced_by(record: StreamRecord, g: int) -> List[str]:
+    """Values first received by group ``g + 1`` (produced by group ``g``), and the output for the last group."""
+    if g == len(record.runners) - 1:
+        return []
+    earlier = {n for names in record.received[:g + 1] for n in names}
+    return [n for n in record.received[g + 1] if n not in earlier]
+
+
+def _last_used_by(record: StreamRecord, g: int) -> List[str]:
+    """Values no group after ``g`` receives (inference drops them then)."""
+    later = {n for r in record.runners[g + 1:] for n in r.stage.inputs}
+    return [n for n in record.received[g] if n not in later]
+
+
+def _differs(key: Optional[str], other: str) -> str:
+    return (f"Streaming: chunks of one layer group stopped at different call sites ({key or 'none'} and {other}); "
+            f"the forward's layer calls depend on the data. Train without streaming (streaming=False).")
+
+
+def _rng_state(device: torch.device):
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+class _same_rng:
+    """Runs a block with a saved random state (``None``: as it is), leaving the outer state unchanged."""
+
+    def __init__(self, state, device: torch.device):
+        self.state, self.device = state, device
+
+    def __enter__(self):
+        if self.state is None:
+            return
+        self._fork = torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])
+        self._fork.__enter__()
+        torch.set_rng_state(self.state[0])
+        if self.state[1] is not None:
+            torch.cuda.set_rng_state(self.state[1], self.device)
+
+    def __exit__(self, *exc):
+        if self.state is not None:
+            self._fork.__exit__(*exc)
+        return False

@@ -1,0 +1,230 @@
+"""Streaming (NGra) on one device: the model runs layer group by layer group over all chunks, so every read
+is fresh and training equals one process at any learning rate, with the values between groups in a
+memory tier. The conv zoo and the model shapes run in this mode in ``test_zoo.py`` / ``test_models.py``;
+here: the replays of the backward reproduce the forward bit for bit (dropout), barrier sites (a propagate
+of values computed inside a group), the byte budget, two calls per step, and the knob's decisions.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch_geometric.nn import APPNP, GAT, GCN, DeepGCNLayer, GCNConv
+
+from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig, stream
+from pyg_pipe.engine.plan import decide_shape
+from pyg_pipe.model.inputs import CallInputs
+from tests.harness import ranges
+from tests.models import GCNIIStack, gcnii
+from tests.zoo import zoo_graph
+
+
+def _engine(model, **cfg):
+    cfg.setdefault("partition", ranges)
+    cfg.setdefault("num_chunks", 4)
+    return GNNPipeEngine(model, PipelineConfig(**cfg), Comm(torch.device("cpu")), num_stages=1)
+
+
+class ResGCNPlus(nn.Module):
+    """DeepGCNLayer ``res+``: the conv propagates ``act(norm(x))``, computed inside its group (a barrier)."""
+
+    def __init__(self, layers=3, dropout=0.2, ckpt=False):
+        super().__init__()
+        self.enc = nn.Linear(8, 12)
+        self.blocks = nn.ModuleList(DeepGCNLayer(GCNConv(12, 12), nn.LayerNorm(12), nn.ReLU(), block="res+",
+                                                 dropout=dropout, ckpt_grad=ckpt) for _ in range(layers))
+        self.out = nn.Linear(12, 3)
+
+    def forward(self, x, edge_index):
+        x = self.enc(x)
+        for block in self.blocks:
+            x = block(x, edge_index)
+        return self.out(x)
+
+
+class Hops(nn.Module):
+    """APPNP's K hops in one module: every hop after the first reads rows computed inside the group."""
+
+    def __init__(self, dropout=0.2):
+        super().__init__()
+        self.lin, self.prop, self.out = nn.Linear(8, 12), APPNP(K=3, alpha=0.1, dropout=dropout), nn.Linear(12, 3)
+
+    def forward(self, x, edge_index):
+        return self.out(self.prop(self.lin(x).relu(), edge_index))
+
+
+#: with dropout (the random numbers of every pass and replay must agree)
+RANDOM = {
+    "GCN-dropout": lambda: GCN(8, 12, 3, 3, dropout=0.3),
+    "GAT-attention-dropout": lambda: GAT(8, 12, 3, 3, heads=2, dropout=0.3),
+    "GCNII-dropout": GCNIIStack,
+    "ResGCN+": ResGCNPlus,
+    "ResGCN+-checkpointed": lambda: ResGCNPlus(ckpt=True),
+    "APPNP-hops": Hops,
+}
+
+
+def _loss(model, x, ei, y, mask, seed):
+    torch.manual_seed(seed)
+    out = model(x, ei)
+    return F.cross_entropy(out[mask], y[mask]), out
+
+
+@pytest.mark.parametrize("name", list(RANDOM))
+def test_replays_reproduce_the_forward_and_gradients_match_finite_differences(name, monkeypatch):
+    """With dropout one process cannot be matched draw for draw. Instead: every replay in the backward
+    produces exactly the rows the forward stored, and the gradient equals finite differences of the
+    streamed loss itself (a fixed seed fixes the masks; float64), for parameters of the first and the
+    last layers, so every group's backward, barrier phases included, is on the path."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        x, g, y, mask = zoo_graph(sizes=(16, 40, 40))
+        ei = g["edge_index"]
+        torch.manual_seed(0)
+        model = RANDOM[name]()
+        engine = _engine(model)
+        engine.install()
+        checked = []
+        roots = stream._roots
+
+        def checking(record, group, rec, lg):
+            produced = {k: v for k, v in rec.sent.items() if k not in record.received[group]}
+            for key, value in produced.items():
+                if key in record.store.rows:
+                    assert torch.equal(value.detach(), record.store.rows[key][lg.start:lg.end]), (name, group, key)
+                    checked.append(key)
+            return roots(record, group, rec, lg)
+
+        monkeypatch.setattr(stream, "_roots", checking)
+        try:
+            loss, _ = _loss(model, x, ei, y, mask, seed=1)
+            loss.backward()
+            assert engine.plan.streaming and (checked or len(engine.plan.sizes or ()) <= 1)
+            params = list(model.parameters())
+            eps = 1e-6
+            with torch.no_grad():
+                for p in (params[0], params[-1]):
+                    for i in torch.randperm(p.numel(), generator=torch.Generator().manual_seed(2))[:3].tolist():
+                        flat = p.view(-1)
+                        keep = flat[i].item()
+                        flat[i] = keep + eps
+                        up = _loss(model, x, ei, y, mask, seed=1)[0].item()
+                        flat[i] = keep - eps
+                        down = _loss(model, x, ei, y, mask, seed=1)[0].item()
+                        flat[i] = keep
+                        numeric = (up - down) / (2 * eps)
+                        got = 0.0 if p.grad is None else p.grad.view(-1)[i].item()
+                        assert abs(numeric - got) < 1e-6, (name, numeric, got)
+        finally:
+            engine.uninstall()
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+#: without dropout, to compare with one process
+EXACT = {"GCNII": lambda: gcnii(8, 12, 3, 4), "ResGCN+": lambda: ResGCNPlus(dropout=0.0),
+         "APPNP-hops": lambda: Hops(dropout=0.0)}
+
+
+@pytest.mark.parametrize("name", list(EXACT))
+def test_training_equals_one_process_with_every_buffer_on_disk(name):
+    """Three Adam steps streamed with every buffer in a memory-mapped file (0 bytes on the device) give one
+    process's outputs, losses and parameters; the store never kept a buffer on the device."""
+    x, g, y, mask = zoo_graph(sizes=(16, 40, 40))
+    ei = g["edge_index"]
+    torch.manual_seed(0)
+    model = EXACT[name]()
+    ref = copy.deepcopy(model)
+    engine = _engine(model, offload="disk", offload_budget=0)
+    engine.install()
+    opt, ref_opt = torch.optim.Adam(model.parameters(), lr=0.02), torch.optim.Adam(ref.parameters(), lr=0.02)
+    try:
+        for _ in range(3):
+            loss, out = _loss(model, x, ei, y, mask, 0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ref_loss, ref_out = _loss(ref, x, ei, y, mask, 0)
+            ref_opt.zero_grad()
+            ref_loss.backward()
+            ref_opt.step()
+            torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)
+            assert abs(loss.item() - ref_loss.item()) < 1e-6
+            assert engine.runtime.tiers.on_device == 0 and engine.runtime.tiers._count > 0
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, atol=1e-5, rtol=0)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x, ei), ref(x, ei), atol=1e-5, rtol=0)
+    finally:
+        engine.uninstall()
+
+
+def test_a_budget_keeps_buffers_on_the_device_up_to_it():
+    x, g, y, mask = zoo_graph(sizes=(16, 40, 40))
+    ei = g["edge_index"]
+    torch.manual_seed(0)
+    model = gcnii(8, 12, 3, 4)
+    budget = 3 * x.size(0) * 12 * 4   # three hidden values of every vertex
+    engine = _engine(model, offload="disk", offload_budget=budget)
+    engine.install()
+    try:
+        peak = 0
+        for _ in range(2):
+            out = model(x, ei)
+            peak = max(peak, engine.runtime.tiers.on_device)
+            F.cross_entropy(out[mask], y[mask]).backward()
+            assert engine.runtime.tiers.on_device == 0   # everything freed at the end of the step
+        assert 0 < peak <= budget and engine.runtime.tiers._count > 0
+    finally:
+        engine.uninstall()
+
+
+def test_a_model_called_twice_per_step_streams_each_call():
+    """An encoder run on the graph and on a corrupted copy (DGI-style) in one step."""
+    x, g, y, mask = zoo_graph(sizes=(16, 40, 40))
+    ei = g["edge_index"]
+    torch.manual_seed(0)
+    model = GCN(8, 12, 3, 3)
+    ref = copy.deepcopy(model)
+    engine = _engine(model)
+    engine.install()
+    try:
+        perm = torch.randperm(x.size(0), generator=torch.Generator().manual_seed(3))
+        for m, in [(model,), (ref,)]:
+            a, b = m(x, ei), m(x[perm], ei)
+            (F.cross_entropy(a[mask], y[mask]) + (b - a).pow(2).mean()).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=0)
+        assert sorted(engine.runtime.stores) == [0, 1]
+    finally:
+        engine.uninstall()
+
+
+def test_the_knob_decides_from_the_devices_and_refuses_several():
+    assert PipelineConfig(num_chunks=4).streams(1)
+    assert PipelineConfig(offload="disk").streams(1)
+    assert not PipelineConfig().streams(1)                      # one chunk on one device: nothing to stream
+    assert not PipelineConfig(num_chunks=4).streams(2)          # a pipeline
+    assert not PipelineConfig(num_chunks=4, streaming=False).streams(1)
+    with pytest.raises(ValueError, match="streaming="):
+        PipelineConfig(streaming="yes").validate()
+    x, g, _, _ = zoo_graph()
+    inputs = CallInputs((x, g["edge_index"]), {})
+    with pytest.raises(ValueError, match="streaming=True runs on one device"):
+        decide_shape(GCN(8, 12, 3, 3), inputs, 2, None, None, 1, None, True)
+    shape = decide_shape(GCN(8, 12, 3, 3), inputs, 1, None, None, 1, None, True)
+    assert shape.streaming and len(shape.groups) == 3
+
+
+def test_single_stage_history_stays_available_without_streaming():
+    x, g, y, mask = zoo_graph()
+    torch.manual_seed(0)
+    model = GCN(8, 12, 3, 3)
+    engine = _engine(model, streaming=False)
+    engine.install()
+    try:
+        model(x, g["edge_index"]).sum().backward()
+        assert not engine.plan.streaming and engine.runtime.history.of(0).initialised
+    finally:
+        engine.uninstall()

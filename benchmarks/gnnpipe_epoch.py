@@ -117,7 +117,8 @@ def run_pipe(args) -> None:
             self.times.append(time.perf_counter() - self.t0)
 
     memory = dict(recompute={"on": True, "off": False}.get(args.recompute, "auto"),
-                  offload=None if args.offload == "none" else args.offload)
+                  offload=None if args.offload == "none" else args.offload,
+                  offload_budget=None if args.offload_budget < 0 else args.offload_budget)
     if args.strategy == "graph_parallel":
         strategy = pyg_pipe.GraphParallelStrategy()
     elif args.strategy == "hybrid":
@@ -178,6 +179,8 @@ def main():
                    help="GNNPipeStrategy(recompute=...)")
     p.add_argument("--offload", choices=["none", "host", "disk"], default="none",
                    help="GNNPipeStrategy(offload=...)")
+    p.add_argument("--offload-budget", "--offload_budget", dest="offload_budget", type=int, default=-1,
+                   help="GNNPipeStrategy(offload_budget=...) in bytes (-1: None)")
     args = p.parse_args()
 
     if args.worker == "single":

@@ -4,7 +4,10 @@ For each process count P (default 2 and 4) it runs, each in fresh processes, one
 plain PyG in one process (P threads, its fastest path: a torch.sparse CSR adjacency with ``cached=True``),
 ``strategy="graph_parallel"`` on P processes, ``strategy="gnnpipe"`` on P processes for every chunk
 count with ``recompute`` off, on, and on with the history on the ``disk`` tier, and (P >= 4) a hybrid
-grid of 2 stages x P/2 ways. Each gnnpipe / graph_parallel process has one thread.
+grid of 2 stages x P/2 ways. Each gnnpipe / graph_parallel process has one thread. Then, on one
+process (``--stream``), NGra streaming (``devices=1``: the model layer group by layer group over the
+chunks, exact) with every buffer on the device, in memory-mapped files, and in files beyond a budget
+of a quarter of single-process PyG's peak.
 
 Memory = peak resident set size of a process over the whole run net of what it held after imports and
 graph generation (the data, which every setup pays alike); the worst process counts. Every process runs
@@ -63,6 +66,9 @@ def main():
     p.add_argument("--chunks", type=int, nargs="+", default=[4, 8])
     p.add_argument("--snapshot-period", dest="snapshot_period", type=int, default=23)
     p.add_argument("--offload", nargs="*", default=["disk"], help="offload tiers to run with recompute on")
+    p.add_argument("--recompute-off", dest="recompute_off", nargs="*", type=int, default=None,
+                   help="chunk counts also run with recompute off (default: all)")
+    p.add_argument("--stream", nargs="*", type=int, default=[8, 16], help="chunk counts streamed on one process")
     p.add_argument("--default-malloc", dest="default_malloc", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -84,6 +90,8 @@ def main():
                 if c < P:
                     continue
                 for rc in ("off", "on"):
+                    if rc == "off" and args.recompute_off is not None and c not in args.recompute_off:
+                        continue
                     rows.append(("gnnpipe", c, rc, _pipe(args, tmp, f"c{c}{rc}", chunks=c, recompute=rc)))
                 for tier in args.offload:
                     rows.append((f"gnnpipe {tier}", c, "on", _pipe(args, tmp, f"c{c}{tier}", chunks=c, recompute="on",
@@ -91,6 +99,16 @@ def main():
                 if P >= 4 and c % (P // 2) == 0:
                     rows.append((f"hybrid 2x{P // 2}", c, "on", _pipe(args, tmp, f"h{c}", chunks=c, recompute="on",
                                                                      strategy="hybrid")))
+        if P == procs_list[0] and args.stream:  # one process streaming, against the same single-process run
+            procs, args.procs = args.procs, 1
+            with tempfile.TemporaryDirectory() as tmp:
+                for c in args.stream:
+                    rows.append(("stream", c, "-", _pipe(args, tmp, f"s{c}", chunks=c)))
+                    rows.append(("stream disk", c, "-", _pipe(args, tmp, f"s{c}d", chunks=c, offload="disk")))
+                    budget = int(s_net * 2**20 / 4)
+                    rows.append((f"stream disk {budget >> 20}MB", c, "-",
+                                 _pipe(args, tmp, f"s{c}b", chunks=c, offload="disk", offload_budget=budget)))
+            args.procs = procs
         lines.append(f"\nP = {P}: single process ({P} threads): net peak {s_net:.0f} MB, epoch {s_t:.3f} s")
         lines.append(f"{'mode':>15} {'chunks':>6} {'recompute':>9} {'net MB (worst)':>14} {'÷ single':>8} "
                      f"{'per rank ÷ single':>22} {'epoch s':>8} {'÷ single':>8} {'÷ gp':>6}")

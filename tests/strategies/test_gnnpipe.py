@@ -86,7 +86,7 @@ def test_one_device_with_an_offload_tier_streams_exactly(data, tmp_path):
     model = make_model("gcnii")
     ref = reference_fit(model, data, epochs=3)
     lit = NodeClassifier(model)
-    strategy = GNNPipeStrategy(num_chunks=4, offload="disk")
+    strategy = GNNPipeStrategy(num_chunks=4, offload="disk", start_method="spawn")  # (no process group left here)
     t = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=3, default_root_dir=str(tmp_path),
                    enable_progress_bar=False)
     t.fit(lit, train_dataloaders=graph_loader(data), val_dataloaders=graph_loader(data))

@@ -58,6 +58,9 @@ class Observer(Protocol):
 class Invocation:
     """One call of one ``MessagePassing`` module on the current chunk.
 
+    ``rows_only``: the layer computes the chunk's rows only, on the row graph (its sources get their halo
+    rows at each propagate); otherwise its node tensors carry ``[rows | halo]`` (:mod:`.layers`).
+
     ``in_edges`` is set while the layer computes per-edge values (its ``message`` / ``edge_update``),
     whose rows follow ``edge_graph``, the graph of the propagate call (:meth:`destinations`), so
     graph-wide statistics computed there count the chunk's own edges (:mod:`.statistics`).
@@ -75,6 +78,7 @@ class Invocation:
     propagated: bool = False
     edge_graph: Any = None
     in_edges: bool = False
+    rows_only: bool = False
     restore: Dict[str, Any] = field(default_factory=dict)
 
     def destinations(self) -> Tensor:

@@ -22,6 +22,10 @@ versions that compute exactly what PyG's compute, with the degrees completed:
   argument (or none), cached per weight tensor and version; weights computed inside the model are
   refused there.
 
+A layer that computes the chunk's rows only (:mod:`.layers`) normalises the row graph with
+``num_nodes`` = the chunk's rows: self loops go to those rows, and the sources' degrees (rows and halo)
+are completed the same way.
+
 Outside the engine (no active chunk) the originals run unchanged.
 """
 from __future__ import annotations
@@ -72,6 +76,11 @@ def uninstall() -> None:
         setattr(module, attr, original)
 
 
+def _width(inv) -> int:
+    """The vertices a layer's own tensors have: the chunk's rows (rows-only call) or all local vertices."""
+    return inv.lg.rows if inv.rows_only else inv.lg.num_local
+
+
 def _site(kind: str):
     """``(ctx, invocation)`` when called inside a layer running on a chunk, else ``None``."""
     ctx = current()
@@ -96,7 +105,7 @@ def gcn_norm(edge_index, edge_weight: Optional[Tensor] = None, num_nodes: Option
     ctx, inv, site = hit
     fill = 2.0 if improved else 1.0
     if is_torch_sparse_tensor(edge_index):
-        whole = ctx.edge_input(edge_index) if edge_index is inv.graph and num_nodes in (None, inv.lg.num_local) \
+        whole = ctx.edge_input(edge_index) if edge_index is inv.graph and num_nodes in (None, _width(inv)) \
             else None
         key = None
         if whole is not None:  # the input adjacency, unchanged: a pure function of it, computed once per chunk
@@ -109,7 +118,7 @@ def gcn_norm(edge_index, edge_weight: Optional[Tensor] = None, num_nodes: Option
             adj_t, _ = add_loops(adj_t, None, fill, num_nodes)
         index, value = to_edge_index(adj_t)
         col, row = index[0], index[1]
-        deg = scatter(value, col, 0, dim_size=num_nodes, reduce="sum")
+        deg = scatter(value, col, 0, dim_size=adj_t.size(0) if num_nodes is None else num_nodes, reduce="sum")
         if whole is None:  # values computed in the model: exchanged
             deg = _complete(ctx, inv, site, deg)
         else:  # the halo's degrees are the whole graph's (self loops added to every vertex)
@@ -152,7 +161,7 @@ def _known_degrees(ctx, inv, edge_index, edge_weight, add_self_loops: bool, fill
     handed with weights that are a forward argument (or none): no exchange needed. ``None`` otherwise
     (weights computed in the model, an edge list the layer changed): the degrees are then exchanged."""
     lg, cg = inv.lg, inv.cg
-    if edge_index is not inv.graph or num_nodes != lg.num_local or cg.repeated_loops:
+    if edge_index is not inv.graph or num_nodes != _width(inv) or cg.repeated_loops:
         return None
     whole = None
     if edge_weight is not None:
@@ -164,7 +173,7 @@ def _known_degrees(ctx, inv, edge_index, edge_weight, add_self_loops: bool, fill
 
 
 def _complete(ctx, inv, site: str, deg: Tensor) -> Tensor:
-    if ctx.halo is None or deg.size(0) != inv.lg.num_local:
+    if ctx.halo is None or deg.size(0) != _width(inv):
         return deg
     return ctx.halo.join(f"{site}:deg", inv.cg, inv.lg, deg.unsqueeze(-1), 0).squeeze(-1)
 
@@ -197,14 +206,14 @@ def get_laplacian(edge_index: Tensor, edge_weight: Optional[Tensor] = None, norm
     if edge_weight is None:
         edge_weight = torch.ones(edge_index.size(1), dtype=dtype, device=edge_index.device)
     lg = inv.lg
-    if num_nodes is None or num_nodes != lg.num_local:
+    if num_nodes is None or num_nodes != _width(inv):
         raise UnsupportedModelError(f"Layer '{inv.name}' asked for a Laplacian of {num_nodes} vertices on a chunk of "
-                                    f"{lg.num_local} local vertices; pyg_pipe cannot complete its degrees.")
-    deg = inv.cg.out_degree(whole, edge_weight.dtype)[lg.nodes]
+                                    f"{_width(inv)} vertices; pyg_pipe cannot complete its degrees.")
+    deg = inv.cg.out_degree(whole, edge_weight.dtype)[lg.nodes]   # every local vertex (sources of the edges)
     row, col = edge_index[0], edge_index[1]
     if normalization is None:
         edge_index, _ = add_self_loops(edge_index, num_nodes=num_nodes)
-        edge_weight = torch.cat([-edge_weight, deg], dim=0)
+        edge_weight = torch.cat([-edge_weight, deg[:num_nodes]], dim=0)
     elif normalization == "sym":
         dis = _inv_sqrt(deg)
         edge_weight = dis[row] * edge_weight * dis[col]

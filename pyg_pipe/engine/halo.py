@@ -48,13 +48,16 @@ from .schedule import Schedule
 
 
 class _HaloJoin(torch.autograd.Function):
-    """``[rows | halo]`` (vertex-first); the backward hands the halo gradient to its owners."""
+    """``[rows | halo]`` (vertex-first), written into ``into[0]``, whose halo part is filled already; the
+    backward hands the halo gradient to its owners."""
 
     @staticmethod
-    def forward(ctx, rows: Tensor, halo: Tensor, run: "HaloPass", token: tuple):
+    def forward(ctx, rows: Tensor, into: list, run: "HaloPass", token: tuple):
         ctx.run, ctx.token = run, token
         ctx.rows = rows.size(0)
-        return torch.cat([rows, halo])
+        out = into.pop()
+        out[:ctx.rows].copy_(rows)
+        return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -66,7 +69,7 @@ class _Routes:
     """Where one chunk's halo gradients go at one step (device index tensors)."""
 
     def __init__(self):
-        self.own_pos = self.own_scale = None
+        self.own_pos = self.own_scale = self.own_ids = None                 # fresh reads of this way's chunks
         self.stale_pos = self.stale_ids = None                              # halo rows read stale
         self.sends: List[Tuple[int, Tensor, Tensor]] = []                   # (way, halo positions, scale)
         self.recvs: List[Tuple[int, int, Tensor, Tensor, Tensor, Tensor]] = []  # (way, n, cur sel, cur rows,
@@ -130,21 +133,25 @@ class HaloPass:
 
     # ------------------------------------------------------------------ forward
     def join(self, key: str, cg: ChunkedGraph, lg: LocalGraph, t: Tensor, vdim: int) -> Tensor:
-        """``t`` (``num_local`` rows along ``vdim``) with its halo rows replaced by the true ones."""
+        """``t`` (the chunk's rows, or all ``num_local`` rows, along ``vdim``) as ``[rows | halo]`` with the
+        true halo rows."""
         rows = t.narrow(vdim, 0, lg.rows)
         if vdim:
             rows = rows.movedim(vdim, 0)
-        halo = self._halo(key, cg, lg, rows)
+        out = rows.new_empty((lg.num_local, *rows.shape[1:]))
+        self._halo(key, cg, lg, rows, out[lg.rows:])
         if torch.is_grad_enabled() and rows.requires_grad:
-            out = _HaloJoin.apply(rows, halo, self, (key, cg, lg))
+            out = _HaloJoin.apply(rows, [out], self, (key, cg, lg))
         else:
-            out = torch.cat([rows, halo])
+            out[:lg.rows].copy_(rows)
         return out.movedim(0, vdim) if vdim else out
 
-    def _halo(self, key: str, cg: ChunkedGraph, lg: LocalGraph, rows: Tensor) -> Tensor:
+    def _halo(self, key: str, cg: ChunkedGraph, lg: LocalGraph, rows: Tensor, halo: Tensor) -> None:
+        """Fills ``halo`` with the true halo rows (exchanged, or from history)."""
         ctx = current()
         if ctx is not None and self.read_history and (ctx.replay or ctx.recomputing()):
-            return self._replayed(key, cg, lg, rows)
+            self._replayed(key, cg, lg, rows, halo)
+            return
         received = self._exchange_rows(cg, lg, rows) if self.grid.ways > 1 else []
         if self.write_history:
             if not (ctx.recomputing() if ctx is not None else in_backward()):
@@ -152,21 +159,19 @@ class HaloPass:
             for _, ids, r in received:
                 self.history.write_ids(key, ids, r)
         if self.read_history:
-            return self.history.read(key, lg.halo, rows)
+            self.history.read(key, lg.halo, rows, out=halo)
+            return
         if cg.chunks_per_way > 1:
             raise RuntimeError("pyg_pipe: halo rows of other chunks of this way need history (internal error)")
-        halo = rows.new_empty((lg.halo.numel(), *rows.shape[1:]))
         for w, ids, r in received:
-            halo[self.exchange.positions(cg, lg, w, ids)] = r
-        return halo
+            halo.index_copy_(0, self.exchange.positions(cg, lg, w, ids), r)
 
-    def _replayed(self, key: str, cg: ChunkedGraph, lg: LocalGraph, rows: Tensor) -> Tensor:
+    def _replayed(self, key: str, cg: ChunkedGraph, lg: LocalGraph, rows: Tensor, halo: Tensor) -> None:
         """The halo rows the fill read (module docstring): the buffer's, the stale ones from the start of the step."""
         r = self._route(cg, lg)
-        halo = self.history.read(key, lg.halo, rows)
+        self.history.read(key, lg.halo, rows, out=halo)
         if r.stale_pos is not None:
-            halo[r.stale_pos] = self.history.read_start(key, r.stale_ids, rows)
-        return halo
+            halo.index_copy_(0, r.stale_pos, self.history.read_start(key, r.stale_ids, rows).to(halo.dtype))
 
     def _exchange_rows(self, cg: ChunkedGraph, lg: LocalGraph, rows: Tensor) -> List[Tuple[int, Tensor, Tensor]]:
         """Sends this chunk's mirror rows to the other ways; returns ``(way, ids, rows)`` received."""
@@ -204,13 +209,14 @@ class HaloPass:
             r.stale_pos = stale.to(dev)
             r.stale_ids = lg.halo[r.stale_pos]
         if own.numel():
-            r.own_pos, r.own_scale = own.to(dev), scale[own].to(dev)
+            r.own_pos, r.own_scale = own.to(dev), _scale(scale[own], dev)
+            r.own_ids = lg.halo[r.own_pos]
         for w in range(self.grid.ways):
             if w == me:
                 continue
             pos = torch.nonzero(fresh & (owner_way == w)).view(-1)
             if pos.numel():
-                r.sends.append((w, pos.to(dev), scale[pos].to(dev)))
+                r.sends.append((w, pos.to(dev), _scale(scale[pos], dev)))
             reader = cg.chunks[w * cpw + lg.index % cpw]
             o2 = reader.halo_chunk.cpu()
             sel = schedule.fresh(clock, o2, reader.index) & (o2 // cpw == me)
@@ -225,14 +231,13 @@ class HaloPass:
     def backward(self, token: tuple, g_rows: Tensor, g_halo: Tensor) -> Tensor:
         key, cg, lg = token
         r = self._route(cg, lg)
-        g_rows = g_rows.clone()
         pending = self.history.take_grad(key, lg.start, lg.end) if self.history is not None else None
-        if pending is not None:
-            g_rows += pending.to(g_rows.dtype)
+        g_rows = g_rows + pending.to(g_rows.dtype) if pending is not None else g_rows.clone()
         if r.own_pos is not None:
-            self.history.add_grad(key, lg.halo[r.own_pos], g_halo[r.own_pos] * _bcast(r.own_scale, g_halo))
+            self.history.add_grad(key, r.own_ids, _scaled(g_halo.index_select(0, r.own_pos), r.own_scale))
         stage = self.grid.stage
-        sends = [(g_halo[pos] * _bcast(scale, g_halo), self.grid.rank_of(stage, w)) for w, pos, scale in r.sends]
+        sends = [(_scaled(g_halo.index_select(0, pos), scale), self.grid.rank_of(stage, w))
+                 for w, pos, scale in r.sends]
         recvs = [((n, *g_halo.shape[1:]), g_halo.dtype, self.grid.rank_of(stage, w)) for w, n, *_ in r.recvs]
         got = self.comm.exchange(sends, recvs, "halo_backward")
         for (w, n, cur_sel, cur_rows, other_sel, other_ids), g in zip(r.recvs, got):
@@ -243,5 +248,14 @@ class HaloPass:
         return g_rows
 
 
-def _bcast(scale: Tensor, like: Tensor) -> Tensor:
-    return scale.to(like.dtype).view(-1, *([1] * (like.dim() - 1)))
+def _scale(scale: Tensor, device) -> object:
+    """T3 scales of some rows: one number when they are all equal (the usual case), else a tensor."""
+    if scale.numel() and bool((scale == scale[0]).all()):
+        return float(scale[0])
+    return scale.to(device)
+
+
+def _scaled(rows: Tensor, scale) -> Tensor:
+    if isinstance(scale, float):
+        return rows if scale == 1.0 else rows.mul_(scale)
+    return rows.mul_(scale.to(rows.dtype).view(-1, *([1] * (rows.dim() - 1))))

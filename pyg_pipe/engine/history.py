@@ -60,6 +60,7 @@ class CallHistory:
         self.tiers = tiers if tiers is not None else Tiers(device)
         self.size, self.local = num_nodes, None          # buffer rows; vertex id -> buffer row (None: the same)
         self._spans: Dict[tuple, tuple] = {}
+        self._maps: Dict[int, tuple] = {}
         if rows is not None:
             self.size = rows.numel()
             self.local = torch.full((num_nodes,), -1, dtype=torch.long, device=device)
@@ -81,12 +82,21 @@ class CallHistory:
         return buf
 
     def _at(self, ids: Tensor, buf: Tensor) -> Tensor:
-        """Buffer rows of the vertices ``ids``, on ``buf``'s device."""
-        return (ids if self.local is None else self.local[ids]).to(buf.device)
+        """Buffer rows of the vertices ``ids``, on ``buf``'s device (the map's lookup kept per ``ids`` tensor:
+        a chunk's halo ids are the same tensor every step)."""
+        if self.local is None:
+            return ids if ids.device == buf.device else ids.to(buf.device)
+        hit = self._maps.get(id(ids))
+        if hit is None or hit[0] is not ids or hit[1].device != buf.device:
+            while len(self._maps) >= 64:  # the oldest first (a step's routes make new id tensors)
+                self._maps.pop(next(iter(self._maps)))
+            hit = self._maps[id(ids)] = (ids, self.local[ids].to(buf.device))
+        return hit[1]
 
     def _span(self, start: int, end: int, buf: Tensor):
         """``(positions, buffer rows)`` of the held vertices among ``start .. end-1``: positions within the
-        span (``None``: all of them, the buffer rows then a slice), computed once per span."""
+        span (``None``: all of them), and the buffer rows, always one slice (buffer rows follow vertex ids),
+        computed once per span."""
         if self.local is None:
             return None, slice(start, end)
         key = (start, end, buf.device)
@@ -94,7 +104,8 @@ class CallHistory:
         if hit is None:
             sel = self.local[start:end]
             pos = torch.nonzero(sel >= 0).view(-1)
-            hit = self._spans[key] = (pos, sel[pos].to(buf.device))
+            at = slice(int(sel[pos[0]]), int(sel[pos[-1]]) + 1) if pos.numel() else slice(0, 0)
+            hit = self._spans[key] = (None if pos.numel() == end - start else pos.to(buf.device), at)
         return hit
 
     def _reused(self, role: str, key: str, shape, dtype: torch.dtype) -> Tensor:
@@ -117,13 +128,19 @@ class CallHistory:
     def write_ids(self, key: str, ids: Tensor, rows: Tensor) -> None:
         """Stores ``rows`` at the vertices ``ids``."""
         buf = self.buffer(key, rows)
-        buf[self._at(ids, buf)] = rows.detach().to(buf.device)
+        buf.index_copy_(0, self._at(ids, buf), rows.detach().to(buf.device, buf.dtype))
         self.tiers.release(buf)
 
-    def read(self, key: str, ids: Tensor, like: Tensor) -> Tensor:
-        """The stored rows ``ids`` (a copy, on the device)."""
+    def read(self, key: str, ids: Tensor, like: Tensor, out: Optional[Tensor] = None) -> Tensor:
+        """The stored rows ``ids`` (a copy, on the device; into ``out`` when given)."""
         buf = self.buffer(key, like)
-        rows = self.tiers.to_device(buf[self._at(ids, buf)])
+        at = self._at(ids, buf)
+        if out is not None and buf.device == out.device and buf.dtype == out.dtype:
+            rows = torch.index_select(buf, 0, at, out=out)
+        else:
+            rows = self.tiers.to_device(buf.index_select(0, at))
+            if out is not None:
+                rows = out.copy_(rows)
         self.tiers.release(buf)
         return rows
 
@@ -133,7 +150,7 @@ class CallHistory:
         start = self.start.get(key)
         if start is None:
             return like.new_zeros((ids.numel(), *like.shape[1:]))
-        rows = self.tiers.to_device(start[self._at(ids, start)])
+        rows = self.tiers.to_device(start.index_select(0, self._at(ids, start)))
         self.tiers.release(start)
         return rows
 
@@ -159,9 +176,7 @@ class CallHistory:
         self.tiers.release(g)
         if pos is None:
             return rows
-        out = rows.new_zeros((end - start, *rows.shape[1:]))
-        out[pos] = rows
-        return out
+        return rows.new_zeros((end - start, *rows.shape[1:])).index_copy_(0, pos, rows)
 
     def clear_grads(self) -> None:
         self.grads = {}

@@ -7,14 +7,24 @@ The user's forward runs as ordinary Python on a chunk's rows (tensors with one r
 
 1. **layer entry** (forward pre-hook): the graph argument is resolved to the chunk's local graph
    (a local ``edge_index`` or sparse ``adj_t`` handed out with the inputs, the whole-graph tensor
-   itself, or its transpose ``edge_index.flip(0)``); every node tensor (one row per chunk vertex
-   along the layer's ``node_dim``) is extended to the local graph's ``num_local`` rows (chunk rows,
-   then halo). Degrees the layer computes are completed by :mod:`pyg_pipe.engine.degrees`.
+   itself, or its transpose ``edge_index.flip(0)``). Then one of two:
+
+   * *clean* call (every node argument is an input handed out for the chunk, unchanged): node tensors
+     are extended to the local graph's ``num_local`` rows with their **true** halo rows (from the whole
+     input), the layer runs on the whole local graph, and its sources need no exchange (the first layer
+     of a model reads the input features);
+   * otherwise the layer computes **the chunk's rows only**: node tensors stay ``[rows]``, the graph is
+     the *row graph* (the local edges into the chunk's rows, a ``[rows, num_local]`` adjacency), and edge
+     tensors are cut to those edges. Nothing is computed for halo vertices.
+
+   Degrees the layer computes are completed by :mod:`pyg_pipe.engine.degrees`.
 2. **each propagate / edge_updater call** (pre-hook): the arguments the layer reads at edge sources
    (``x`` for ``x_j``; the matrix of ``message_and_aggregate`` for sparse adjacencies) get their
-   true halo rows (:mod:`pyg_pipe.engine.halo`). That call is a *call site*, named
-   ``module#invocation.call``; K-hop layers have K sites.
-3. **layer exit** (forward hook): the outputs are cut back to the chunk's rows.
+   true halo rows (:mod:`pyg_pipe.engine.halo`): ``[rows | halo]``. In a rows-only call a source read
+   at both ends (``x_i`` and ``x_j``) is passed as the pair ``(rows | halo, rows)`` with
+   ``size=(num_local, rows)``, as PyG passes bipartite inputs, so messages and aggregation produce the
+   chunk's rows. That call is a *call site*, named ``module#invocation.call``; K-hop layers have K sites.
+3. **layer exit** (forward hook): the outputs are cut back to the chunk's rows (clean calls).
 
 Which argument is a node tensor and which an edge tensor is decided by what it is: an edge input
 handed out for the chunk, else its row count; with as many chunk rows as local edges, by the layer's
@@ -26,9 +36,8 @@ the true input rows); a call site's sources are clean when every node argument o
 clean and no propagate of that call has returned yet. Clean sources need no exchange and no history
 (the first layer of a model reads the input features). Everything else is exchanged.
 
-Rows beyond the chunk are only ever *read* at a call site, after the exchange replaced them, so their
-fillers (copies of chunk rows) never reach a chunk row. Layers holding graph-wide statistics (a
-BatchNorm in a message MLP) also get hooks around ``message`` / ``edge_update`` (:mod:`.statistics`).
+Layers holding graph-wide statistics (a BatchNorm in a message MLP) also get hooks around ``message`` /
+``edge_update`` (:mod:`.statistics`).
 """
 from __future__ import annotations
 
@@ -123,7 +132,7 @@ def _entry(name: str):
         if ctx.stack:  # a layer called inside another layer: already on the local graph
             parent = ctx.stack[-1]
             ctx.stack.append(Invocation(name, index, parent.cg, parent.lg, parent.clean and not parent.propagated,
-                                        parent=parent, graph=parent.graph))
+                                        parent=parent, graph=parent.graph, rows_only=parent.rows_only))
             return None
         with ctx.engine_work():
             return _enter(ctx, name, index, module, args, kwargs)
@@ -137,17 +146,19 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
             f"destination vertex and supports flow='source_to_target' only. Reverse edge_index in the data "
             f"and use the default flow.")
     args, kwargs = list(args), dict(kwargs)
-    cg, lg, graph = _resolve_graph(ctx, name, module, args, kwargs)
+    cg, lg, graphs = _resolve_graph(ctx, name, module, args, kwargs)
     node_args: List[Tuple[Tensor, int]] = []
+    edge_args: Dict[int, Tensor] = {}
     names = _parameter_names(module, len(args))
 
     def visit(value, param: str):
-        """Extends one tensor argument to the local graph (edge tensors re-cut for a transposed graph)."""
+        """Classifies one tensor argument (edge tensors re-cut for a transposed graph)."""
         if not isinstance(value, Tensor) or value.dim() == 0 or value.layout != torch.strided:
             return value
         kind, vdim = _kind(ctx, module, value, param)
         if kind == "edge":
-            return _relocalise_edges(ctx, name, cg, lg, value)
+            value = _relocalise_edges(ctx, name, cg, lg, value)
+            edge_args[id(value)] = value
         if kind == "node":
             node_args.append((value, vdim))
         return value
@@ -159,18 +170,54 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
     else:
         clean = all(ctx.is_clean(t) for t, _ in node_args)
         ctx.clean_calls[(name, index)] = clean
-    extended = {id(t): _extend(ctx, cg, lg, t, vdim, clean) for t, vdim in node_args}
+    rows_only = not clean and not _whole_local_graph(module)
+    if not rows_only:  # the whole local graph: true halo rows (clean), or fillers the propagate replaces
+        swap = {id(t): _extend(ctx, cg, lg, t, vdim, clean) for t, vdim in node_args}
+        used = {i: local for i, (_, _, local) in graphs.items()}
+    else:  # the chunk's rows only: the row graph, and edge tensors cut to its edges
+        swap = {}
+        for i, t in edge_args.items():
+            swap[i] = t.narrow(0, 0, lg.row_edges)
+            whole = ctx.edge_input(t)
+            if whole is not None:  # still the input's edges (degrees, transposes re-cut them from it)
+                ctx.add_edge_input(swap[i], whole)
+        used = {i: _row_graph(ctx, cg2, lg2, local) for i, (cg2, lg2, local) in graphs.items()}
     node_args.clear()
+    edge_args.clear()
 
     def replace(value, _):
-        return extended.get(id(value), value) if isinstance(value, Tensor) else value
+        if not isinstance(value, Tensor):
+            return value
+        hit = used.get(id(value))
+        if hit is not None:
+            return hit
+        return swap.get(id(value), value)
 
     args = [_each(a, replace) for a in args]
     kwargs = {k: _each(v, replace) for k, v in kwargs.items()}
-    inv = Invocation(name, index, cg, lg, clean, graph=graph)
+    inv = Invocation(name, index, cg, lg, clean, graph=used[next(iter(graphs))], rows_only=rows_only)
     _swap_cache(ctx, inv, module)
     ctx.stack.append(inv)
     return tuple(args), kwargs
+
+
+#: layers whose forward reads node rows at the ends of edges outside ``propagate`` (SuperGATConv's attention
+#: loss indexes ``x`` by sampled edges): they run on the whole local graph, their halo rows filled with copies
+#: of chunk rows that only those reads see (the propagate replaces them with the true rows)
+WHOLE_LOCAL_GRAPH = ("SuperGATConv",)
+
+
+def _whole_local_graph(module: MessagePassing) -> bool:
+    return any(cls.__name__ in WHOLE_LOCAL_GRAPH for cls in type(module).__mro__)
+
+
+def _row_graph(ctx: ChunkContext, cg: ChunkedGraph, lg: LocalGraph, local):
+    """The row graph of ``local`` (registered as an edge input when ``local`` carries the input's values)."""
+    rows = ctx.graphs.row_graph(cg, lg, local)
+    whole = ctx.edge_input(local) if isinstance(local, Tensor) and local.layout != torch.strided else None
+    if whole is not None and ctx.edge_input(rows) is None:
+        ctx.add_edge_input(rows, whole)
+    return rows
 
 
 def _each(value, fn, param: str = ""):
@@ -245,26 +292,36 @@ def _sources(name: str, args_attr: str, stats: bool):
             names = sorted({a[:-2] for a in getattr(module, args_attr) if a.endswith("_j") and a[:-2] in kwargs})
         kwargs = dict(kwargs)
         sources = []
+        lg = inv.lg
+        width = lg.rows if inv.rows_only else lg.num_local   # rows of a source before its halo is joined
         for arg in names:
             value = kwargs[arg]
             t = value[0] if isinstance(value, (tuple, list)) else value
             if not isinstance(t, Tensor) or t.dim() == 0:
                 continue
-            vdim = _vertex_dim(module, t, inv.lg.num_local)
+            vdim = _vertex_dim(module, t, width)
             if vdim is None:
                 if fused:
                     continue  # not a vertex tensor (an edge-level argument of message_and_aggregate)
                 raise UnsupportedModelError(
                     f"Layer '{inv.name}' ({type(module).__name__}) reads '{arg}' at the sources of edges, but "
-                    f"'{arg}' has shape {tuple(t.shape)} where pyg_pipe expects {inv.lg.num_local} rows along "
-                    f"dimension {module.node_dim} (the chunk's local vertices). A tensor with one row per vertex of "
-                    f"the whole graph (a vertex-indexed parameter, featureless input) cannot be split into chunks; "
-                    f"pass per-vertex features as a forward argument instead, or train on one device.")
+                    f"'{arg}' has shape {tuple(t.shape)} where pyg_pipe expects {width} rows along "
+                    f"dimension {module.node_dim} (the chunk's {'rows' if inv.rows_only else 'local vertices'}). A "
+                    f"tensor with one row per vertex of the whole graph (a vertex-indexed parameter, featureless "
+                    f"input) cannot be split into chunks; pass per-vertex features as a forward argument instead, "
+                    f"or train on one device.")
             sources.append(arg)
             if clean or ctx.halo is None:
                 continue
-            joined = ctx.halo.join(f"{site}:{arg}", inv.cg, inv.lg, t, vdim)
-            kwargs[arg] = type(value)((joined, *value[1:])) if isinstance(value, (tuple, list)) else joined
+            joined = ctx.halo.join(f"{site}:{arg}", inv.cg, lg, t, vdim)
+            if isinstance(value, (tuple, list)):
+                kwargs[arg] = type(value)((joined, *value[1:]))
+            elif inv.rows_only and not fused:  # sources [rows | halo], destinations [rows]
+                kwargs[arg] = (joined, t)
+            else:
+                kwargs[arg] = joined
+        if inv.rows_only and not fused and lg.rows != lg.num_local:
+            size = (lg.num_local, lg.rows)
         if not ctx.recomputing():
             ctx.sites.append(Site(site, tuple(sources), clean))
         if stats:  # edge_updater: edge_update computes per-edge values next
@@ -322,8 +379,9 @@ def _is_sparse(value) -> bool:
 
 
 def _resolve_graph(ctx: ChunkContext, name: str, module: MessagePassing, args: list, kwargs: dict):
-    """Finds the layer's graph argument, swaps in the local graph, returns ``(cg, lg, local graph)``."""
-    found = None
+    """Finds the layer's graph arguments: ``(cg, lg, {id(graph): (cg, lg, local graph)})`` (``cg, lg``: the
+    first one's chunking; the caller swaps in the local graphs)."""
+    found: Dict = {}
     for container, keys in ((args, range(len(args))), (kwargs, list(kwargs))):
         for k in keys:
             value = container[k]
@@ -336,15 +394,13 @@ def _resolve_graph(ctx: ChunkContext, name: str, module: MessagePassing, args: l
                     f"({tuple(value.shape)}), which pyg_pipe cannot cut into chunks. Compute it in the data "
                     f"pipeline and pass it to forward as an argument (e.g. data.edge_index2 = ...), or train on "
                     f"one device. Transposes (edge_index.flip(0)) and the input graph itself are understood.")
-            cg, lg, local = hit
-            container[k] = local
-            if found is None:
-                found = (cg, lg, local)
-    if found is None:
+            found.setdefault(id(value), hit)
+    if not found:
         raise UnsupportedModelError(
             f"Layer '{name}' ({type(module).__name__}) was called without a graph argument (edge_index or adj_t) "
             f"that pyg_pipe handed to the model; pass the graph from the model's forward arguments.")
-    return found
+    cg, lg, _ = next(iter(found.values()))
+    return cg, lg, found
 
 
 def _relocalise_edges(ctx: ChunkContext, name: str, cg: ChunkedGraph, lg: LocalGraph, value: Tensor):
@@ -361,7 +417,8 @@ def _relocalise_edges(ctx: ChunkContext, name: str, cg: ChunkedGraph, lg: LocalG
 
 
 def _extend(ctx: ChunkContext, cg: ChunkedGraph, lg: LocalGraph, t: Tensor, vdim: int, clean: bool) -> Tensor:
-    """``t`` (chunk rows) extended to ``lg.num_local`` rows along ``vdim``."""
+    """``t`` (chunk rows) extended to ``lg.num_local`` rows along ``vdim``: a clean input with its true halo
+    rows, anything else with fillers (copies of chunk rows, replaced at the propagate)."""
     if lg.halo.numel() == 0:
         return t
     if clean:
@@ -374,12 +431,9 @@ def _extend(ctx: ChunkContext, cg: ChunkedGraph, lg: LocalGraph, t: Tensor, vdim
 
 
 def _filler(lg: LocalGraph, device) -> Tensor:
-    """Rows used for the local vertices beyond the chunk before the exchange fills them: copies of
-    chunk rows (finite, realistic values; they never reach a chunk row)."""
     fill = getattr(lg, "_filler", None)
     if fill is None:
-        fill = torch.arange(lg.halo.numel(), device=device) % lg.rows
-        lg._filler = fill
+        fill = lg._filler = torch.arange(lg.halo.numel(), device=device) % lg.rows
     return fill
 
 

@@ -6,8 +6,12 @@ After :func:`~pyg_pipe.graph.make_chunks` renumbers the vertices, chunk ``c`` ow
     local vertex ids   0 .. rows-1 | rows .. rows+H-1
                        chunk rows  | halo
 
-    local edges        every edge into a chunk row, then the self loops of halo vertices
-                       (user edge ids kept in ``edge_ids``)
+    local edges        every edge into a chunk row (``row_edges`` of them), then the self loops of
+                       halo vertices (user edge ids kept in ``edge_ids``)
+
+A layer that computes only the chunk's rows takes the *row graph*: the first ``row_edges`` local edges
+(sources among all local vertices, destinations among the rows; :attr:`LocalGraph.row_edge_index`,
+:meth:`ChunkedGraph.local_adjacency` with ``rows_only``), a ``[rows, num_local]`` adjacency.
 
 The **halo** is every vertex outside the chunk with an edge into it. A layer's output at a chunk
 row depends on its in-edges and on what the layer reads at their sources, so with the true halo rows
@@ -40,6 +44,8 @@ class LocalGraph:
         halo_chunk: [H] the chunk owning each halo vertex.
         edge_index: [2, E_loc] local edges (source, destination in local ids).
         edge_ids: [E_loc] user edge id of every local edge.
+        row_edges: how many of them lead into the chunk's rows (the first ones; the rest are halo self
+            loops).
     """
 
     index: int
@@ -49,6 +55,16 @@ class LocalGraph:
     halo_chunk: Tensor
     edge_index: Tensor
     edge_ids: Tensor
+    row_edges: int = -1
+
+    @property
+    def row_edge_index(self) -> Tensor:
+        """[2, row_edges] the local edges into the chunk's rows: the graph of a layer computing those rows only
+        (the same object every time)."""
+        hit = getattr(self, "_row_edge_index", None)
+        if hit is None:
+            hit = self._row_edge_index = self.edge_index[:, :self.row_edges]
+        return hit
 
     @property
     def rows(self) -> int:
@@ -152,6 +168,7 @@ class ChunkedGraph:
         local_src = torch.cat([loc_src, hl_local])[order]
         local_dst = torch.cat([loc_dst, hl_local])[order]
         eptr = torch.searchsorted(chunk[order], torch.arange(C + 1, device=device)).tolist()
+        into_rows = torch.bincount(cd, minlength=C).tolist()
         self.chunks: List[LocalGraph] = []
         for c in range(C):
             a, b = hptr[c], hptr[c + 1]
@@ -159,7 +176,7 @@ class ChunkedGraph:
             self.chunks.append(LocalGraph(
                 index=c, start=ptr_list[c], end=ptr_list[c + 1], halo=pair_v[a:b],
                 halo_chunk=self.chunk_of[pair_v[a:b]], edge_index=torch.stack([local_src[e0:e1], local_dst[e0:e1]]),
-                edge_ids=edge_ids[e0:e1]))
+                edge_ids=edge_ids[e0:e1], row_edges=into_rows[c]))
         self._mirrors: Optional[Dict[Tuple[int, int], Tensor]] = None
         self._degrees: Dict = {}
 
@@ -168,13 +185,17 @@ class ChunkedGraph:
         """[E_loc, ...] rows of an edge tensor (user edge order) for a chunk's local edges."""
         return value.index_select(0, lg.edge_ids)
 
-    def local_adjacency(self, lg: LocalGraph, values: Optional[Tensor], layout, dtype: torch.dtype) -> Tensor:
+    def local_adjacency(self, lg: LocalGraph, values: Optional[Tensor], layout, dtype: torch.dtype,
+                        rows_only: bool = False) -> Tensor:
         """The chunk's local graph as a ``[num_local, num_local]`` sparse ``adj_t`` (rows are
-        destinations) of ``layout``, with the given edge values (ones for ``None``)."""
-        w = torch.ones(lg.num_edges, dtype=dtype, device=self.device) if values is None \
-            else self.local_edges(lg, values).to(dtype)
-        src, dst = lg.edge_index
-        adj = torch.sparse_coo_tensor(torch.stack([dst, src]), w, (lg.num_local, lg.num_local)).coalesce()
+        destinations) of ``layout``, with the given edge values (ones for ``None``); ``rows_only``: its
+        row graph, ``[rows, num_local]``."""
+        n = lg.row_edges if rows_only else lg.num_edges
+        w = torch.ones(n, dtype=dtype, device=self.device) if values is None \
+            else values.index_select(0, lg.edge_ids[:n]).to(dtype)
+        src, dst = lg.edge_index[:, :n]
+        shape = (lg.rows if rows_only else lg.num_local, lg.num_local)
+        adj = torch.sparse_coo_tensor(torch.stack([dst, src]), w, shape).coalesce()
         return adj.to_sparse_csr() if layout == torch.sparse_csr else adj
 
     @property

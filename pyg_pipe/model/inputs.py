@@ -261,6 +261,21 @@ class Localizer:
             self._adjacency[key] = hit
         return hit
 
+    def row_adjacency(self, cg: ChunkedGraph, lg: LocalGraph, local: Tensor) -> Tensor:
+        """The row graph (``[rows, num_local]``) of the local sparse adjacency ``local`` handed out for chunk
+        ``lg`` of ``cg`` (the same object every time)."""
+        hit = self._adjacency.get((id(cg), lg.index))
+        if hit is None or hit[2] is not local:
+            raise RuntimeError("pyg_pipe: a row graph was asked for an adjacency this chunk was not given "
+                               "(internal error)")
+        key = (id(cg), lg.index, "rows")
+        rect = self._adjacency.get(key)
+        if rect is None or rect[0] is not local:
+            values = hit[3]
+            rect = self._adjacency[key] = (local, cg.local_adjacency(lg, values, local.layout, values.dtype,
+                                                                     rows_only=True))
+        return rect[1]
+
     def _values(self, graph: Tensor, cg: ChunkedGraph) -> Tensor:
         """The values of a sparse input graph in its chunked graph's edge order, once per graph and version,
         shared by every chunk (a copy: a view would keep the whole coalesced index tensor alive)."""
@@ -294,6 +309,13 @@ class GraphResolver:
             local = localizer.local_graph(graph, primary)
             self.known[id(local)] = (local, cg, lg, local)
             self.known[id(graph)] = (graph, cg, lg, local)
+
+    def row_graph(self, cg: ChunkedGraph, lg: LocalGraph, local):
+        """The row graph of the local graph ``local`` (:mod:`pyg_pipe.graph.chunks`): the edges into the
+        chunk's rows, for a layer that computes those rows only."""
+        if local.layout == torch.strided:
+            return lg.row_edge_index
+        return self.localizer.row_adjacency(cg, lg, local)
 
     def resolve(self, value):
         """``(cg, lg, local graph)`` for a layer's graph argument, or ``None`` (a graph computed in forward).

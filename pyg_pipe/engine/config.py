@@ -25,7 +25,9 @@ class PipelineConfig:
         per_chunk_statistics: graph-wide statistics per chunk when a way runs several (approximate).
         split_points: ``{"module.name": SplitPoint.BEGINNING | END}``.
         recompute: a stage keeps only each chunk's inputs during the fill and recomputes the chunk's
-            activations in the drain (``"auto"``: whenever a way runs several chunks).
+            activations in the drain (``"auto"``: when a way runs several chunks and keeping all of their
+            activations would take more than a quarter of the device's free memory, measured at the first
+            step).
         offload: where history buffers go beyond the budget: ``None`` (the device), ``"host"``, ``"disk"``.
         offload_budget: bytes of history kept on the device before offloading (``None``: none with
             ``offload`` set; ``"auto"``: half the free memory).
@@ -68,8 +70,8 @@ class PipelineConfig:
             raise ValueError(f"snapshot_period={self.snapshot_period!r} must be a positive integer, or None to "
                              f"turn periodic snapshots off.")
         if self.recompute not in (True, False, "auto"):
-            raise ValueError(f"recompute={self.recompute!r} must be True, False or 'auto' (recompute when a way "
-                             f"runs several chunks).")
+            raise ValueError(f"recompute={self.recompute!r} must be True, False or 'auto' (recompute when the "
+                             f"activations of every chunk would not fit a quarter of the free memory).")
         if self.streaming not in (True, False, "auto"):
             raise ValueError(f"streaming={self.streaming!r} must be True, False or 'auto' (stream on one device "
                              f"with several chunks or an offload tier).")

@@ -64,6 +64,7 @@ class Runtime:
         self.way_bounds: List[int] = bounds
         self.way_rows: List[int] = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         self.recompute = plan.chunks_per_way > 1 and config.recompute is not False  # (:mod:`.step`)
+        self.recompute_pending = self.recompute and config.recompute == "auto"  # decided after the first step
         self.schedule = Schedule(plan.num_chunks, W, config.shuffle_chunks, config.seed, config.unbiased_gradients)
         self.tiers = Tiers(dev, config.offload, config.offload_budget, config.offload_dir)
         held = boundary(self.chunked, *bounds[grid.way:grid.way + 2])

@@ -22,7 +22,10 @@ chunk but the last of the order without autograd and keeps only what the chunk r
 s-1 and the random-number state it started with; the drain runs the chunk again (a *replay*: same
 inputs, same random numbers, the halo rows the fill read, :mod:`.halo`) and back-propagates through
 it at once. A stage then holds one chunk's activations instead of all of them, for one more forward
-per chunk; the results are the same bit for bit.
+per chunk; the results are the same bit for bit. With ``recompute="auto"`` the first step recomputes and
+measures the bytes autograd keeps for its last chunk; from the next step on a stage recomputes only if
+keeping every chunk's activations would take more than a quarter of the memory its device has free
+(:func:`decide_recompute`, once per runtime).
 
 The **exact pass** (inference, and the pass that fills a call's history before its first step) runs
 one chunk per way, whole partitions, halo rows exchanged fresh, stage after stage. Both passes run
@@ -96,14 +99,17 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
     chunks: List[ChunkRecord] = []
     reference, mine, check = None, None, None
     order = rt.schedule.order(step, grid.way)
+    measure = replay and rt.recompute_pending
     for i, c in enumerate(order):
         if reference is None:  # the pass's first chunk is checked (every chunk makes the same calls)
             check = _row_check(rt, rt.chunked[0].chunks[c].rows)
         keep = not replay or i == len(order) - 1  # the last chunk's drain comes next: nothing to save by replaying
         rng = None if keep else _rng_state(rt.comm.device)
-        with torch.enable_grad() if keep else torch.no_grad():
+        with torch.enable_grad() if keep else torch.no_grad(), _SavedBytes(measure and keep) as saved:
             rec = run_chunk(rt, run, localizer, rt.chunked, c, runner, ("train", sig, c), plan.chunks_per_way == 1,
                             init=False, check=check if reference is None else None, train=True, protect=not keep)
+        if measure and keep:
+            decide_recompute(rt, saved.bytes, rt.chunked[0].chunks[c].rows)
         keys = site_keys(rec.ctx.sites)
         if reference is None:
             reference = keys
@@ -237,6 +243,39 @@ def _replay(record: CallRecord, rec: ChunkRecord) -> ChunkRecord:
             torch.cuda.set_rng_state(rec.rng[1], dev)
         return run_chunk(rt, record.run, record.localizer, rt.chunked, rec.chunk, record.runner, None, False,
                          init=False, check=None, train=True, received=rec.received)
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves for the backward inside the block (when ``on``)."""
+
+    def __init__(self, on: bool):
+        self.on, self.bytes, self._hooks = on, 0, None
+
+    def _pack(self, t: Tensor):
+        self.bytes += t.numel() * t.element_size()
+        return t
+
+    def __enter__(self) -> "_SavedBytes":
+        if self.on:
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+            self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+        return False
+
+
+def decide_recompute(rt: Runtime, saved_bytes: int, rows: int) -> None:
+    """``recompute="auto"``: after the first step's last chunk kept ``saved_bytes`` for ``rows`` rows, keep
+    every chunk's activations from now on if all of them (scaled to the way's rows) fit a quarter of the
+    memory the device has free; else go on recomputing. Decided once; results are the same either way."""
+    from .tiers import free_memory
+    way_rows = rt.way_rows[rt.grid.way]
+    estimate = saved_bytes * way_rows / max(rows, 1)
+    rt.recompute = estimate > free_memory(rt.comm.device) // 4
+    rt.recompute_pending = False
 
 
 def _copied(value):

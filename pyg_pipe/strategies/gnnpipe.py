@@ -64,7 +64,8 @@ class GNNPipeStrategy(DDPStrategy):
             before / after that module (the convention of ``torch.distributed.pipelining``; calling
             ``pyg_pipe.pipe_split()`` in the forward does the same).
         recompute: keep only each chunk's stage inputs in the forward and recompute its activations in
-            the backward (bit-identical; ``"auto"``: whenever a device runs several chunks; docs/memory.md).
+            the backward (bit-identical; ``"auto"``: when keeping every chunk's activations would take more
+            than a quarter of the device's free memory, measured at the first step; docs/memory.md).
         offload, offload_budget, offload_dir: historical embeddings (and, streaming, the values between
             layer groups) beyond ``offload_budget`` bytes on the device (``"auto"``: half the free memory;
             ``None``: none) go to ``"host"`` memory or ``"disk"`` (memory-mapped files in ``offload_dir``);

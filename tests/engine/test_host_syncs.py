@@ -6,7 +6,7 @@ reading a tensor's value on the host (``aten._local_scalar_dense``: ``.item()``,
 ``.tolist()``) or ``aten.nonzero`` would stall a GPU stream and is counted. After the first step
 (planning: shapes are learned once with small headers) the count must be zero, in a hybrid grid that
 exercises everything: 2 stages x 2 ways, 4 chunks per way, degrees, history, cross-way gradients, and
-the drain's replays of chunks (``recompute``, on by default).
+the drain's replays of chunks (``recompute=True``).
 """
 import torch
 import torch.nn.functional as F
@@ -67,8 +67,8 @@ def _worker(rank, world):
         x, g, y, mask = zoo_graph()
         torch.manual_seed(0)
         model = Net()
-        engine = GNNPipeEngine(model, PipelineConfig(num_chunks=8, balance="layers"), Comm(torch.device("cpu")),
-                               num_stages=2, ways=2)
+        engine = GNNPipeEngine(model, PipelineConfig(num_chunks=8, balance="layers", recompute=True),
+                               Comm(torch.device("cpu")), num_stages=2, ways=2)
         engine.install()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         for i in range(3):

@@ -129,6 +129,25 @@ def test_recompute_is_off_with_one_chunk_per_way():
         engine.uninstall()
 
 
+@pytest.mark.parametrize("free,expected", [(0, True), (10 ** 15, False)])
+def test_auto_recomputes_when_every_chunk_would_not_fit_a_quarter_of_free_memory(free, expected, monkeypatch):
+    """``recompute="auto"``: the first step recomputes and measures what its last chunk keeps; the decision for
+    the later steps follows the device's free memory (the results are the same either way, tested above)."""
+    from pyg_pipe.engine import tiers
+    monkeypatch.setattr(tiers, "free_memory", lambda device: free)
+    x, g, y, mask = zoo_graph()
+    model = GCN(8, 12, 2, 3)
+    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=4, streaming=False), Comm(torch.device("cpu")))
+    engine.install()
+    try:
+        model(x, g["edge_index"]).sum().backward()
+        assert engine.runtime.recompute is expected and not engine.runtime.recompute_pending
+        model(x, g["edge_index"]).sum().backward()
+        assert engine.runtime.recompute is expected
+    finally:
+        engine.uninstall()
+
+
 def test_a_bad_recompute_value_names_the_knob():
     with pytest.raises(ValueError, match="recompute='always'"):
         PipelineConfig(recompute="always").validate()

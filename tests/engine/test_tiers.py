@@ -72,7 +72,7 @@ def _train(x, ei, y, mask, **cfg):
 def _worker(rank, world, offload_dir):
     x, g, y, mask = zoo_graph(sizes=(24, 40, 40))
     ei = g["edge_index"]
-    for common in (dict(snapshot_period=2), dict(snapshot_period=None, recompute=False)):
+    for common in (dict(snapshot_period=2, recompute=True), dict(snapshot_period=None, recompute=False)):
         want, maps, on_device = _train(x, ei, y, mask, **common)
         assert maps == 0 and on_device > 0
         for offload, budget in (("host", None), ("disk", None), ("disk", on_device // 2)):

@@ -21,7 +21,8 @@ like them. Bytes sent while :attr:`Comm.counting` is on are added to a category:
 No wait can hang: a rank that fails posts its error in the process group's store
 (:meth:`Comm.post_error`) and exits, which closes its connections; a peer blocked on it then fails,
 finds the posted error and raises :class:`RemoteRankError` carrying the original message. A wait
-longer than ``timeout`` seconds fails naming what it waited for.
+longer than ``timeout`` seconds fails naming what it waited for. The store is read only when a wait
+or a post fails (a round trip to it per message would cost more than the message).
 """
 from __future__ import annotations
 
@@ -208,7 +209,6 @@ class Comm:
             raise RuntimeError(
                 f"pyg_pipe rank {self.rank}: {what} failed ({exc}). Another rank is stuck or died; if stages are "
                 f"just slow, raise `comm_timeout` (now {self.timeout:.0f} s).") from exc
-        self.check_remote_error()
 
     def check_remote_error(self) -> None:
         msg = self._remote_error

@@ -62,7 +62,7 @@ def main():
     print(f"plain PyG: {plain:.2f} s/epoch")
     for c in args.chunks:
         model = copy.deepcopy(base)
-        engine = GNNPipeEngine(model, PipelineConfig(num_chunks=c), Comm(torch.device("cpu")), num_stages=1)
+        engine = GNNPipeEngine(model, PipelineConfig(num_chunks=c, streaming=False), Comm(torch.device("cpu")), num_stages=1)
         engine.install()
         t = steady(model)
         g = engine.runtime.graph

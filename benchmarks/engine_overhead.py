@@ -41,7 +41,7 @@ def fixed_cost(nodes: int, layers: int, chunks: int, steps: int) -> dict:
     torch.manual_seed(0)
     model = gcnii(16, 16, 4, num_layers=layers, dropout=0.0)
     plain = copy.deepcopy(model)
-    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, balance="layers"), Comm(torch.device("cpu")),
+    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, balance="layers", streaming=False), Comm(torch.device("cpu")),
                            num_stages=1, ways=1)
 
     def step(m):

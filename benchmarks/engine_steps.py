@@ -37,7 +37,7 @@ def main() -> None:
     data = sbm_graph(args.nodes, num_classes=4, avg_degree=8, num_features=16, seed=0)
     torch.manual_seed(0)
     model = gcnii(16, 32, 4, num_layers=16, dropout=0.0)
-    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=args.chunks, balance="layers"),
+    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=args.chunks, balance="layers", streaming=False),
                            Comm(torch.device("cpu")), num_stages=1, ways=1)
     engine.install()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)

@@ -72,7 +72,7 @@ def run_single(args) -> dict:
     data, model = build(args)
     base = rss_mb()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    times = []
+    times, losses = [], []
     for _ in range(args.epochs):
         t0 = time.perf_counter()
         out = model(data.x, data.adj_t)
@@ -81,7 +81,8 @@ def run_single(args) -> dict:
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-    return {"times": times, "peak_mb": peak_mb(), "base_mb": base, "loss": loss.item()}
+        losses.append(loss.item())
+    return {"times": times, "peak_mb": peak_mb(), "base_mb": base, "losses": losses}
 
 
 def run_pipe(args) -> None:
@@ -108,13 +109,14 @@ def run_pipe(args) -> None:
             return torch.optim.Adam(self.parameters(), lr=0.01)
 
     class Timer(pl.Callback):
-        times = []
+        times, losses = [], []
 
         def on_train_batch_start(self, trainer, *a):
             self.t0 = time.perf_counter()
 
-        def on_train_batch_end(self, trainer, *a):
+        def on_train_batch_end(self, trainer, pl_module, outputs, *a):
             self.times.append(time.perf_counter() - self.t0)
+            self.losses.append(float(outputs["loss"]))
 
     memory = dict(recompute={"on": True, "off": False}.get(args.recompute, "auto"),
                   offload=None if args.offload == "none" else args.offload,
@@ -133,7 +135,7 @@ def run_pipe(args) -> None:
                          enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer])
     trainer.fit(Module(), datamodule=pyg_pipe.FullGraphDataModule(data))
     rank = trainer.global_rank
-    out = {"rank": rank, "times": timer.times, "peak_mb": peak_mb(), "base_mb": base,
+    out = {"rank": rank, "times": timer.times, "losses": timer.losses, "peak_mb": peak_mb(), "base_mb": base,
            "comm": strategy.comm_history[-1] if strategy.comm_history else {}}
     with open(f"{args.json}.rank{rank}", "w") as f:
         json.dump(out, f)

@@ -109,7 +109,10 @@ def run_pipe(args) -> None:
             return torch.optim.Adam(self.parameters(), lr=0.01)
 
     class Timer(pl.Callback):
-        times, losses = [], []
+        times, losses, hwm = [], [], []  # hwm: the process's peak so far after setup and after each step
+
+        def on_train_start(self, trainer, *a):
+            self.hwm.append(peak_mb())
 
         def on_train_batch_start(self, trainer, *a):
             self.t0 = time.perf_counter()
@@ -117,6 +120,7 @@ def run_pipe(args) -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, *a):
             self.times.append(time.perf_counter() - self.t0)
             self.losses.append(float(outputs["loss"]))
+            self.hwm.append(peak_mb())
 
     memory = dict(recompute={"on": True, "off": False}.get(args.recompute, "auto"),
                   offload=None if args.offload == "none" else args.offload,
@@ -135,7 +139,8 @@ def run_pipe(args) -> None:
                          enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer])
     trainer.fit(Module(), datamodule=pyg_pipe.FullGraphDataModule(data))
     rank = trainer.global_rank
-    out = {"rank": rank, "times": timer.times, "losses": timer.losses, "peak_mb": peak_mb(), "base_mb": base,
+    out = {"rank": rank, "times": timer.times, "losses": timer.losses, "hwm_mb": timer.hwm, "peak_mb": peak_mb(),
+           "base_mb": base,
            "comm": strategy.comm_history[-1] if strategy.comm_history else {}}
     with open(f"{args.json}.rank{rank}", "w") as f:
         json.dump(out, f)

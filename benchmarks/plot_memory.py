@@ -4,6 +4,7 @@
 
 One panel per process count: the worst process's net peak ÷ single-process PyG for every mode and
 chunk count, the per-rank values as dots, and step time ÷ single process as text above each bar.
+Green bars are NGra streaming on one process (all on the device, on disk, on disk beyond a budget).
 """
 import json
 import os
@@ -18,13 +19,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 def main(path):
     r = json.load(open(path))
     procs = sorted({run["procs"] for run in r["runs"]})
-    fig, axes = plt.subplots(1, len(procs), figsize=(6.2 * len(procs), 4.0), squeeze=False)
+    fig, axes = plt.subplots(1, len(procs), figsize=(7.5 * len(procs), 4.4), squeeze=False)
     for ax, P in zip(axes[0], procs):
         runs = [run for run in r["runs"] if run["procs"] == P]
         labels, worst, per_rank, times = [], [], [], []
         for run in runs:
             if run["mode"] == "graph_parallel":
                 label = "graph\nparallel"
+            elif run["mode"].startswith("stream"):  # one process: "stream", "stream disk", "stream disk 81MB"
+                tier = run["mode"].split(" ")[1:]
+                label = f"1 proc\n{tier[-1] if tier else 'stream'}\n{run['chunks']} ch"
             else:
                 name = {"gnnpipe": "pipe"}.get(run["mode"], run["mode"].replace("gnnpipe ", "").split(" ")[0])
                 label = f"{name}{'' if run['recompute'] in (None, 'off') else '+rc'}\n{run['chunks']} ch"
@@ -33,7 +37,8 @@ def main(path):
             per_rank.append([m / run["single_net_mb"] for m in run["net_mb"]])
             times.append(run["time_ratio"])
         xs = range(len(runs))
-        bars = ax.bar(xs, worst, color=["tab:grey" if "graph" in lab else "tab:blue" for lab in labels])
+        bars = ax.bar(xs, worst, color=["tab:grey" if "graph" in lab else "tab:green" if "1 proc" in lab
+                                        else "tab:blue" for lab in labels])
         for x, ranks in zip(xs, per_rank):
             ax.plot([x] * len(ranks), ranks, "k.", ms=4)
         for bar, t in zip(bars, times):

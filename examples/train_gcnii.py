@@ -77,6 +77,8 @@ def main():
     p.add_argument("--chunks", type=int, default=None, help="default: 4 per device")
     p.add_argument("--epochs", type=int, default=60)
     p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--boundary-dtype", dest="boundary_dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: activations and gradients cross the stage cuts in bfloat16 (half the bytes)")
     args = p.parse_args()
 
     torch.set_num_threads(1)  # one thread per process: the processes stand in for devices
@@ -88,7 +90,8 @@ def main():
     # the reference: plain PyG in one process (only in the launching process; the workers it starts skip it)
     single = single_process_peak(model, data) if "LOCAL_RANK" not in os.environ else None
 
-    strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks)
+    strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks,
+                                        boundary_dtype=torch.bfloat16 if args.boundary_dtype == "bf16" else None)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, max_epochs=args.epochs,
                          logger=False, enable_checkpointing=False, enable_model_summary=False,
                          check_val_every_n_epoch=5)
@@ -98,7 +101,7 @@ def main():
     if trainer.is_global_zero:
         comm = strategy.comm_history[-1]
         want = gnnpipe_bytes(data.num_nodes, args.devices, width=args.hidden, out_width=num_classes,
-                             carried_width=args.hidden)
+                             carried_width=args.hidden, boundary_bytes=2 if args.boundary_dtype == "bf16" else None)
         print(f"\n{args.layers}-layer GCNII on {data.num_nodes:,} vertices / {data.num_edges:,} edges, "
               f"{args.devices} pipeline stages, {args.chunks or 4 * args.devices} chunks")
         print(f"test accuracy {test[0]['test_acc']:.3f}")

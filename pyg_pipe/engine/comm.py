@@ -18,6 +18,16 @@ like them. Bytes sent while :attr:`Comm.counting` is on are added to a category:
 ``other``             anything else
 ==================== ===============================================================
 
+With :attr:`Comm.boundary_dtype` set (the engine sets ``boundary_dtype`` around training passes only;
+the exact pass and inference stay in the values' own dtype), floating-point tensors of the categories
+in :data:`BOUNDARY` travel in that narrower dtype and are cast back on arrival: bf16 halves those bytes.
+
+A **simulated link** for benchmarks on one machine, where loopback moves bytes far faster relative to
+compute than PCIe or a network does between GPUs: ``PYG_PIPE_SIMULATED_BANDWIDTH=<bytes/s>`` makes
+every point-to-point receive and halo exchange complete no earlier than ``bytes / bandwidth`` after it
+was posted (:meth:`Comm.simulate_link`), so a receive posted ahead overlaps the delay with compute.
+Collectives (the weight all-reduce) are not delayed.
+
 No wait can hang: a rank that fails posts its error in the process group's store
 (:meth:`Comm.post_error`) and exits, which closes its connections; a peer blocked on it then fails,
 finds the posted error and raises :class:`RemoteRankError` carrying the original message. A wait
@@ -26,7 +36,9 @@ or a post fails (a round trip to it per message would cost more than the message
 """
 from __future__ import annotations
 
+import os
 import pickle
+import time
 from collections import defaultdict
 from datetime import timedelta
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -37,11 +49,28 @@ from torch import Tensor
 
 CATEGORIES = ("stage_activations", "stage_gradients", "carried", "halo_forward", "halo_backward",
               "weight_allreduce", "output", "other")
+#: what crosses a stage cut or a halo: sent in :attr:`Comm.boundary_dtype` when one is set
+BOUNDARY = frozenset(("stage_activations", "stage_gradients", "carried", "halo_forward", "halo_backward"))
 _ERROR_KEY = "pyg_pipe/error"
 
 
 class RemoteRankError(RuntimeError):
     """Another rank failed; the message carries its original error."""
+
+
+class PendingRecv:
+    """A posted receive (:meth:`Comm.irecv`): :meth:`get` waits for it and returns the tensor."""
+
+    __slots__ = ("comm", "work", "buf", "what", "dtype", "posted")
+
+    def __init__(self, comm: "Comm", work, buf: Tensor, what: str, dtype: torch.dtype):
+        self.comm, self.work, self.buf, self.what, self.dtype = comm, work, buf, what, dtype
+        self.posted = time.perf_counter() if comm.simulated_bandwidth else 0.0
+
+    def get(self) -> Tensor:
+        self.comm.wait(self.work, self.what)
+        self.comm.simulate_link(self.posted, self.buf.numel() * self.buf.element_size())
+        return self.buf if self.buf.dtype == self.dtype else self.buf.to(self.dtype)
 
 
 class Comm:
@@ -61,6 +90,8 @@ class Comm:
         self.timeout = timeout
         self.group = group
         self.counting = False
+        self.boundary_dtype: Optional[torch.dtype] = None   # set by the engine around training passes only
+        self.simulated_bandwidth = float(os.environ.get("PYG_PIPE_SIMULATED_BANDWIDTH", 0) or 0)  # bytes/s
         self.bytes: Dict[str, int] = defaultdict(int)
         self._pending: List[Tuple[object, Tensor]] = []
         self._remote_error: Optional[str] = None
@@ -73,7 +104,7 @@ class Comm:
     def send(self, tensor: Tensor, dst: int, category: Optional[str] = "other") -> None:
         """Posts an asynchronous send; the tensor is kept alive until :meth:`flush`.
         ``category=None`` sends uncounted (plan-time headers)."""
-        tensor = tensor.detach().contiguous()
+        tensor = self._to_wire(tensor.detach(), category in BOUNDARY).contiguous()
         if self.counting and category is not None:
             self.bytes[category] += tensor.numel() * tensor.element_size()
         work = self._post(f"a send to rank {dst}", dist.isend, tensor, dst, group=self.group)
@@ -90,12 +121,32 @@ class Comm:
                 share = total // group_size
                 self.bytes["weight_allreduce"] += share + (total - share * group_size if first else 0)
 
-    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> Tensor:
-        """Receives one tensor of known shape and dtype from ``src``."""
-        buf = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, boundary: bool = False) -> Tensor:
+        """Receives one tensor of known shape and dtype from ``src`` (``boundary``: sent under a
+        :data:`BOUNDARY` category, so in :attr:`boundary_dtype` if one is set)."""
+        return self.irecv(shape, dtype, src, boundary).get()
+
+    def irecv(self, shape: Sequence[int], dtype: torch.dtype, src: int, boundary: bool = False) -> "PendingRecv":
+        """Posts the receive of one tensor of known shape and dtype from ``src`` and returns at once, so the
+        transfer can proceed while this rank computes (NCCL moves a p2p message only once both sides have
+        posted it); :meth:`PendingRecv.get` waits for it. Messages from one rank match the receives in
+        the order they were posted."""
+        buf = torch.empty(tuple(shape), dtype=self._wire(dtype, boundary), device=self.device)
         what = f"receive from rank {src}"
-        self.wait(self._post(what, dist.irecv, buf, src, group=self.group), what)
-        return buf
+        return PendingRecv(self, self._post(what, dist.irecv, buf, src, group=self.group), buf, what, dtype)
+
+    def _wire(self, dtype: torch.dtype, boundary: bool) -> torch.dtype:
+        """The dtype a tensor of ``dtype`` travels in: :attr:`boundary_dtype` for floating-point values
+        wider than it crossing a stage cut or a halo (``boundary``), else its own. Sender and receiver
+        apply the same rule, so the receiver allocates the wire dtype and casts back to ``dtype``."""
+        b = self.boundary_dtype
+        if b is None or not boundary or not dtype.is_floating_point or torch.finfo(dtype).bits <= torch.finfo(b).bits:
+            return dtype
+        return b
+
+    def _to_wire(self, tensor: Tensor, boundary: bool) -> Tensor:
+        wire = self._wire(tensor.dtype, boundary)
+        return tensor if wire == tensor.dtype else tensor.to(wire)
 
     def exchange(self, sends: Sequence[Tuple[Tensor, int]], recvs: Sequence[Tuple[Sequence[int], torch.dtype, int]],
                  category: str = "other") -> List[Tensor]:
@@ -104,22 +155,24 @@ class Comm:
 
         ``sends``: ``(tensor, dst)``; ``recvs``: ``(shape, dtype, src)``. Returns the received tensors.
         """
-        ops, keep = [], []
+        ops, keep, boundary = [], [], category in BOUNDARY
         for tensor, dst in sends:
-            tensor = tensor.detach().contiguous()
+            tensor = self._to_wire(tensor.detach(), boundary).contiguous()
             if self.counting:
                 self.bytes[category] += tensor.numel() * tensor.element_size()
             keep.append(tensor)
             ops.append(dist.P2POp(dist.isend, tensor, dst, group=self.group))
         out = []
         for shape, dtype, src in recvs:
-            buf = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+            buf = torch.empty(tuple(shape), dtype=self._wire(dtype, boundary), device=self.device)
             out.append(buf)
             ops.append(dist.P2POp(dist.irecv, buf, src, group=self.group))
         if ops:
+            posted = time.perf_counter() if self.simulated_bandwidth else 0.0
             for work in self._post("a halo exchange", dist.batch_isend_irecv, ops):
                 self.wait(work, "halo exchange")
-        return out
+            self.simulate_link(posted, sum(b.numel() * b.element_size() for b in out))
+        return [buf if buf.dtype == dtype else buf.to(dtype) for buf, (_, dtype, _) in zip(out, recvs)]
 
     def send_object(self, obj, dst: int) -> None:
         """Sends a small picklable object (uncounted; plan time only: the receiver reads it on the host)."""
@@ -136,6 +189,16 @@ class Comm:
         pending, self._pending = self._pending, []
         for work, _ in pending:
             self.wait(work, "send")
+
+    def simulate_link(self, posted: float, nbytes: int) -> None:
+        """Benchmarks only (``PYG_PIPE_SIMULATED_BANDWIDTH`` bytes/s, unset: off): a receive posted at
+        ``posted`` completes no earlier than ``nbytes / bandwidth`` after it, as if the bytes started to
+        move when the receive was posted (as NCCL's p2p does) over a link of that bandwidth. A receive
+        posted ahead (overlap) therefore hides the delay behind compute; one waited on at once pays it."""
+        if self.simulated_bandwidth:
+            left = posted + nbytes / self.simulated_bandwidth - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
 
     # -- collectives (uncounted: planning, statistics, checkpoints) ------------------------------
     @property

@@ -5,6 +5,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence, Union
 
+import torch
+
 from ..model.trace import SplitPoint
 
 
@@ -35,6 +37,12 @@ class PipelineConfig:
         streaming: on one device, run the model layer group by layer group over all chunks (NGra chunk
             streaming, :mod:`.stream`): exact, with the vertex data of every group boundary in the
             memory tiers (``"auto"``: on one device with several chunks or an offload tier).
+        overlap: post the receives of the next chunk's values (fill) and gradients (drain) before
+            computing the current chunk, so transfers between stages run during compute (:mod:`.link`);
+            results are the same either way.
+        boundary_dtype: a narrower floating-point dtype (``torch.bfloat16`` or ``torch.float16``) for the
+            activations and gradients crossing stage cuts and halos in training passes (half the bytes;
+            approximate); the exact pass and inference keep the values' own dtype. ``None``: as computed.
     """
 
     num_chunks: Optional[int] = None
@@ -51,6 +59,8 @@ class PipelineConfig:
     offload_budget: Union[None, int, str] = None
     offload_dir: Optional[str] = None
     streaming: Union[bool, str] = "auto"
+    overlap: bool = True
+    boundary_dtype: Optional["torch.dtype"] = None
 
     def streams(self, devices: int) -> bool:
         """Whether a run on ``devices`` devices streams (``streaming="auto"``: one device, and several chunks
@@ -72,6 +82,13 @@ class PipelineConfig:
         if self.recompute not in (True, False, "auto"):
             raise ValueError(f"recompute={self.recompute!r} must be True, False or 'auto' (recompute when the "
                              f"activations of every chunk would not fit a quarter of the free memory).")
+        if self.boundary_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"boundary_dtype={self.boundary_dtype!r} must be torch.bfloat16 or torch.float16 (the "
+                             f"dtype activations and gradients travel in between stages and ways), or None to send "
+                             f"them as computed.")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap={self.overlap!r} must be True (post the next chunk's receives before "
+                             f"computing the current one) or False.")
         if self.streaming not in (True, False, "auto"):
             raise ValueError(f"streaming={self.streaming!r} must be True, False or 'auto' (stream on one device "
                              f"with several chunks or an offload tier).")

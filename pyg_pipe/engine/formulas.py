@@ -2,7 +2,8 @@
 
 The counters of :class:`~pyg_pipe.engine.comm.Comm` measure what actually travels; these formulas
 say what should, and the tests check that the two agree. fp32 unless ``bytes_per_value`` says
-otherwise; ``d`` is the width of the activation at every stage cut, ``|V|`` the number of vertices::
+otherwise (``b``; with ``boundary_dtype=torch.bfloat16`` the stage, carried and halo terms take
+``boundary_bytes = 2`` instead, while the output and the weight all-reduce stay at ``b``); ``d`` is the width of the activation at every stage cut, ``|V|`` the number of vertices::
 
     GNNPipe (S stages, W = 1)
         stage_activations = stage_gradients = (S-1)·|V|·d·b         independent of the depth L
@@ -29,18 +30,22 @@ from .comm import CATEGORIES
 
 
 def gnnpipe_bytes(num_nodes: int, num_stages: int, width: int, out_width: int, carried_width: int = 0,
-                  num_ranks: Optional[int] = None, bytes_per_value: int = 4) -> Dict[str, int]:
+                  num_ranks: Optional[int] = None, bytes_per_value: int = 4,
+                  boundary_bytes: Optional[int] = None) -> Dict[str, int]:
     """Per-step bytes of GNNPipe by category (see the module docstring).
 
     ``width`` is the activation width at every cut, ``carried_width`` the total width of the other
     tensors crossing each cut (0 for none), ``out_width`` the model output width, sent by the last
-    stage to the ``num_ranks - 1`` other ranks (default ``num_ranks = num_stages``).
+    stage to the ``num_ranks - 1`` other ranks (default ``num_ranks = num_stages``). ``boundary_bytes``:
+    bytes per value crossing a cut when ``boundary_dtype`` narrows them (2 for bf16; default
+    ``bytes_per_value``); the output keeps ``bytes_per_value``.
     """
     ranks = num_stages if num_ranks is None else num_ranks
-    act = (num_stages - 1) * num_nodes * width * bytes_per_value
+    b = bytes_per_value if boundary_bytes is None else boundary_bytes
+    act = (num_stages - 1) * num_nodes * width * b
     out = dict.fromkeys(CATEGORIES, 0)
     out.update(stage_activations=act, stage_gradients=act,
-               carried=2 * (num_stages - 1) * num_nodes * carried_width * bytes_per_value,
+               carried=2 * (num_stages - 1) * num_nodes * carried_width * b,
                output=(ranks - 1) * num_nodes * out_width * bytes_per_value)
     out["total"] = sum(out[c] for c in CATEGORIES)
     return out
@@ -62,7 +67,7 @@ def halo_rows(edge_index: Tensor, perm: Tensor, ptr: Tensor) -> int:
 
 def graph_parallel_bytes(num_nodes: int, halo: int, widths: Sequence[int], num_params: int, ways: int,
                          out_width: int, num_stages: int = 1, width: int = 0, carried_width: int = 0,
-                         bytes_per_value: int = 4) -> Dict[str, int]:
+                         bytes_per_value: int = 4, boundary_bytes: Optional[int] = None) -> Dict[str, int]:
     """Per-step bytes of graph-parallel (``num_stages = 1``) and hybrid runs with one chunk per way.
 
     ``halo`` is ``Σ_p |halo(p)|`` of the ``ways``-way partition (:func:`halo_rows`), ``widths`` the
@@ -72,8 +77,8 @@ def graph_parallel_bytes(num_nodes: int, halo: int, widths: Sequence[int], num_p
     (each way sends its own rows, so together they are the same as one way sending all of them).
     """
     out = gnnpipe_bytes(num_nodes, num_stages, width, out_width, carried_width, num_ranks=num_stages * ways,
-                        bytes_per_value=bytes_per_value)
-    h = sum(widths) * halo * bytes_per_value
+                        bytes_per_value=bytes_per_value, boundary_bytes=boundary_bytes)
+    h = sum(widths) * halo * (bytes_per_value if boundary_bytes is None else boundary_bytes)
     out.update(halo_forward=h, halo_backward=h,
                weight_allreduce=2 * (ways - 1) * num_params * bytes_per_value)
     out["total"] = sum(out[c] for c in CATEGORIES)

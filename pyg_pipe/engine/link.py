@@ -8,9 +8,21 @@ of a plan, with small headers, and recorded on both sides; later steps send the 
 the per-chunk loop never waits on the host. A value whose shape changes between steps is reported
 by the sender before anything hangs.
 
+**Overlap**: while a stage computes chunk ``order[i]``, the receive of what chunk ``order[i+1]``
+needs is already posted (:meth:`StageLink.prefetch` in the fill, :meth:`StageLink.prefetch_grads` in
+the drain), so the previous (next) stage's send completes during the compute instead of after it::
+
+    without:  recv(i) ── wait ──► compute(i) │ recv(i+1) ── wait ──► compute(i+1) │ ...
+    with:     recv(i) ── wait ──► post recv(i+1); compute(i) │ wait(i+1) (usually done) ──► ...
+
+Only chunks whose shapes are known (every step after a plan's first) are prefetched, and only after
+the current chunk's receives completed, so messages from a rank still match the receives in order.
+
 Bytes (:mod:`pyg_pipe.engine.comm`): the value feeding the next stage's first layer counts as
 ``stage_activations`` / ``stage_gradients``, every other value as ``carried``; the last stage's
-output sent to the other ranks as ``output``.
+output sent to the other ranks as ``output``. In training passes, floating-point values and gradients
+crossing a cut travel in ``boundary_dtype`` when the knob sets one (bf16: half the bytes), and are cast
+back on arrival (:meth:`Comm._wire`).
 """
 from __future__ import annotations
 
@@ -51,6 +63,9 @@ class StageLink:
         self.received: Dict[Tuple[Any, str], Spec] = {}    # as told by the previous stage
         self._has_grad: List[bool] = []                     # per received tensor, this step
         self._want: List[bool] = []                         # per sent tensor, this step
+        self._floats: Dict[Any, List[Tuple[Tuple[int, ...], torch.dtype]]] = {}  # per chunk key: sent float leaves
+        self._posted: Dict[Any, Any] = {}                    # chunk key -> receives posted ahead (prefetch)
+        self.prefetched = 0                                  # chunks whose receives were posted ahead
 
     # ------------------------------------------------------------------ forward
     def send(self, chunk: int, values: Dict[str, Any], activation: Optional[str]) -> None:
@@ -69,25 +84,42 @@ class StageLink:
             for leaf in leaves:
                 if leaf is not None:
                     self.comm.send(leaf, self.next, category)
+        self._floats[chunk] = [(tuple(t.shape), t.dtype) for _, t in _floats(values)]
 
-    def recv(self, chunk: int, names: List[str], requires_grad: bool) -> Dict[str, Any]:
+    def recv(self, chunk, names: List[str], requires_grad: bool) -> Dict[str, Any]:
+        posted = self._posted.pop(chunk, None)
+        if posted is None:
+            posted = self._post(chunk, names)
+        else:
+            self.prefetched += 1
         out = {}
+        for name, (spec, pending) in posted.items():
+            leaves = []
+            for p in pending:
+                t = None if p is None else p.get()
+                if t is not None and requires_grad and t.is_floating_point():
+                    t.requires_grad_()
+                leaves.append(t)
+            out[name] = unflatten(leaves, spec)
+        return out
+
+    def prefetch(self, chunk, names: List[str]) -> None:
+        """Posts the receives of ``chunk``'s values now (module docstring), if their shapes are known."""
+        if self.prev is not None and all((chunk, name) in self.received for name in names):
+            self._posted[chunk] = self._post(chunk, names)
+
+    def _post(self, chunk, names: List[str]) -> Dict[str, Any]:
+        """``name -> (structure, [pending receive or None per leaf])``; a value not seen before is told by
+        its header first (read here, on the host: plan time only)."""
+        posted = {}
         for name in names:
             known = self.received.get((chunk, name))
             if known is None:
                 known = self.received[(chunk, name)] = self.comm.recv_object(self.prev)
             spec, shapes = known
-            leaves = []
-            for shape in shapes:
-                if shape is None:
-                    leaves.append(None)
-                    continue
-                t = self.comm.recv(shape[0], shape[1], self.prev)
-                if requires_grad and t.is_floating_point():
-                    t.requires_grad_()
-                leaves.append(t)
-            out[name] = unflatten(leaves, spec)
-        return out
+            posted[name] = (spec, [None if shape is None else self.comm.irecv(shape[0], shape[1], self.prev, True)
+                                   for shape in shapes])
+        return posted
 
     # ------------------------------------------------------------------ backward
     def send_grads(self, chunk, received: Dict[str, Any], activation: Optional[str], first: bool) -> None:
@@ -114,14 +146,28 @@ class StageLink:
     def recv_grads(self, chunk, sent: Dict[str, Any]) -> Tuple[List[Tensor], List[Tensor]]:
         """``(roots, grads)``: the float tensors sent for ``chunk`` that the next stage back-propagated
         into, and their gradients."""
+        posted = self._posted.pop(("grad", chunk), None)
+        if posted is None:
+            posted = self._post_grads(chunk)
+        else:
+            self.prefetched += 1
         roots, grads = [], []
-        for (_, leaf), want in zip(_floats(sent), self._want):
-            if want:
-                g = self.comm.recv(tuple(leaf.shape), leaf.dtype, self.next)
+        for (_, leaf), p in zip(_floats(sent), posted):
+            if p is not None:
+                g = p.get()
                 if leaf.requires_grad:
                     roots.append(leaf)
                     grads.append(g)
         return roots, grads
+
+    def prefetch_grads(self, chunk) -> None:
+        """Posts the receives of the gradients of what was sent for ``chunk`` now (module docstring)."""
+        if self.next is not None and chunk in self._floats:
+            self._posted[("grad", chunk)] = self._post_grads(chunk)
+
+    def _post_grads(self, chunk) -> List[Any]:
+        return [self.comm.irecv(shape, dtype, self.next, True) if want else None
+                for (shape, dtype), want in zip(self._floats[chunk], self._want)]
 
 
 def _shape(name: str, leaf) -> Optional[Tuple[Tuple[int, ...], torch.dtype]]:

@@ -64,6 +64,7 @@ class ChunkRecord:
     out: Optional[Tensor]
     activation: Optional[str]
     rng: Optional[Tuple[Tensor, Optional[Tensor]]] = None   # set when the drain replays the chunk
+    key: Any = None                                          # the chunk's key on the stage link
 
 
 @dataclass
@@ -95,11 +96,12 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
     sig = signature(rt.module, inputs)
     runner, activation = rt.programs.runner(inputs), rt.programs.next_activation(inputs)
     start, end = rt.way_bounds[grid.way], rt.way_bounds[grid.way + 1]
-    rt.comm.counting = True
+    rt.comm.counting, rt.comm.boundary_dtype = True, rt.config.boundary_dtype
     chunks: List[ChunkRecord] = []
     reference, mine, check = None, None, None
     order = rt.schedule.order(step, grid.way)
     measure = replay and rt.recompute_pending
+    ahead = rt.config.overlap and grid.prev is not None
     for i, c in enumerate(order):
         if reference is None:  # the pass's first chunk is checked (every chunk makes the same calls)
             check = _row_check(rt, rt.chunked[0].chunks[c].rows)
@@ -107,7 +109,8 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
         rng = None if keep else _rng_state(rt.comm.device)
         with torch.enable_grad() if keep else torch.no_grad(), _SavedBytes(measure and keep) as saved:
             rec = run_chunk(rt, run, localizer, rt.chunked, c, runner, ("train", sig, c), plan.chunks_per_way == 1,
-                            init=False, check=check if reference is None else None, train=True, protect=not keep)
+                            init=False, check=check if reference is None else None, train=True, protect=not keep,
+                            next_key=("train", sig, order[i + 1]) if ahead and i + 1 < len(order) else None)
         if measure and keep:
             decide_recompute(rt, saved.bytes, rt.chunked[0].chunks[c].rows)
         keys = site_keys(rec.ctx.sites)
@@ -125,11 +128,11 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
         else:
             rt.link.send(("train", sig, c), rec.sent, activation)
         if rng is not None:  # the drain replays it: keep what it received and its random state only
-            rec = ChunkRecord(c, None, rec.received, {}, None, rec.activation, rng)
+            rec = ChunkRecord(c, None, rec.received, {}, None, rec.activation, rng, rec.key)
         chunks.append(rec)
     full = share_output(rt, mine, start, end, ("train", sig))
     rt.comm.flush()
-    rt.comm.counting = False
+    rt.comm.counting, rt.comm.boundary_dtype = False, None
     if check is not None:
         _verdict(rt, check)
     return full[rt.graph.inv], CallRecord(rt, run, chunks, localizer, runner)
@@ -140,16 +143,20 @@ def drain(grad: Tensor, record: CallRecord) -> None:
     rt = record.runtime
     grid = rt.grid
     record.run.prepare(rt.training_graphs())
-    rt.comm.counting = True
+    rt.comm.counting, rt.comm.boundary_dtype = True, rt.config.boundary_dtype
     grad_new = grad[rt.graph.perm] if grid.is_last else None
     if not grid.is_last:
         rt.link.expect_grads(record.chunks[-1].sent)
-    for i, rec in enumerate(reversed(record.chunks)):
+    order = record.chunks[::-1]
+    ahead = rt.config.overlap and not grid.is_last
+    for i, rec in enumerate(order):
+        key = rec.key
         if rec.rng is not None:
             rec = _replay(record, rec)
-        drain_chunk(rt, rec, grad_new, first=i == 0)
+        drain_chunk(rt, rec, key, grad_new, first=i == 0,
+                    next_key=order[i + 1].key if ahead and i + 1 < len(order) else None)
     rt.comm.flush()
-    rt.comm.counting = False
+    rt.comm.counting, rt.comm.boundary_dtype = False, None
     record.run.history.clear_grads()
 
 
@@ -203,12 +210,13 @@ def prepare_history(rt: Runtime, inputs: CallInputs, call: int) -> None:
 
 def run_chunk(rt: Runtime, run: HaloPass, localizer: Localizer, cgs: List[ChunkedGraph], c: int, runner,
               link_key, one_per_way: bool, init: bool, check: Optional[RowCheck], train: bool,
-              received: Optional[Dict[str, Any]] = None, protect: bool = False) -> ChunkRecord:
+              received: Optional[Dict[str, Any]] = None, protect: bool = False, next_key=None) -> ChunkRecord:
     """Chunk ``c`` of the chunking ``cgs`` through this rank's stage: inputs cut to the chunk, values
     from the previous stage, the stage's program. ``check``: the row check watches this run.
     ``received``: a replay (module docstring), with the values the fill received. ``protect``: the
     program gets copies of the received values (a replay needs them intact, and a reversible block
-    frees its input's storage)."""
+    frees its input's storage). ``next_key``: the receives of the chunk run next are posted as soon as
+    this chunk's arrived (:mod:`.link`, overlap)."""
     grid = rt.grid
     lg = cgs[0].chunks[c]
     replay = received is not None
@@ -223,6 +231,8 @@ def run_chunk(rt: Runtime, run: HaloPass, localizer: Localizer, cgs: List[Chunke
         if received is None:
             received = rt.link.recv(link_key, stage.inputs, train) if stage is not None and grid.prev is not None \
                 else {}
+            if next_key is not None and stage is not None:
+                rt.link.prefetch(next_key, stage.inputs)
         given = {k: _copied(v) for k, v in received.items()} if protect else received
         if check is None:
             sent, out = runner.run(args, kwargs, given)
@@ -230,7 +240,7 @@ def run_chunk(rt: Runtime, run: HaloPass, localizer: Localizer, cgs: List[Chunke
             check.returned(list(given.values()))
             with check:
                 sent, out = runner.run(args, kwargs, given)
-    return ChunkRecord(c, ctx, received, sent, out, stage.activation if stage is not None else None)
+    return ChunkRecord(c, ctx, received, sent, out, stage.activation if stage is not None else None, key=link_key)
 
 
 def _replay(record: CallRecord, rec: ChunkRecord) -> ChunkRecord:
@@ -287,9 +297,11 @@ def _rng_state(device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
-def drain_chunk(rt: Runtime, rec: ChunkRecord, grad_new: Optional[Tensor], first: bool) -> None:
+def drain_chunk(rt: Runtime, rec: ChunkRecord, key, grad_new: Optional[Tensor], first: bool, next_key=None) -> None:
     """One chunk's backward: the gradients of what it sent (or of its output rows), autograd through the
-    chunk, then the gradients of what it received back to the previous stage."""
+    chunk, then the gradients of what it received back to the previous stage. ``key``: the chunk's key on
+    the stage link; ``next_key``: the chunk drained next, whose gradients' receives are posted before this
+    chunk's backward runs (overlap)."""
     grid = rt.grid
     lg = rec.ctx.lg
     with rec.ctx:
@@ -297,7 +309,9 @@ def drain_chunk(rt: Runtime, rec: ChunkRecord, grad_new: Optional[Tensor], first
             roots = [rec.out] if rec.out.requires_grad else []
             grads = [grad_new[lg.start:lg.end].to(rec.out.dtype)] if roots else []
         else:
-            roots, grads = rt.link.recv_grads(rec.chunk, rec.sent)
+            roots, grads = rt.link.recv_grads(key, rec.sent)
+            if next_key is not None:
+                rt.link.prefetch_grads(next_key)
         if roots:
             torch.autograd.backward(roots, grads)
     if grid.prev is not None:

@@ -74,6 +74,13 @@ class GNNPipeStrategy(DDPStrategy):
             streaming): exact like plain PyG, holding one chunk of one layer on the device, with the values
             between groups in the offload tier (``"auto"``: with ``devices=1`` and several chunks or an
             ``offload`` tier; ``False``: one pipeline stage with historical embeddings instead).
+        overlap: post the receives of the next chunk's values and gradients before computing the
+            current chunk, so stage-to-stage transfers run during compute (same results; ``False`` waits
+            for each chunk's transfer when the chunk starts).
+        boundary_dtype: ``torch.bfloat16`` (or ``torch.float16``) sends the activations and gradients
+            crossing stage cuts and halos in that dtype during training: half the bytes, approximate
+            (docs/gnnpipe.md measures the effect); validation, test and predict stay exact. ``None``: as
+            computed.
         fused_kernels: while training, route PyG's sparse-adjacency aggregation (layers given a
             torch.sparse ``adj_t``) to the compiled CSR kernels of :mod:`pyg_pipe.ops` (built on
             first use; ``PYG_PIPE_DISABLE_EXTENSIONS=1`` or ``False`` here keeps PyG's own path).
@@ -104,6 +111,8 @@ class GNNPipeStrategy(DDPStrategy):
         offload_budget: Union[None, int, str] = None,
         offload_dir: Optional[str] = None,
         streaming: Union[bool, str] = "auto",
+        overlap: bool = True,
+        boundary_dtype: Optional[torch.dtype] = None,
         accelerator=None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment=None,
@@ -122,7 +131,8 @@ class GNNPipeStrategy(DDPStrategy):
                                      balance=balance, partition=partition, seed=seed,
                                      per_chunk_statistics=per_chunk_statistics, split_points=split_points,
                                      recompute=recompute, offload=offload, offload_budget=offload_budget,
-                                     offload_dir=offload_dir, streaming=streaming)
+                                     offload_dir=offload_dir, streaming=streaming, overlap=overlap,
+                                     boundary_dtype=boundary_dtype)
         self.config.validate()
         if comm_timeout <= 0:
             raise ValueError(f"comm_timeout={comm_timeout} must be a positive number of seconds.")

@@ -227,3 +227,17 @@ def test_a_single_process_comm_needs_no_process_group():
     comm.counting = True
     comm.all_reduce_gradients(t, None, 1, True)
     assert comm.totals() == {**{c: 0 for c in CATEGORIES}, "total": 0}
+
+
+def test_the_simulated_link_holds_a_receive_for_bytes_over_bandwidth(monkeypatch):
+    """Benchmarks' simulated link (``PYG_PIPE_SIMULATED_BANDWIDTH``): a receive completes no earlier than
+    bytes / bandwidth after it was posted; unset, nothing is delayed (only a lower bound is checked)."""
+    import time
+    monkeypatch.setenv("PYG_PIPE_SIMULATED_BANDWIDTH", "1e6")
+    comm = Comm(torch.device("cpu"))
+    assert comm.simulated_bandwidth == 1e6
+    t0 = time.perf_counter()
+    comm.simulate_link(t0, 50_000)           # 50 kB at 1 MB/s: 50 ms after t0
+    assert time.perf_counter() - t0 >= 0.05
+    monkeypatch.delenv("PYG_PIPE_SIMULATED_BANDWIDTH")
+    assert Comm(torch.device("cpu")).simulated_bandwidth == 0

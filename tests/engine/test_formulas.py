@@ -105,6 +105,16 @@ def test_gnnpipe_output_goes_to_every_other_rank_and_values_may_be_half_precisio
     assert got["total"] == 160 + 160 + 200
 
 
+def test_bf16_boundaries_halve_the_stage_carried_and_halo_terms_only():
+    full = graph_parallel_bytes(num_nodes=10, halo=3, widths=[4], num_params=50, ways=2, out_width=2, num_stages=2,
+                                width=8, carried_width=1)
+    half = graph_parallel_bytes(num_nodes=10, halo=3, widths=[4], num_params=50, ways=2, out_width=2, num_stages=2,
+                                width=8, carried_width=1, boundary_bytes=2)
+    for c in ("stage_activations", "stage_gradients", "carried", "halo_forward", "halo_backward"):
+        assert half[c] * 2 == full[c] > 0, c
+    assert half["output"] == full["output"] and half["weight_allreduce"] == full["weight_allreduce"]
+
+
 def test_a_single_stage_sends_nothing():
     one = gnnpipe_bytes(num_nodes=7, num_stages=1, width=16, out_width=3, carried_width=5)
     assert all(v == 0 for v in one.values())

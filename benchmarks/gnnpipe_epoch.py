@@ -73,6 +73,9 @@ def run_single(args) -> dict:
     base = rss_mb()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     times, losses = [], []
+    if args.kernels:  # plain PyG with pyg_pipe's fused CSR kernels routed in (as the strategies do)
+        from pyg_pipe.ops import fused_kernels
+        fused_kernels().__enter__()
     for _ in range(args.epochs):
         t0 = time.perf_counter()
         out = model(data.x, data.adj_t)
@@ -188,7 +191,13 @@ def main():
                    help="GNNPipeStrategy(offload=...)")
     p.add_argument("--offload-budget", "--offload_budget", dest="offload_budget", type=int, default=-1,
                    help="GNNPipeStrategy(offload_budget=...) in bytes (-1: None)")
+    p.add_argument("--kernels", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--bandwidth", type=float, default=0,
+                   help="simulated link in bytes/s for every pyg_pipe process (PYG_PIPE_SIMULATED_BANDWIDTH; "
+                        "0: loopback as it is)")
     args = p.parse_args()
+    if args.bandwidth:
+        os.environ["PYG_PIPE_SIMULATED_BANDWIDTH"] = str(args.bandwidth)
 
     if args.worker == "single":
         print(json.dumps(run_single(args)))
@@ -209,6 +218,9 @@ def main():
                                                          "hidden", "epochs", "procs", "threads_single", "snapshot_period")}}
     single = json.loads(launch(args, "single").stdout.strip().splitlines()[-1])
     results["single"] = single
+    single_k = json.loads(launch(args, "single", kernels=1).stdout.strip().splitlines()[-1])
+    results["single_kernels"] = single_k
+    t_single_k = med(single_k["times"])
     t_single, m_single = med(single["times"]), single["peak_mb"]
     net_single = single["peak_mb"] - single["base_mb"]
     rows = []
@@ -232,20 +244,21 @@ def main():
             want = gnnpipe_bytes(args.nodes, args.procs, width=args.hidden, out_width=args.classes,
                                  carried_width=args.hidden)
             rows.append((c, t, t / t_single, peak, peak / m_single, net, net / max(net_single, 1e-9),
-                         comm.get("total", 0), want["total"]))
+                         comm.get("total", 0), want["total"], t / t_single_k))
     print(f"\nsetting: {results['setting']}")
     print(f"single process ({args.threads_single} threads, sparse CSR, cached): epoch {t_single:.3f} s, "
-          f"peak {m_single:.0f} MB (net {net_single:.0f} MB)")
+          f"peak {m_single:.0f} MB (net {net_single:.0f} MB); with pyg_pipe's fused kernels: epoch {t_single_k:.3f} s")
     print(f"graph_parallel ({args.procs} processes x 1 thread): epoch {t_gp:.3f} s ({t_gp / t_single:.2f} x single), "
-          f"worst peak {m_gp:.0f} MB (net {net_gp:.0f} MB, {net_gp / max(net_single, 1e-9):.2f} x single net)")
-    print(f"{'chunks':>6} {'epoch s':>8} {'time ratio':>10} {'vs gp':>6} {'peak MB':>8} {'mem ratio':>9} {'net MB':>7} "
-          f"{'net ratio':>9} {'vs gp':>6} {'bytes/epoch':>12} {'formula':>12}")
-    for c, t, tr, pk, mr, net, nr, b, w in rows:
-        print(f"{c:>6} {t:>8.3f} {tr:>10.2f} {t / t_gp:>6.2f} {pk:>8.0f} {mr:>9.2f} {net:>7.0f} {nr:>9.2f} "
+          f"worst peak {m_gp:.0f} MB (net {net_gp:.0f} MB, {net_gp / max(net_single, 1e-9):.2f} x single net); "
+          f"{t_gp / t_single_k:.2f} x single with kernels")
+    print(f"{'chunks':>6} {'epoch s':>8} {'time ratio':>10} {'vs gp':>6} {'vs 1+k':>6} {'peak MB':>8} {'mem ratio':>9} "
+          f"{'net MB':>7} {'net ratio':>9} {'vs gp':>6} {'bytes/epoch':>12} {'formula':>12}")
+    for c, t, tr, pk, mr, net, nr, b, w, tk in rows:
+        print(f"{c:>6} {t:>8.3f} {tr:>10.2f} {t / t_gp:>6.2f} {tk:>6.2f} {pk:>8.0f} {mr:>9.2f} {net:>7.0f} {nr:>9.2f} "
               f"{net / max(net_gp, 1e-9):>6.2f} {b:>12,} {w:>12,}")
     results["graph_parallel_summary"] = {"epoch_s": t_gp, "peak_mb": m_gp, "net_mb": net_gp}
     results["rows"] = [dict(zip(("chunks", "epoch_s", "time_ratio", "peak_mb", "mem_ratio", "net_mb", "net_ratio",
-                                 "bytes", "formula_bytes"), r)) for r in rows]
+                                 "bytes", "formula_bytes", "time_ratio_single_kernels"), r)) for r in rows]
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,11 +1,15 @@
-"""Step time with and without recomputation, side by side in one run (alternating steps of two engines
-on the same 2 processes), so the machine's drift hits both alike.
+"""Step time with a boolean engine knob off and on, side by side in one run (alternating rounds of steps
+of two engines on the same processes), so the machine's drift hits both alike.
 
-    python benchmarks/recompute_time.py                     # 16-layer GCNII, 20k vertices, 4 and 8 chunks
-    python benchmarks/recompute_time.py --nodes 5000 --layers 8 --rounds 3
+    python benchmarks/knob_time.py --knob recompute         # 16-layer GCNII, 20k vertices, 4 and 8 chunks
+    python benchmarks/knob_time.py --knob overlap --procs 4 --chunks 16
+    python benchmarks/knob_time.py --knob overlap --bandwidth 1e8   # a simulated 100 MB/s link
+    python benchmarks/knob_time.py --knob recompute --nodes 5000 --layers 8 --rounds 3
 
-Prints, per chunk count, the median step time of each (rank 1, the last stage, which finishes last)
-and their ratio per round.
+``--knob`` is a :class:`pyg_pipe.engine.PipelineConfig` field taking ``False`` / ``True`` (``recompute``,
+``overlap``, ``shuffle_chunks``, ...); every other knob keeps its default but ``balance="layers"`` (the
+same split in both engines) and ``--fixed`` ones (``--fixed recompute=0``). Prints, per chunk count, the
+median step time of each (the last rank, whose stage finishes last) and their ratio per round.
 """
 import argparse
 import os
@@ -30,14 +34,15 @@ def _worker(rank, world, args):
     data = sbm_graph(N, num_classes=max(N // 125, 8), avg_degree=args.degree, homophily=0.9, num_features=64, seed=0)
     data.y = data.y % 8
     adj = to_torch_csr_tensor(data.edge_index.flip(0), size=(N, N))
+    fixed = {k: bool(int(v)) for k, v in (f.split("=") for f in args.fixed)}
     for chunks in args.chunks:
         runs = {}
         for rc in (False, True):
             torch.manual_seed(0)
             model = gcnii(64, 64, 8, num_layers=args.layers, dropout=0.0, cached=True)
             sync_module_state(model, {}, [0])
-            engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, recompute=rc, balance="layers"),
-                                   Comm(torch.device("cpu")), num_stages=world, ways=1)
+            cfg = PipelineConfig(num_chunks=chunks, balance="layers", **fixed, **{args.knob: rc})
+            engine = GNNPipeEngine(model, cfg, Comm(torch.device("cpu")), num_stages=world, ways=1)
             runs[rc] = (model, engine, torch.optim.Adam(model.parameters(), lr=0.01), [])
 
         def step(rc):
@@ -64,7 +69,9 @@ def _worker(rank, world, args):
             off, on = statistics.median(runs[False][3]), statistics.median(runs[True][3])
             per = [statistics.median(runs[True][3][i:i + args.steps]) / statistics.median(runs[False][3][i:i + args.steps])
                    for i in range(0, len(runs[True][3]), args.steps)]
-            print(f"chunks {chunks}: step {off:.3f} s without recomputation, {on:.3f} s with: {on / off:.2f} x "
+            link = f", link {args.bandwidth / 1e6:.0f} MB/s" if args.bandwidth else ""
+            print(f"{world} processes{link}, chunks {chunks}: step {off:.3f} s with {args.knob}=False, {on:.3f} s with "
+                  f"{args.knob}=True: {on / off:.2f} x "
                   f"(per round: {', '.join(f'{r:.2f}' for r in per)})", flush=True)
 
 
@@ -76,9 +83,16 @@ def main():
     p.add_argument("--chunks", type=int, nargs="+", default=[4, 8])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--procs", type=int, default=2, help="pipeline stages, one process each")
+    p.add_argument("--knob", default="recompute", help="the PipelineConfig field set False, then True")
+    p.add_argument("--fixed", nargs="*", default=[], help="other boolean knobs held fixed, as name=0|1")
+    p.add_argument("--bandwidth", type=float, default=0,
+                   help="simulated link in bytes/s (PYG_PIPE_SIMULATED_BANDWIDTH; 0: loopback as it is)")
     args = p.parse_args()
+    if args.bandwidth:
+        os.environ["PYG_PIPE_SIMULATED_BANDWIDTH"] = str(args.bandwidth)
     from tests.dist import run_distributed
-    run_distributed(_worker, 2, args, timeout=3000)
+    run_distributed(_worker, args.procs, args, timeout=3000)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ class Comm:
         self.counting = False
         self.boundary_dtype: Optional[torch.dtype] = None   # set by the engine around training passes only
         self.simulated_bandwidth = float(os.environ.get("PYG_PIPE_SIMULATED_BANDWIDTH", 0) or 0)  # bytes/s
+        self.waited = 0.0                                   # host seconds blocked in waits (:mod:`.timeline`)
         self.bytes: Dict[str, int] = defaultdict(int)
         self._pending: List[Tuple[object, Tensor]] = []
         self._remote_error: Optional[str] = None
@@ -199,6 +200,7 @@ class Comm:
             left = posted + nbytes / self.simulated_bandwidth - time.perf_counter()
             if left > 0:
                 time.sleep(left)
+                self.waited += left
 
     # -- collectives (uncounted: planning, statistics, checkpoints) ------------------------------
     @property
@@ -265,6 +267,7 @@ class Comm:
         A peer that fails posts its error and exits, closing its connections, which ends the wait with
         an error; this rank then raises the peer's original error instead of a connection error.
         """
+        t0 = time.perf_counter()
         try:
             work.wait(timedelta(seconds=self.timeout))
         except Exception as exc:  # noqa: BLE001 - translated below
@@ -272,6 +275,8 @@ class Comm:
             raise RuntimeError(
                 f"pyg_pipe rank {self.rank}: {what} failed ({exc}). Another rank is stuck or died; if stages are "
                 f"just slow, raise `comm_timeout` (now {self.timeout:.0f} s).") from exc
+        finally:
+            self.waited += time.perf_counter() - t0
 
     def check_remote_error(self) -> None:
         msg = self._remote_error

@@ -43,6 +43,8 @@ class PipelineConfig:
         boundary_dtype: a narrower floating-point dtype (``torch.bfloat16`` or ``torch.float16``) for the
             activations and gradients crossing stage cuts and halos in training passes (half the bytes;
             approximate); the exact pass and inference keep the values' own dtype. ``None``: as computed.
+        timeline_trace: a path: every rank's chunk spans (compute, wait, bubble) written there as one
+            Chrome trace when training ends (:mod:`.timeline`).
     """
 
     num_chunks: Optional[int] = None
@@ -61,6 +63,7 @@ class PipelineConfig:
     streaming: Union[bool, str] = "auto"
     overlap: bool = True
     boundary_dtype: Optional["torch.dtype"] = None
+    timeline_trace: Optional[str] = None
 
     def streams(self, devices: int) -> bool:
         """Whether a run on ``devices`` devices streams (``streaming="auto"``: one device, and several chunks
@@ -86,6 +89,9 @@ class PipelineConfig:
             raise ValueError(f"boundary_dtype={self.boundary_dtype!r} must be torch.bfloat16 or torch.float16 (the "
                              f"dtype activations and gradients travel in between stages and ways), or None to send "
                              f"them as computed.")
+        if self.timeline_trace is not None and not isinstance(self.timeline_trace, (str, os.PathLike)):
+            raise ValueError(f"timeline_trace={self.timeline_trace!r} must be a file path (the Chrome trace to "
+                             f"write) or None.")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap={self.overlap!r} must be True (post the next chunk's receives before "
                              f"computing the current one) or False.")

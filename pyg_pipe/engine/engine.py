@@ -35,6 +35,7 @@ from ..model.trace import forward_function
 from . import step as steps
 from . import stream
 from .comm import Comm
+from .timeline import Timeline
 from .config import PipelineConfig
 from .grid import RankGrid
 from .layers import LayerHooks
@@ -107,6 +108,7 @@ class GNNPipeEngine:
         self._ending: Optional[int] = None          # the backward pass whose end is queued
         self._steps_only = False
         self._in_step = False
+        self.timeline = Timeline(comm, on=comm.device.type == "cpu", keep=config.timeline_trace is not None)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -211,6 +213,7 @@ class GNNPipeEngine:
             self.comm.counting = False
         self.step += 1
         self._calls = 0
+        self.timeline.end_step()
 
     # ------------------------------------------------------------------ planning
     def _runtime_for(self, inputs: CallInputs) -> Runtime:
@@ -252,7 +255,7 @@ class GNNPipeEngine:
         self._sizes = plan.sizes
         if self._grads is None:
             self._grads = GradientSum(self.module, plan.param_stages, grid, comm)
-        rt = Runtime(plan, grid, comm, self.config, self.module, self._fn, inputs)
+        rt = Runtime(plan, grid, comm, self.config, self.module, self._fn, inputs, self.timeline)
         if shape.program is not None:
             rt.programs.seed(inputs, shape.program)
         rt.load_state_dict(saved.get("rank"))

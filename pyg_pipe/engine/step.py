@@ -107,7 +107,8 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
             check = _row_check(rt, rt.chunked[0].chunks[c].rows)
         keep = not replay or i == len(order) - 1  # the last chunk's drain comes next: nothing to save by replaying
         rng = None if keep else _rng_state(rt.comm.device)
-        with torch.enable_grad() if keep else torch.no_grad(), _SavedBytes(measure and keep) as saved:
+        with torch.enable_grad() if keep else torch.no_grad(), _SavedBytes(measure and keep) as saved, \
+                rt.timeline.chunk("fill", c, i == 0):
             rec = run_chunk(rt, run, localizer, rt.chunked, c, runner, ("train", sig, c), plan.chunks_per_way == 1,
                             init=False, check=check if reference is None else None, train=True, protect=not keep,
                             next_key=("train", sig, order[i + 1]) if ahead and i + 1 < len(order) else None)
@@ -130,7 +131,8 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
         if rng is not None:  # the drain replays it: keep what it received and its random state only
             rec = ChunkRecord(c, None, rec.received, {}, None, rec.activation, rng, rec.key)
         chunks.append(rec)
-    full = share_output(rt, mine, start, end, ("train", sig))
+    with rt.timeline.chunk("fill", -1, True, "output"):  # stages before the last wait here: the bubble
+        full = share_output(rt, mine, start, end, ("train", sig))
     rt.comm.flush()
     rt.comm.counting, rt.comm.boundary_dtype = False, None
     if check is not None:
@@ -145,16 +147,17 @@ def drain(grad: Tensor, record: CallRecord) -> None:
     record.run.prepare(rt.training_graphs())
     rt.comm.counting, rt.comm.boundary_dtype = True, rt.config.boundary_dtype
     grad_new = grad[rt.graph.perm] if grid.is_last else None
-    if not grid.is_last:
-        rt.link.expect_grads(record.chunks[-1].sent)
     order = record.chunks[::-1]
     ahead = rt.config.overlap and not grid.is_last
     for i, rec in enumerate(order):
         key = rec.key
-        if rec.rng is not None:
-            rec = _replay(record, rec)
-        drain_chunk(rt, rec, key, grad_new, first=i == 0,
-                    next_key=order[i + 1].key if ahead and i + 1 < len(order) else None)
+        with rt.timeline.chunk("drain", rec.chunk, i == 0):
+            if i == 0 and not grid.is_last:  # sent with the next stage's first gradients: the bubble's wait
+                rt.link.expect_grads(record.chunks[-1].sent)
+            if rec.rng is not None:
+                rec = _replay(record, rec)
+            drain_chunk(rt, rec, key, grad_new, first=i == 0,
+                        next_key=order[i + 1].key if ahead and i + 1 < len(order) else None)
     rt.comm.flush()
     rt.comm.counting, rt.comm.boundary_dtype = False, None
     record.run.history.clear_grads()

@@ -1,5 +1,5 @@
-"""Callbacks the strategies add to the Trainer: communication logging and gradient clipping by the norm
-over all stages."""
+"""Callbacks the strategies add to the Trainer: communication and timeline logging, and gradient clipping
+by the norm over all stages."""
 from __future__ import annotations
 
 from typing import Callable, Dict, List
@@ -50,6 +50,36 @@ class CommLogger(Callback):
         if ways == 1:
             skip |= {"halo_forward", "halo_backward", "weight_allreduce"}
         return [c for c in CATEGORIES if c not in skip]
+
+
+class TimelineLogger(Callback):
+    """Logs where the stages' time went in each training epoch (:mod:`pyg_pipe.engine.timeline`):
+    ``time/compute``, ``time/wait`` and ``time/bubble`` in seconds per step, and ``time/bubble_share``
+    (bubble ÷ all three), each the largest over the ranks. Recorded on CPU devices only."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self._steps: List[Dict[str, float]] = []
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._steps = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        engine = self.strategy.engine
+        if engine is not None:
+            self._steps += engine.timeline.take()
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        engine = self.strategy.engine
+        if engine is None or not engine.timeline.on:  # the same on every rank: every rank logs, or none
+            return
+        n = max(len(self._steps), 1)
+        per_step = {k: sum(s[k] for s in self._steps) / n for k in ("compute", "wait", "bubble")}
+        total = sum(per_step.values())
+        per_step["bubble_share"] = per_step["bubble"] / total if total > 0 else 0.0
+        log = dict(on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
+        for k, v in per_step.items():
+            pl_module.log(f"time/{k}", torch.tensor(v, dtype=torch.float64), **log)
 
 
 class GlobalNormClipping(Callback):

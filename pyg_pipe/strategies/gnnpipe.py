@@ -10,11 +10,12 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 
 from ..engine import Comm, GNNPipeEngine, PipelineConfig, refuse_graph_builders, sync_module_state
+from ..engine.timeline import write_trace
 from ..memory import PeakMemory
 from ..model import UnsupportedModelError
 from ..model.find import count_layers, pipelined_module
 from .batch import SameGraph, check_batch
-from .callbacks import CommLogger, GlobalNormClipping, clip_by_global_norm
+from .callbacks import CommLogger, GlobalNormClipping, TimelineLogger, clip_by_global_norm
 from .checkpoint import PipelineCheckpoints
 from .launchers import CheckedScriptLauncher, ResultsLauncher
 
@@ -74,6 +75,10 @@ class GNNPipeStrategy(DDPStrategy):
             streaming): exact like plain PyG, holding one chunk of one layer on the device, with the values
             between groups in the offload tier (``"auto"``: with ``devices=1`` and several chunks or an
             ``offload`` tier; ``False``: one pipeline stage with historical embeddings instead).
+        timeline_trace: a file path: every rank's chunks (compute, wait for transfers, the bubble) are
+            written there as one Chrome trace when training ends (open it in Perfetto or
+            ``chrome://tracing``). The per-step sums are logged as ``time/compute``, ``time/wait``,
+            ``time/bubble`` and ``time/bubble_share`` in any case (CPU devices; docs/benchmarks.md).
         overlap: post the receives of the next chunk's values and gradients before computing the
             current chunk, so stage-to-stage transfers run during compute (same results; ``False`` waits
             for each chunk's transfer when the chunk starts).
@@ -113,6 +118,7 @@ class GNNPipeStrategy(DDPStrategy):
         streaming: Union[bool, str] = "auto",
         overlap: bool = True,
         boundary_dtype: Optional[torch.dtype] = None,
+        timeline_trace: Optional[str] = None,
         accelerator=None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment=None,
@@ -132,7 +138,7 @@ class GNNPipeStrategy(DDPStrategy):
                                      per_chunk_statistics=per_chunk_statistics, split_points=split_points,
                                      recompute=recompute, offload=offload, offload_budget=offload_budget,
                                      offload_dir=offload_dir, streaming=streaming, overlap=overlap,
-                                     boundary_dtype=boundary_dtype)
+                                     boundary_dtype=boundary_dtype, timeline_trace=timeline_trace)
         self.config.validate()
         if comm_timeout <= 0:
             raise ValueError(f"comm_timeout={comm_timeout} must be a positive number of seconds.")
@@ -230,7 +236,7 @@ class GNNPipeStrategy(DDPStrategy):
         self.engine.install()
         self.checkpoints.install_pending()
         self._memory = PeakMemory(self.root_device).start()
-        for kind in (CommLogger, GlobalNormClipping):
+        for kind in (CommLogger, TimelineLogger, GlobalNormClipping):
             if not any(isinstance(cb, kind) for cb in trainer.callbacks):
                 trainer.callbacks.append(kind(self))
 
@@ -316,6 +322,11 @@ class GNNPipeStrategy(DDPStrategy):
         self.checkpoints.at_train_end(gather_now=isinstance(self._launcher, ResultsLauncher))
         if self._memory is not None and self.comm is not None:
             self.peak_memory = self.comm.all_gather_objects(self._memory.net_bytes(), "gathering peak memory")
+        if self.config.timeline_trace is not None and self.engine is not None and self.comm is not None:
+            events = self.comm.all_gather_objects(self.engine.timeline.chrome_events(self.global_rank),
+                                                  "gathering the timeline")
+            if self.global_rank == 0:
+                write_trace(self.config.timeline_trace, [e for rank in events for e in rank])
 
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True

@@ -79,6 +79,31 @@ def test_fit_matches_single_process_and_logs_bytes(data, devices, clip, tmp_path
     assert "comm/halo_forward" not in t.callback_metrics  # no graph-parallel ways: not logged
 
 
+def test_the_timeline_reaches_the_logger_and_the_trace_file(data, tmp_path):
+    """time/compute, time/wait, time/bubble and time/bubble_share reach Lightning's CSVLogger; with
+    timeline_trace every rank's chunks of every step (fill and drain) are in one Chrome trace."""
+    import json
+
+    from lightning.pytorch.loggers import CSVLogger
+    torch.manual_seed(0)
+    lit = NodeClassifier(make_model("gcn"))
+    trace = tmp_path / "trace" / "timeline.json"
+    strategy = GNNPipeStrategy(start_method="spawn", comm_timeout=60, num_chunks=4, timeline_trace=str(trace))
+    t = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=2, logger=CSVLogger(str(tmp_path)),
+                   enable_progress_bar=False, enable_checkpointing=False)
+    t.fit(lit, train_dataloaders=graph_loader(data), val_dataloaders=graph_loader(data))
+    for key in ("compute", "wait", "bubble", "bubble_share"):
+        assert float(t.callback_metrics[f"time/{key}"]) >= 0, key
+    assert float(t.callback_metrics["time/compute"]) > 0
+    (csv,) = tmp_path.glob("lightning_logs/*/metrics.csv")   # written by rank 0 (a spawned worker)
+    header = csv.read_text().splitlines()[0]
+    assert "time/compute" in header and "time/bubble_share" in header
+    events = json.load(open(trace))["traceEvents"]
+    chunks = [e for e in events if e["tid"] == 0]
+    for rank in (0, 1):  # 2 steps x (fill + drain) x 4 chunks
+        assert len([e for e in chunks if e["pid"] == rank]) == 2 * 2 * 4, rank
+
+
 def test_one_device_with_an_offload_tier_streams_exactly(data, tmp_path):
     """devices=1 with offload="disk": the model streams group by group over the chunks (NGra), every value
     between groups in memory-mapped files; the parameters after fit equal one process's at lr > 0."""

@@ -135,7 +135,7 @@ def run_pipe(args) -> None:
                                            snapshot_period=args.snapshot_period or None, **memory)
     else:
         strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks, snapshot_period=args.snapshot_period or None,
-                                            **memory)
+                                            timeline_trace=args.trace or None, **memory)
     timer = Timer()
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.procs, max_epochs=args.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -144,7 +144,10 @@ def run_pipe(args) -> None:
     rank = trainer.global_rank
     out = {"rank": rank, "times": timer.times, "losses": timer.losses, "hwm_mb": timer.hwm, "peak_mb": peak_mb(),
            "base_mb": base,
-           "comm": strategy.comm_history[-1] if strategy.comm_history else {}}
+           "comm": strategy.comm_history[-1] if strategy.comm_history else {},
+           "timeline": {k: float(trainer.callback_metrics[f"time/{k}"]) for k in ("compute", "wait", "bubble",
+                                                                               "bubble_share")
+                        if f"time/{k}" in trainer.callback_metrics}}
     with open(f"{args.json}.rank{rank}", "w") as f:
         json.dump(out, f)
 
@@ -152,8 +155,8 @@ def run_pipe(args) -> None:
 def launch(args, mode: str, **extra) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode]
     for k in ("graph", "nodes", "degree", "features", "classes", "layers", "hidden", "epochs", "procs",
-              "threads_single", "snapshot_period"):
-        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+              "threads_single", "snapshot_period", "trace"):
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k, ""))]
     for k, v in extra.items():
         cmd += [f"--{k}", str(v)]
     env = dict(os.environ, OMP_NUM_THREADS="1" if mode == "pipe" else str(args.threads_single))
@@ -192,6 +195,7 @@ def main():
     p.add_argument("--offload-budget", "--offload_budget", dest="offload_budget", type=int, default=-1,
                    help="GNNPipeStrategy(offload_budget=...) in bytes (-1: None)")
     p.add_argument("--kernels", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--trace", default="", help="gnnpipe runs write their Chrome trace here (timeline_trace=...)")
     p.add_argument("--bandwidth", type=float, default=0,
                    help="simulated link in bytes/s for every pyg_pipe process (PYG_PIPE_SIMULATED_BANDWIDTH; "
                         "0: loopback as it is)")
@@ -245,6 +249,13 @@ def main():
                                  carried_width=args.hidden)
             rows.append((c, t, t / t_single, peak, peak / m_single, net, net / max(net_single, 1e-9),
                          comm.get("total", 0), want["total"], t / t_single_k))
+            tl = ranks[0].get("timeline", {})
+            if tl:
+                from pyg_pipe.engine.timeline import bubble_share
+                results[f"timeline_c{c}"] = tl
+                print(f"gnnpipe, {c} chunks, per step (the largest over the ranks): compute {tl['compute']:.3f} s, "
+                      f"wait {tl['wait']:.3f} s, bubble {tl['bubble']:.3f} s; bubble share {tl['bubble_share']:.3f} "
+                      f"(GPipe formula (S-1)/(C+S-1) = {bubble_share(args.procs, c):.3f})", flush=True)
     print(f"\nsetting: {results['setting']}")
     print(f"single process ({args.threads_single} threads, sparse CSR, cached): epoch {t_single:.3f} s, "
           f"peak {m_single:.0f} MB (net {net_single:.0f} MB); with pyg_pipe's fused kernels: epoch {t_single_k:.3f} s")

@@ -99,9 +99,10 @@ def test_the_timeline_reaches_the_logger_and_the_trace_file(data, tmp_path):
     header = csv.read_text().splitlines()[0]
     assert "time/compute" in header and "time/bubble_share" in header
     events = json.load(open(trace))["traceEvents"]
-    chunks = [e for e in events if e["tid"] == 0]
-    for rank in (0, 1):  # 2 steps x (fill + drain) x 4 chunks
-        assert len([e for e in chunks if e["pid"] == rank]) == 2 * 2 * 4, rank
+    spans = [e for e in events if e["tid"] == 0]
+    for rank in (0, 1):  # 2 steps x (fill + drain) x 4 chunks, and the fill's output share once a step
+        mine = [e["name"] for e in spans if e["pid"] == rank]
+        assert len([n for n in mine if n != "output"]) == 2 * 2 * 4 and mine.count("output") == 2, (rank, mine)
 
 
 def test_one_device_with_an_offload_tier_streams_exactly(data, tmp_path):

@@ -84,7 +84,8 @@ class StageLink:
             for leaf in leaves:
                 if leaf is not None:
                     self.comm.send(leaf, self.next, category)
-        self._floats[chunk] = [(tuple(t.shape), t.dtype) for _, t in _floats(values)]
+        if chunk not in self._floats:  # shapes are fixed per chunk (checked above): recorded once
+            self._floats[chunk] = [(tuple(t.shape), t.dtype) for _, t in _floats(values)]
 
     def recv(self, chunk, names: List[str], requires_grad: bool) -> Dict[str, Any]:
         posted = self._posted.pop(chunk, None)

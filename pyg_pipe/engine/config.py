@@ -61,7 +61,7 @@ class PipelineConfig:
     offload_budget: Union[None, int, str] = None
     offload_dir: Optional[str] = None
     streaming: Union[bool, str] = "auto"
-    overlap: bool = False
+    overlap: bool = True
     boundary_dtype: Optional["torch.dtype"] = None
     timeline_trace: Optional[str] = None
 

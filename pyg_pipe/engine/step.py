@@ -33,6 +33,7 @@ a chunk with the one :func:`run_chunk`.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -194,8 +195,7 @@ def prepare_history(rt: Runtime, inputs: CallInputs, call: int) -> None:
         return
     history = rt.history.of(call)
     tensors = inputs.edge_tensors()
-    key = tuple((id(t), t._version) for t in tensors)
-    if history.initialised and history.edge_inputs and key == history.edge_inputs[:-1]:
+    if history.initialised and _same_objects(history.edge_inputs, tensors):
         return
     digest = tuple(fingerprint(t) for t in tensors)
     if not history.initialised or (history.edge_inputs and digest != history.edge_inputs[-1]):
@@ -203,7 +203,17 @@ def prepare_history(rt: Runtime, inputs: CallInputs, call: int) -> None:
             exact(rt, inputs, history)
         history.renew()  # the T2 anchor is renewed too
         history.initialised = True
-    history.edge_inputs = key + (digest,)
+    history.edge_inputs = tuple((weakref.ref(t), t._version) for t in tensors) + (digest,)
+
+
+def _same_objects(seen: tuple, tensors: List[Tensor]) -> bool:
+    """Whether ``tensors`` are the very objects of the last call, unchanged in place (alive, same version):
+    then their values are the same and the digest need not be taken again. Held by weak reference, as an
+    ``id`` alone is reused once a tensor is freed (a sparse input's values, taken anew each call, die at
+    once): matching a new tensor by a reused ``id`` would skip a refill on one rank and not another."""
+    if not seen or len(seen) - 1 != len(tensors):
+        return False
+    return all(ref() is t and version == t._version for (ref, version), t in zip(seen[:-1], tensors))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -80,8 +80,7 @@ class GNNPipeStrategy(DDPStrategy):
             ``chrome://tracing``). The per-step sums are logged as ``time/compute``, ``time/wait``,
             ``time/bubble`` and ``time/bubble_share`` in any case (CPU devices; docs/benchmarks.md).
         overlap: post the receives of the next chunk's values and gradients before computing the
-            current chunk, so stage-to-stage transfers run during compute (same results). Off by default
-            for now: an intermittent message mismatch was seen once in CI (docs/benchmarks.md#overlap).
+            current chunk, so stage-to-stage transfers run during compute (same results, bit for bit).
         boundary_dtype: ``torch.bfloat16`` (or ``torch.float16``) sends the activations and gradients
             crossing stage cuts and halos in that dtype during training: half the bytes, approximate
             (docs/gnnpipe.md measures the effect); validation, test and predict stay exact. ``None``: as
@@ -116,7 +115,7 @@ class GNNPipeStrategy(DDPStrategy):
         offload_budget: Union[None, int, str] = None,
         offload_dir: Optional[str] = None,
         streaming: Union[bool, str] = "auto",
-        overlap: bool = False,
+        overlap: bool = True,
         boundary_dtype: Optional[torch.dtype] = None,
         timeline_trace: Optional[str] = None,
         accelerator=None,

@@ -2,6 +2,8 @@
 history is (re)filled. One process with four chunks (history read and written), driven through the
 step functions with a runtime built from a plan, as the engine does.
 """
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,6 +91,34 @@ def test_a_call_history_is_filled_once_and_again_for_new_edge_values(setup, monk
     assert len(passes) == 2
     step.prepare_history(rt, inputs, 1)                          # a second call of the step has its own history
     assert len(passes) == 3 and rt.history.of(1).initialised
+
+
+def test_only_the_same_live_unchanged_objects_skip_the_digest():
+    w = torch.ones(5)
+    seen = ((weakref.ref(w), w._version), "digest")
+    assert step._same_objects(seen, [w])
+    w.mul_(2)                                   # changed in place: a new version
+    assert not step._same_objects(seen, [w])
+    assert not step._same_objects(seen, [torch.ones(5)])
+    assert not step._same_objects(seen, [w, w]) and not step._same_objects((), [])
+
+
+def test_a_new_tensor_at_a_freed_tensors_address_is_not_the_same_object():
+    """A sparse input's values are taken anew each call and die at once, so the next call's tensor
+    usually gets the same ``id`` and version: that identity must not pass for "unchanged" (it once
+    skipped the refill for new adjacency values on one rank and not on another)."""
+    w = torch.rand(5)
+    old_id, seen = id(w), ((weakref.ref(w), w._version), "digest")
+    del w
+    new = [torch.rand(5) for _ in range(1)][0]
+    for _ in range(100):                        # CPython reuses the freed slot almost at once
+        if id(new) == old_id:
+            break
+        new = torch.rand(5)
+    assert not step._same_objects(seen, [new])
+    if id(new) != old_id:
+        pytest.skip("the allocator gave the new tensor another address this time")
+    assert new._version == seen[0][1]           # an id-and-version key would have called it the same
 
 
 def test_the_output_has_to_be_one_row_per_vertex():

@@ -98,10 +98,9 @@ def build_graph(name: str):
 
 def build_model(name: str, c_in: int, hidden: int, c_out: int, layers: int):
     import torch
-    from torch import nn
-    from torch_geometric.nn import GCN, DeepGCNLayer, GCNConv, GraphSAGE
+    from torch_geometric.nn import GCN, GraphSAGE
 
-    from pyg_pipe.models import gcnii
+    from pyg_pipe.models import ResGCNPlus, gcnii
 
     torch.manual_seed(0)
     if name == "gcn":
@@ -111,25 +110,7 @@ def build_model(name: str, c_in: int, hidden: int, c_out: int, layers: int):
     if name == "gcnii":
         return gcnii(c_in, hidden, c_out, num_layers=layers, dropout=0.1)
     if name == "resgcn":
-        class ResGCNPlus(nn.Module):
-            """ResGCN+ (DeepGCNs' pre-activation residual block): x + conv(relu(norm(x))) per layer."""
-
-            def __init__(self):
-                super().__init__()
-                self.enc = nn.Linear(c_in, hidden)
-                self.layers = nn.ModuleList(
-                    DeepGCNLayer(GCNConv(hidden, hidden), nn.LayerNorm(hidden), nn.ReLU(), block="res+", dropout=0.1)
-                    for _ in range(layers))
-                self.norm = nn.LayerNorm(hidden)
-                self.out = nn.Linear(hidden, c_out)
-
-            def forward(self, x, edge_index):
-                x = self.enc(x)
-                for layer in self.layers:
-                    x = layer(x, edge_index)
-                return self.out(torch.relu(self.norm(x)))
-
-        return ResGCNPlus()
+        return ResGCNPlus(c_in, hidden, c_out, num_layers=layers, dropout=0.1)
     raise ValueError(name)
 
 

@@ -10,6 +10,7 @@ the same 2 processes. Every configuration runs in fresh processes, one after the
 invocation, and the ratios are printed at the end.
 
     python benchmarks/gnnpipe_epoch.py                       # the full setting (about 10 minutes)
+    python benchmarks/gnnpipe_epoch.py --model resgcn --graph random --procs 4 --chunks 16   # ResGCN+ (or gcn)
     python benchmarks/gnnpipe_epoch.py --nodes 5000 --degree 20 --layers 8 --epochs 3   # a quick look
 
 Epoch time = one optimizer step on the whole graph (forward, loss, backward, step), median over the
@@ -33,13 +34,31 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 
+CUDA = False  # --device cuda: times after a device synchronize, memory = the CUDA allocator's (set in main)
+
+
 def rss_mb() -> float:
+    """Memory held now: resident set size (CPU) or what the CUDA allocator holds."""
+    if CUDA:
+        import torch
+        return torch.cuda.memory_allocated() / 2**20
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def peak_mb() -> float:
+    """Peak so far: of the resident set size (CPU) or of the CUDA allocator."""
+    if CUDA:
+        import torch
+        return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def now() -> float:
+    if CUDA:
+        import torch
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def build(args):
@@ -47,7 +66,9 @@ def build(args):
     from torch_geometric.utils import to_torch_csr_tensor
 
     from pyg_pipe.graph import sbm_graph
-    from pyg_pipe.models import gcnii
+    from torch_geometric.nn import GCN
+
+    from pyg_pipe.models import ResGCNPlus, gcnii
 
     if args.graph == "community":
         # many small communities (locality, as in real graphs): 90% of edges inside a community of ~125
@@ -60,7 +81,13 @@ def build(args):
                          num_features=args.features, seed=0)
     data.adj_t = to_torch_csr_tensor(data.edge_index.flip(0), size=(data.num_nodes, data.num_nodes))
     torch.manual_seed(0)
-    model = gcnii(args.features, args.hidden, args.classes, num_layers=args.layers, dropout=0.0, cached=True)
+    if args.model == "gcnii":
+        model = gcnii(args.features, args.hidden, args.classes, num_layers=args.layers, dropout=0.0, cached=True)
+    elif args.model == "gcn":
+        model = GCN(args.features, args.hidden, args.layers, args.classes, cached=True)
+    else:
+        model = ResGCNPlus(args.features, args.hidden, args.classes, num_layers=args.layers, dropout=0.0,
+                           cached=True)
     return data, model
 
 
@@ -70,6 +97,8 @@ def run_single(args) -> dict:
 
     torch.set_num_threads(args.threads_single)
     data, model = build(args)
+    if CUDA:
+        data, model = data.to("cuda"), model.to("cuda")
     base = rss_mb()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     times, losses = [], []
@@ -77,13 +106,13 @@ def run_single(args) -> dict:
         from pyg_pipe.ops import fused_kernels
         fused_kernels().__enter__()
     for _ in range(args.epochs):
-        t0 = time.perf_counter()
+        t0 = now()
         out = model(data.x, data.adj_t)
         loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
         opt.zero_grad()
         loss.backward()
         opt.step()
-        times.append(time.perf_counter() - t0)
+        times.append(now() - t0)
         losses.append(loss.item())
     return {"times": times, "peak_mb": peak_mb(), "base_mb": base, "losses": losses}
 
@@ -118,10 +147,10 @@ def run_pipe(args) -> None:
             self.hwm.append(peak_mb())
 
         def on_train_batch_start(self, trainer, *a):
-            self.t0 = time.perf_counter()
+            self.t0 = now()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, *a):
-            self.times.append(time.perf_counter() - self.t0)
+            self.times.append(now() - self.t0)
             self.losses.append(float(outputs["loss"]))
             self.hwm.append(peak_mb())
 
@@ -137,7 +166,7 @@ def run_pipe(args) -> None:
         strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks, snapshot_period=args.snapshot_period or None,
                                             timeline_trace=args.trace or None, **memory)
     timer = Timer()
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.procs, max_epochs=args.epochs,
+    trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if CUDA else "cpu", devices=args.procs, max_epochs=args.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer])
     trainer.fit(Module(), datamodule=pyg_pipe.FullGraphDataModule(data))
@@ -154,8 +183,8 @@ def run_pipe(args) -> None:
 
 def launch(args, mode: str, **extra) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode]
-    for k in ("graph", "nodes", "degree", "features", "classes", "layers", "hidden", "epochs", "procs",
-              "threads_single", "snapshot_period", "trace"):
+    for k in ("graph", "model", "nodes", "degree", "features", "classes", "layers", "hidden", "epochs", "procs",
+              "threads_single", "snapshot_period", "trace", "device"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k, ""))]
     for k, v in extra.items():
         cmd += [f"--{k}", str(v)]
@@ -175,6 +204,8 @@ def main():
     p.add_argument("--degree", type=float, default=20.0)
     p.add_argument("--features", type=int, default=64)
     p.add_argument("--classes", type=int, default=8)
+    p.add_argument("--model", choices=["gcnii", "gcn", "resgcn"], default="gcnii",
+                   help="gcnii: GCN2Conv layers; gcn: PyG's GCN; resgcn: ResGCN+ (DeepGCNLayer res+ around GCNConv)")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--epochs", type=int, default=10)
@@ -196,10 +227,15 @@ def main():
                    help="GNNPipeStrategy(offload_budget=...) in bytes (-1: None)")
     p.add_argument("--kernels", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--trace", default="", help="gnnpipe runs write their Chrome trace here (timeline_trace=...)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: every process on its own GPU (NCCL; --procs at most the GPU count; 1 process "
+                        "with chunks streams on one GPU), times after a synchronize, memory = CUDA allocator peaks")
     p.add_argument("--bandwidth", type=float, default=0,
                    help="simulated link in bytes/s for every pyg_pipe process (PYG_PIPE_SIMULATED_BANDWIDTH; "
                         "0: loopback as it is)")
     args = p.parse_args()
+    global CUDA
+    CUDA = args.device == "cuda"
     if args.bandwidth:
         os.environ["PYG_PIPE_SIMULATED_BANDWIDTH"] = str(args.bandwidth)
 
@@ -218,7 +254,7 @@ def main():
     def med(ts):  # steady state: the second half of the epochs (allocator and caches warmed up)
         return statistics.median(ts[len(ts) // 2:])
 
-    results = {"setting": {k: getattr(args, k) for k in ("graph", "nodes", "degree", "features", "classes", "layers",
+    results = {"setting": {k: getattr(args, k) for k in ("graph", "model", "nodes", "degree", "features", "classes", "layers",
                                                          "hidden", "epochs", "procs", "threads_single", "snapshot_period")}}
     single = json.loads(launch(args, "single").stdout.strip().splitlines()[-1])
     results["single"] = single
@@ -246,7 +282,7 @@ def main():
             net = max(r["peak_mb"] - r["base_mb"] for r in ranks)
             comm = ranks[0]["comm"]
             want = gnnpipe_bytes(args.nodes, args.procs, width=args.hidden, out_width=args.classes,
-                                 carried_width=args.hidden)
+                                 carried_width=args.hidden if args.model == "gcnii" else 0)  # GCNII carries x0
             rows.append((c, t, t / t_single, peak, peak / m_single, net, net / max(net_single, 1e-9),
                          comm.get("total", 0), want["total"], t / t_single_k))
             tl = ranks[0].get("timeline", {})

@@ -2,8 +2,9 @@
 models, nothing pyg_pipe-specific (any PyG model of a supported form trains the same way)."""
 from __future__ import annotations
 
+import torch
 from torch import nn
-from torch_geometric.nn import GCN2Conv, Sequential
+from torch_geometric.nn import GCN2Conv, DeepGCNLayer, GCNConv, Sequential
 
 
 def _with_x0(x):
@@ -26,3 +27,26 @@ def gcnii(in_channels: int, hidden_channels: int, out_channels: int, num_layers:
                    nn.ReLU()]
     layers += [(nn.Dropout(dropout), "x -> x"), (nn.Linear(hidden_channels, out_channels), "x -> x")]
     return Sequential("x, edge_index", layers)
+
+
+class ResGCNPlus(nn.Module):
+    """ResGCN+ (DeepGCNs, Li et al., 2020): ``x + conv(relu(norm(x)))`` per layer with PyG's
+    ``DeepGCNLayer(block="res+")`` around a ``GCNConv``, a linear encoder before and a normalised linear
+    classifier after. Shapes: ``x`` [N, in_channels], ``edge_index`` [2, E] (or a sparse ``adj_t``) ->
+    [N, out_channels]."""
+
+    def __init__(self, in_channels: int, hidden_channels: int, out_channels: int, num_layers: int = 32,
+                 dropout: float = 0.1, cached: bool = False):
+        super().__init__()
+        self.enc = nn.Linear(in_channels, hidden_channels)
+        self.layers = nn.ModuleList(
+            DeepGCNLayer(GCNConv(hidden_channels, hidden_channels, cached=cached), nn.LayerNorm(hidden_channels),
+                         nn.ReLU(), block="res+", dropout=dropout) for _ in range(num_layers))
+        self.norm = nn.LayerNorm(hidden_channels)
+        self.out = nn.Linear(hidden_channels, out_channels)
+
+    def forward(self, x, edge_index):
+        x = self.enc(x)
+        for layer in self.layers:
+            x = layer(x, edge_index)
+        return self.out(torch.relu(self.norm(x)))

@@ -17,24 +17,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
+def _entry(rank: int, world_size: int, port: int, backend: str, fn, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     try:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo") -> None:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
 
     The first process to fail makes the others terminate and its exception (with traceback) is
     raised here; if the processes have not all finished after ``timeout`` seconds they are killed
-    and ``TimeoutError`` is raised, so a test can never hang.
+    and ``TimeoutError`` is raised, so a test can never hang. ``backend="nccl"`` puts rank ``r`` on
+    CUDA device ``r`` (tests marked ``gpu``).
     """
-    ctx = mp.start_processes(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=False,
+    ctx = mp.start_processes(_entry, args=(world_size, free_port(), backend, fn, args), nprocs=world_size, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=0.5):

@@ -150,7 +150,7 @@ def test_argument_errors():
         ops.csr_aggregate(rowptr, col, x, value=torch.ones(3))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("reduce", REDUCES)
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
@@ -164,7 +164,7 @@ def test_cuda_matches_reference(reduce, weighted, index_dtype, width):
             _compare(rowptr.cuda(), col.cuda(), x, value, reduce, rs, re, atol=atol)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_cuda_backend_and_gradcheck():
     assert ops.backend("cuda") == "cuda", "CUDA is available but the CUDA kernel did not build"
     rowptr, col = small_csr(N, num_edges=70, seed=3)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Everything that needs a CUDA GPU, in one call, for the day one is lent:
+#   1. the tests marked `gpu` (the kernels against their reference on CUDA, the engine streaming on one
+#      GPU and through Lightning equal to plain PyG, gnnpipe over NCCL when there are two GPUs);
+#   2. the fused kernels against cuSPARSE (torch.sparse.mm) and PyG's scatter path, with the kernel's
+#      achieved bandwidth (benchmarks/aggregate.py --device cuda);
+#   3. one engine epoch on CUDA: plain PyG, plain PyG with the kernels, graph_parallel and gnnpipe on
+#      min(2, GPUs) processes (one GPU: the engine streams over the chunks), 16-layer GCNII, 20k vertices.
+# Results go to $OUT (default docs/results/gpu). Without a CUDA device it says so and exits 0.
+#
+#   bash benchmarks/gpu.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-docs/results/gpu}"
+gpus=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+if [ "$gpus" = "0" ]; then
+    echo "benchmarks/gpu.sh: no CUDA device here; nothing to run (the tests marked gpu skip without one)."
+    exit 0
+fi
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt" || true
+procs=$(( gpus >= 2 ? 2 : 1 ))
+set -x
+python -m pytest -q -m gpu tests 2>&1 | tee "$out/tests.txt"
+python benchmarks/aggregate.py --device cuda --widths 64 128 --repeats 5 --out "$out/aggregate_cuda.json" \
+    2>&1 | tee "$out/aggregate_cuda.txt"
+python benchmarks/gnnpipe_epoch.py --device cuda --procs "$procs" --nodes 20000 --layers 16 --chunks 4 8 \
+    --epochs 6 --out "$out/epoch_cuda.json" 2>&1 | tee "$out/epoch_cuda.txt"

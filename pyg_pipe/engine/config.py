@@ -45,6 +45,8 @@ class PipelineConfig:
             approximate); the exact pass and inference keep the values' own dtype. ``None``: as computed.
         timeline_trace: a path: every rank's chunk spans (compute, wait, bubble) written there as one
             Chrome trace when training ends (:mod:`.timeline`).
+        staleness_meter: measure, each training step, how far the historical rows read were from the
+            fresh ones, per call site (:mod:`.staleness`; a few index-selects after each fill).
     """
 
     num_chunks: Optional[int] = None
@@ -64,6 +66,7 @@ class PipelineConfig:
     overlap: bool = True
     boundary_dtype: Optional["torch.dtype"] = None
     timeline_trace: Optional[str] = None
+    staleness_meter: bool = True
 
     def streams(self, devices: int) -> bool:
         """Whether a run on ``devices`` devices streams (``streaming="auto"``: one device, and several chunks
@@ -92,6 +95,9 @@ class PipelineConfig:
         if self.timeline_trace is not None and not isinstance(self.timeline_trace, (str, os.PathLike)):
             raise ValueError(f"timeline_trace={self.timeline_trace!r} must be a file path (the Chrome trace to "
                              f"write) or None.")
+        if not isinstance(self.staleness_meter, bool):
+            raise ValueError(f"staleness_meter={self.staleness_meter!r} must be True (measure the drift of the "
+                             f"historical rows each step reads) or False.")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap={self.overlap!r} must be True (post the next chunk's receives before "
                              f"computing the current one) or False.")

@@ -35,6 +35,7 @@ from ..model.trace import forward_function
 from . import step as steps
 from . import stream
 from .comm import Comm
+from .staleness import StalenessMeter
 from .timeline import Timeline
 from .config import PipelineConfig
 from .grid import RankGrid
@@ -109,6 +110,7 @@ class GNNPipeEngine:
         self._steps_only = False
         self._in_step = False
         self.timeline = Timeline(comm, on=comm.device.type == "cpu", keep=config.timeline_trace is not None)
+        self.meter = StalenessMeter(on=config.staleness_meter)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -214,6 +216,7 @@ class GNNPipeEngine:
         self.step += 1
         self._calls = 0
         self.timeline.end_step()
+        self.meter.end_step()
 
     # ------------------------------------------------------------------ planning
     def _runtime_for(self, inputs: CallInputs) -> Runtime:
@@ -255,7 +258,7 @@ class GNNPipeEngine:
         self._sizes = plan.sizes
         if self._grads is None:
             self._grads = GradientSum(self.module, plan.param_stages, grid, comm)
-        rt = Runtime(plan, grid, comm, self.config, self.module, self._fn, inputs, self.timeline)
+        rt = Runtime(plan, grid, comm, self.config, self.module, self._fn, inputs, self.timeline, self.meter)
         if shape.program is not None:
             rt.programs.seed(inputs, shape.program)
         rt.load_state_dict(saved.get("rank"))

@@ -122,6 +122,7 @@ class HaloPass:
         self.clock = clock
         self.read_history, self.write_history = read_history, write_history
         self._routes: Dict[Tuple[int, int], _Routes] = {}
+        self.reads: Dict[str, List[Tuple[ChunkedGraph, LocalGraph]]] = {}  # site -> chunks that read history there
 
     def prepare(self, graphs: List[ChunkedGraph]) -> None:
         """Computes the backward routes of this rank's chunks of ``graphs`` (before the per-chunk loop,
@@ -160,6 +161,7 @@ class HaloPass:
                 self.history.write_ids(key, ids, r)
         if self.read_history:
             self.history.read(key, lg.halo, rows, out=halo)
+            self.reads.setdefault(key, []).append((cg, lg))  # (for the staleness meter, :mod:`.staleness`)
             return
         if cg.chunks_per_way > 1:
             raise RuntimeError("pyg_pipe: halo rows of other chunks of this way need history (internal error)")

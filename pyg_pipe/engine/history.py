@@ -72,6 +72,12 @@ class CallHistory:
         self._spare: Dict[str, Dict[str, Tensor]] = {}
         self.initialised = False
         self.edge_inputs: tuple = ()
+        # the step whose weights computed the rows (None: refilled by an exact pass just now), for the
+        # buffers and the snapshot; and the rows read stale this step (:meth:`age`)
+        self.written: Optional[int] = None
+        self._snapshot_written: Optional[int] = None
+        self._start_written: Optional[int] = None
+        self._step = 0
 
     # ------------------------------------------------------------------ rows
     def buffer(self, key: str, like: Tensor) -> Tensor:
@@ -187,6 +193,10 @@ class CallHistory:
         as they are now stay readable through the step (:meth:`read_start`); with snapshots they are
         the snapshot itself, without they cost a copy."""
         self.grads, self.start = {}, {}
+        self._step = step
+        if self.written is None:  # refilled before this step: computed with this step's weights
+            self.written = step
+        self._start_written = self.written
         if not self.buffers:
             return
         if period is None:
@@ -195,10 +205,12 @@ class CallHistory:
             return
         if step % period == 0 or set(self.snapshot) != set(self.buffers):  # (no snapshot yet: take one)
             self.snapshot = self._copies("snapshot")
+            self._snapshot_written = self.written
         else:
             for k, v in self.buffers.items():
                 v.copy_(self.snapshot[k])
                 self.tiers.release(v, self.snapshot[k])
+            self._start_written = self._snapshot_written
         if keep_start:
             self.start = self.snapshot  # equal to the buffers now; the buffers change, the snapshot does not
 
@@ -213,6 +225,15 @@ class CallHistory:
     def renew(self) -> None:
         """Drops the snapshot: the next step takes a new one (after the buffers were refilled)."""
         self.snapshot = {}
+        self.written = None
+
+    def age(self) -> int:
+        """How many optimizer updates older than this step's weights the rows read stale this step are:
+        the rows at the start of the step (the snapshot's, when T2 restored it) were computed by the fill
+        of an earlier step, or by an exact refill before this one (age 0)."""
+        if self._start_written is None:
+            return 0
+        return self._step - self._start_written
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

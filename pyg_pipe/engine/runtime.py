@@ -38,6 +38,7 @@ from .plan import Plan
 from .program import Programs
 from .schedule import Schedule
 from .tiers import Tiers
+from .staleness import StalenessMeter
 from .timeline import Timeline
 from .sites import CallSites
 
@@ -55,9 +56,11 @@ class Runtime:
     """
 
     def __init__(self, plan: Plan, grid: RankGrid, comm: Comm, config: PipelineConfig, module: torch.nn.Module,
-                 fn: Callable, inputs: CallInputs, timeline: Optional[Timeline] = None):
+                 fn: Callable, inputs: CallInputs, timeline: Optional[Timeline] = None,
+                 meter: Optional[StalenessMeter] = None):
         self.plan, self.grid, self.comm, self.config, self.module = plan, grid, comm, config, module
         self.timeline = timeline if timeline is not None else Timeline(comm, on=False)  # (:mod:`.timeline`)
+        self.meter = meter if meter is not None else StalenessMeter(on=False)        # (:mod:`.staleness`)
         dev = comm.device
         W = plan.ways
         self.chunked = chunk_graphs(inputs.graphs, inputs.num_nodes, plan.perm, plan.ptr, W, dev)

@@ -138,6 +138,9 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
     rt.comm.counting, rt.comm.boundary_dtype = False, None
     if check is not None:
         _verdict(rt, check)
+    if use_history:  # every row written, with this step's weights: how far the stale reads were (:mod:`.staleness`)
+        rt.meter.measure(run)
+        history.written = step
     return full[rt.graph.inv], CallRecord(rt, run, chunks, localizer, runner)
 
 

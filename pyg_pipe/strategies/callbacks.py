@@ -1,5 +1,5 @@
-"""Callbacks the strategies add to the Trainer: communication and timeline logging, and gradient clipping
-by the norm over all stages."""
+"""Callbacks the strategies add to the Trainer: communication, timeline and staleness logging, and gradient
+clipping by the norm over all stages."""
 from __future__ import annotations
 
 from typing import Callable, Dict, List
@@ -80,6 +80,41 @@ class TimelineLogger(Callback):
         log = dict(on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
         for k, v in per_step.items():
             pl_module.log(f"time/{k}", torch.tensor(v, dtype=torch.float64), **log)
+
+
+class StalenessLogger(Callback):
+    """Logs how stale the historical rows read in each training epoch were (:mod:`pyg_pipe.engine.staleness`):
+    ``staleness/max_drift`` (the largest per-site relative drift), ``staleness/drift/<site>``,
+    ``staleness/stale_share`` (stale halo reads ÷ all halo reads) and ``staleness/mean_age`` (optimizer
+    updates). Every rank's steps are gathered once per epoch, so all ranks log the same keys and values;
+    nothing is logged when no rank read history (one chunk per way, streaming, ``staleness_meter=False``)."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self._steps: List[dict] = []
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._steps = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        engine = self.strategy.engine
+        if engine is not None:
+            self._steps += engine.meter.take()
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        engine, comm = self.strategy.engine, self.strategy.comm
+        if engine is None or not engine.meter.on:  # the same on every rank
+            return
+        from ..engine.staleness import summarize
+        steps = self._steps
+        if comm is not None and comm.distributed:
+            steps = [s for rank in comm.all_gather_objects(steps, "gathering the staleness meter") for s in rank]
+        if not steps:
+            return
+        for k, v in summarize(steps).items():
+            # the same on every rank (gathered above): sync_dist only keeps Lightning from asking for it
+            pl_module.log(f"staleness/{k}", torch.tensor(v, dtype=torch.float64), on_step=False, on_epoch=True,
+                          sync_dist=True, reduce_fx="max")
 
 
 class GlobalNormClipping(Callback):

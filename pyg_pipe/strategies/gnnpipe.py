@@ -15,7 +15,7 @@ from ..memory import PeakMemory
 from ..model import UnsupportedModelError
 from ..model.find import count_layers, pipelined_module
 from .batch import SameGraph, check_batch
-from .callbacks import CommLogger, GlobalNormClipping, TimelineLogger, clip_by_global_norm
+from .callbacks import CommLogger, GlobalNormClipping, StalenessLogger, TimelineLogger, clip_by_global_norm
 from .checkpoint import PipelineCheckpoints
 from .launchers import CheckedScriptLauncher, ResultsLauncher
 
@@ -81,6 +81,9 @@ class GNNPipeStrategy(DDPStrategy):
             ``time/bubble`` and ``time/bubble_share`` in any case (CPU devices; docs/benchmarks.md).
         overlap: post the receives of the next chunk's values and gradients before computing the
             current chunk, so stage-to-stage transfers run during compute (same results, bit for bit).
+        staleness_meter: measure how far the historical rows each training step read were from the fresh
+            ones and log it per epoch: ``staleness/max_drift``, ``staleness/drift/<site>``,
+            ``staleness/stale_share``, ``staleness/mean_age`` (:mod:`pyg_pipe.engine.staleness`).
         boundary_dtype: ``torch.bfloat16`` (or ``torch.float16``) sends the activations and gradients
             crossing stage cuts and halos in that dtype during training: half the bytes, approximate
             (docs/gnnpipe.md measures the effect); validation, test and predict stay exact. ``None``: as
@@ -118,6 +121,7 @@ class GNNPipeStrategy(DDPStrategy):
         overlap: bool = True,
         boundary_dtype: Optional[torch.dtype] = None,
         timeline_trace: Optional[str] = None,
+        staleness_meter: bool = True,
         accelerator=None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment=None,
@@ -137,7 +141,8 @@ class GNNPipeStrategy(DDPStrategy):
                                      per_chunk_statistics=per_chunk_statistics, split_points=split_points,
                                      recompute=recompute, offload=offload, offload_budget=offload_budget,
                                      offload_dir=offload_dir, streaming=streaming, overlap=overlap,
-                                     boundary_dtype=boundary_dtype, timeline_trace=timeline_trace)
+                                     boundary_dtype=boundary_dtype, timeline_trace=timeline_trace,
+                                     staleness_meter=staleness_meter)
         self.config.validate()
         if comm_timeout <= 0:
             raise ValueError(f"comm_timeout={comm_timeout} must be a positive number of seconds.")
@@ -235,7 +240,7 @@ class GNNPipeStrategy(DDPStrategy):
         self.engine.install()
         self.checkpoints.install_pending()
         self._memory = PeakMemory(self.root_device).start()
-        for kind in (CommLogger, TimelineLogger, GlobalNormClipping):
+        for kind in (CommLogger, TimelineLogger, StalenessLogger, GlobalNormClipping):
             if not any(isinstance(cb, kind) for cb in trainer.callbacks):
                 trainer.callbacks.append(kind(self))
 

@@ -92,3 +92,9 @@ def test_the_first_bad_knob_is_the_one_named():
         PipelineConfig(num_chunks=0, snapshot_period=0, partition="kmeans", balance="fast").validate()
     with pytest.raises(ValueError, match="^partition='kmeans'"):
         PipelineConfig(partition="kmeans", balance="fast").validate()
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_staleness_meter_must_be_a_bool(bad):
+    with pytest.raises(ValueError, match=f"staleness_meter={bad!r}"):
+        PipelineConfig(staleness_meter=bad).validate()

@@ -14,6 +14,11 @@ rows it keeps a |V|-row history ``H``:
   earlier in the step or at the same position on another way, the snapshot's otherwise);
 * the first layer reads the input features, which are always true.
 
+The staleness meter (:mod:`pyg_pipe.engine.staleness`) is checked against the same reference: per
+step and per layer that reads history, the relative drift of the stale rows read (rows whose owner
+chunk runs later in the order: ``‖H_end − H_read‖ / ‖H_end‖`` over them, a row read by two chunks
+counted twice), the share of halo reads that were stale and their age in optimizer updates.
+
 Each step the reference gets the engine's current weights (so the gradient policy, tested in
 ``test_backward.py``, plays no part) and its own history; with lr > 0 the weights change every step,
 so a wrong order, a missing write, a wrong snapshot step or a restore of the wrong version makes the
@@ -23,6 +28,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch_geometric.nn import GraphConv, SAGEConv
@@ -59,14 +65,32 @@ class Reference:
             h1 = model.conv1(x, edge_index).relu()
             self.history = [h1, model.conv2(h1, edge_index).relu()]
         self.snapshot = None
+        self.origin = self.snapshot_origin = 0  # the step whose weights computed the history's / snapshot's rows
+        self.meter = None                       # the last step's (drift per layer, stale share, age)
 
     def forward(self, step: int) -> torch.Tensor:
         m, x, ei = self.model, self.x, self.edge_index
         if step % PERIOD == 0 or self.snapshot is None:
             self.snapshot = [h.clone() for h in self.history]
+            self.snapshot_origin = self.origin
+            age = step - self.origin
         else:
             self.history = [s.clone() for s in self.snapshot]
+            age = step - self.snapshot_origin
+        read = [h.clone() for h in self.history]   # what a stale read sees
         order = torch.randperm(self.cpw, generator=torch.Generator().manual_seed(SEED * 1_000_003 + step)).tolist()
+        position = torch.empty(x.size(0), dtype=torch.long)  # each vertex's chunk's position in its way's order
+        for pos, k in enumerate(order):
+            for w in range(self.ways):
+                c = w * self.cpw + k
+                position[self.ptr[c]:self.ptr[c + 1]] = pos
+        stale_ids, halo_reads = [], 0
+        for c in range(len(self.ptr) - 1):
+            inside = lambda v: (v >= self.ptr[c]) & (v < self.ptr[c + 1])  # noqa: E731
+            src, dst = ei
+            halo = torch.unique(src[inside(dst) & ~inside(src)])
+            halo_reads += halo.numel()
+            stale_ids.append(halo[position[halo] > position[self.ptr[c]]])
         out = torch.zeros(x.size(0), 3, dtype=x.dtype)
         with torch.no_grad():
             h1 = m.conv1(x, ei).relu()  # reads the inputs: always true
@@ -77,6 +101,10 @@ class Reference:
                 h2 = m.conv2(self.history[0], ei).relu()
                 self.history[1][rows] = h2[rows]
                 out[rows] = m.conv3(self.history[1], ei)[rows]
+        ids = torch.cat(stale_ids)
+        drift = [float((h[ids] - r[ids]).norm() / h[ids].norm()) for h, r in zip(self.history, read)]
+        self.meter = (drift, ids.numel() / halo_reads, age if ids.numel() else 0)
+        self.origin = step
         return out
 
 
@@ -103,8 +131,29 @@ def _worker(rank, world, stages, ways, chunks):
         opt.zero_grad()
         F.cross_entropy(out[mask], y[mask]).backward()
         opt.step()
+        _check_meter(engine, reference.meter, step)
     assert engine.runtime.history.of(0).initialised
     engine.uninstall()
+
+
+def _check_meter(engine, want, step):
+    """The meter's step, summed over the ranks, against the reference's."""
+    from pyg_pipe.engine.staleness import summarize
+    entries = engine.meter.take()
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, entries)
+        entries = [e for rank in gathered for e in rank]
+    got = summarize(entries)
+    drift, share, age = want
+    sites = sorted(k for k in got if k.startswith("drift/"))
+    assert [k.split("/")[1].split("#")[0].split(":")[0] for k in sites] == ["conv2", "conv3"], sites
+    for k, d in zip(sites, drift):
+        assert abs(got[k] - d) < 1e-9, (step, k, got[k], d)
+    assert step == 0 or drift[0] > 0  # the weights moved: the meter has something to measure
+    assert abs(got["max_drift"] - max(drift)) < 1e-9
+    assert abs(got["stale_share"] - share) < 1e-12, (step, got["stale_share"], share)
+    assert got["mean_age"] == age, (step, got["mean_age"], age)
 
 
 def _gathered(model, engine) -> Net:

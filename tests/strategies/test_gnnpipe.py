@@ -77,11 +77,14 @@ def test_fit_matches_single_process_and_logs_bytes(data, devices, clip, tmp_path
         assert float(t.callback_metrics[f"comm/{key}"]) == want[key], key
     assert float(t.callback_metrics["comm/bytes"]) == want["total"]
     assert "comm/halo_forward" not in t.callback_metrics  # no graph-parallel ways: not logged
+    assert "staleness/max_drift" not in t.callback_metrics  # one chunk a way: nothing read stale
 
 
-def test_the_timeline_reaches_the_logger_and_the_trace_file(data, tmp_path):
+def test_the_timeline_and_the_staleness_meter_reach_the_logger_and_the_trace_file(data, tmp_path):
     """time/compute, time/wait, time/bubble and time/bubble_share reach Lightning's CSVLogger; with
-    timeline_trace every rank's chunks of every step (fill and drain) are in one Chrome trace."""
+    timeline_trace every rank's chunks of every step (fill and drain) are in one Chrome trace. The
+    staleness meter's metrics reach it too (their values are checked in tests/engine/test_staleness.py):
+    the second step reads the snapshot the first took, one update old, from weights that moved."""
     import json
 
     from lightning.pytorch.loggers import CSVLogger
@@ -98,6 +101,12 @@ def test_the_timeline_reaches_the_logger_and_the_trace_file(data, tmp_path):
     (csv,) = tmp_path.glob("lightning_logs/*/metrics.csv")   # written by rank 0 (a spawned worker)
     header = csv.read_text().splitlines()[0]
     assert "time/compute" in header and "time/bubble_share" in header
+    for key in ("max_drift", "stale_share", "mean_age"):
+        assert f"staleness/{key}" in header, key
+    assert "staleness/drift/" in header
+    assert float(t.callback_metrics["staleness/max_drift"]) > 0
+    assert 0 < float(t.callback_metrics["staleness/stale_share"]) < 1
+    assert float(t.callback_metrics["staleness/mean_age"]) == 1.0
     events = json.load(open(trace))["traceEvents"]
     spans = [e for e in events if e["tid"] == 0]
     for rank in (0, 1):  # 2 steps x (fill + drain) x 4 chunks, and the fill's output share once a step

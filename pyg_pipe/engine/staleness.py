@@ -1,0 +1,95 @@
+"""The staleness meter: how far the historical rows a step read were from the rows they stood for.
+
+With several chunks a way, a chunk reads the halo rows owned by chunks that run after it in the step
+from history (:mod:`.history`): values written in an earlier step, or the T2 snapshot's. Their owners
+write the fresh values later in the same fill, so once the fill is over both versions are at hand,
+for free: the buffer holds the fresh rows, the start-of-step copy the rows that were read. For each
+call site ``k`` (``"site:arg"``) the meter adds up, over every stale read of the step (a row read by
+two chunks counts twice)::
+
+    drift_k = ‖h_fresh − h_stale‖ / ‖h_fresh‖        (Frobenius norms over the stale rows read at k)
+    stale_share = stale reads / all halo reads         (halo rows of other chunks of the way, all sites)
+    age = updates between the step that computed a stale row and the step reading it
+          (1 without snapshots; up to the period with T2; 0 right after an exact refill)
+
+The norms stay on the device during the step (no host synchronisation); the engine hands the
+per-step sums to whoever asks (:meth:`StalenessMeter.take`; the Lightning strategies log
+``staleness/max_drift``, ``staleness/drift/<site>``, ``staleness/stale_share`` and
+``staleness/mean_age`` per epoch). A fill with one chunk a way (graph parallelism, exact passes),
+inference and streaming read nothing stale and record nothing. ``staleness_meter=False`` turns it off.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+from torch import Tensor
+
+
+class StalenessMeter:
+    """Per-site drift of the stale rows a step read (module docstring)."""
+
+    def __init__(self, on: bool = True):
+        self.on = on
+        self._sq: Dict[str, List[Tensor]] = {}      # per site: [Σ‖fresh − stale‖², Σ‖fresh‖²] this step (device)
+        self._reads = [0, 0]                        # stale reads, all halo reads (host counts)
+        self._age = 0.0                             # Σ age over stale reads
+        self.steps: List[dict] = []
+
+    def measure(self, run) -> None:
+        """After a fill: the drift of every stale row its chunks read (``run``: the fill's
+        :class:`~pyg_pipe.engine.halo.HaloPass`, whose backward routes this computes, as the drain would)."""
+        history = run.history
+        if not self.on or not run.read_history or history is None or not run.reads:
+            return
+        age = history.age()
+        for key, chunks in run.reads.items():
+            ids = []
+            for cg, lg in chunks:
+                r = run._route(cg, lg)
+                self._reads[1] += lg.halo.numel()
+                if r.stale_ids is not None:
+                    ids.append(r.stale_ids)
+                    self._reads[0] += r.stale_ids.numel()
+                    self._age += age * r.stale_ids.numel()
+            if not ids or key not in history.buffers:
+                continue
+            ids = torch.cat(ids) if len(ids) > 1 else ids[0]
+            like = history.buffers[key]
+            fresh = history.read(key, ids, like).double()
+            stale = history.read_start(key, ids, like).to(fresh.device).double()
+            sq = torch.stack([(fresh - stale).pow(2).sum(), fresh.pow(2).sum()])
+            acc = self._sq.get(key)
+            self._sq[key] = sq if acc is None else acc + sq
+
+    def end_step(self) -> None:
+        """The step is over: its sums become one entry of :attr:`steps` (read on the host here, outside
+        the per-chunk loop)."""
+        if not self._sq and not self._reads[1]:
+            return
+        sites = {k: tuple(v.tolist()) for k, v in self._sq.items()}
+        self.steps.append({"sites": sites, "stale": self._reads[0], "reads": self._reads[1], "age": self._age})
+        self._sq, self._reads, self._age = {}, [0, 0], 0.0
+
+    def take(self) -> List[dict]:
+        """The entries of the steps since the last call."""
+        out, self.steps = self.steps, []
+        return out
+
+
+def summarize(steps: List[dict]) -> Dict[str, float]:
+    """Per-epoch metrics from the entries of one or more ranks' steps: ``max_drift``, ``drift/<site>``
+    (norms summed over the steps, then divided), ``stale_share`` and ``mean_age``."""
+    sq: Dict[str, List[float]] = {}
+    stale = reads = age = 0.0
+    for s in steps:
+        for k, (d, f) in s["sites"].items():
+            acc = sq.setdefault(k, [0.0, 0.0])
+            acc[0] += d
+            acc[1] += f
+        stale, reads, age = stale + s["stale"], reads + s["reads"], age + s["age"]
+    out = {f"drift/{k}": (d / f) ** 0.5 if f > 0 else 0.0 for k, (d, f) in sorted(sq.items())}
+    out["max_drift"] = max([v for k, v in out.items()], default=0.0)
+    out["stale_share"] = stale / reads if reads else 0.0
+    out["mean_age"] = age / stale if stale else 0.0
+    return out

@@ -61,6 +61,7 @@ def _worker(rank, world, args):
             step(True)
         for rc in (False, True):
             runs[rc][3].clear()
+            runs[rc][1].meter.seconds = 0.0
         for _ in range(args.rounds):
             for rc in (False, True):
                 for _ in range(args.steps):
@@ -73,6 +74,10 @@ def _worker(rank, world, args):
             print(f"{world} processes{link}, chunks {chunks}: step {off:.3f} s with {args.knob}=False, {on:.3f} s with "
                   f"{args.knob}=True: {on / off:.2f} x "
                   f"(per round: {', '.join(f'{r:.2f}' for r in per)})", flush=True)
+            meter = runs[True][1].meter
+            if args.knob == "staleness_meter":  # its own time, measured inside the step
+                print(f"  the meter's own time on this rank: {meter.seconds / sum(runs[True][3]) * 100:.2f} % of its "
+                      f"timed steps", flush=True)
 
 
 def main():

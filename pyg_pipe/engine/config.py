@@ -47,6 +47,11 @@ class PipelineConfig:
             Chrome trace when training ends (:mod:`.timeline`).
         staleness_meter: measure, each training step, how far the historical rows read were from the
             fresh ones, per call site (:mod:`.staleness`; a few index-selects after each fill).
+        max_age: refresh the history with an exact pass before a step whose stale reads would be more
+            than this many optimizer updates old (``0``: every step, an exact training forward; ``None``:
+            no bound but T2's).
+        max_staleness: refresh the history with an exact pass before the next step when the largest
+            per-site drift the meter measured in a step (over all ranks) exceeds this (``None``: no bound).
     """
 
     num_chunks: Optional[int] = None
@@ -67,6 +72,8 @@ class PipelineConfig:
     boundary_dtype: Optional["torch.dtype"] = None
     timeline_trace: Optional[str] = None
     staleness_meter: bool = True
+    max_age: Optional[int] = None
+    max_staleness: Optional[float] = None
 
     def streams(self, devices: int) -> bool:
         """Whether a run on ``devices`` devices streams (``streaming="auto"``: one device, and several chunks
@@ -98,6 +105,18 @@ class PipelineConfig:
         if not isinstance(self.staleness_meter, bool):
             raise ValueError(f"staleness_meter={self.staleness_meter!r} must be True (measure the drift of the "
                              f"historical rows each step reads) or False.")
+        if self.max_age is not None and (not isinstance(self.max_age, int) or isinstance(self.max_age, bool)
+                                         or self.max_age < 0):
+            raise ValueError(f"max_age={self.max_age!r} must be a number of optimizer updates (>= 0; 0 refreshes "
+                             f"before every step) or None for no bound.")
+        if self.max_staleness is not None:
+            if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, (int, float)) \
+                    or not self.max_staleness >= 0:
+                raise ValueError(f"max_staleness={self.max_staleness!r} must be a relative drift (a number >= 0, e.g. "
+                                 f"0.1) or None for no bound.")
+            if not self.staleness_meter:
+                raise ValueError("max_staleness needs the drift the staleness meter measures: set "
+                                 "staleness_meter=True, or bound the age with max_age instead.")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap={self.overlap!r} must be True (post the next chunk's receives before "
                              f"computing the current one) or False.")

@@ -188,7 +188,7 @@ class GNNPipeEngine:
         if call == 0:
             self.runtime = runtime  # the primary plan: the graph steps train on (saved in checkpoints)
         t0 = time.perf_counter()
-        steps.prepare_history(runtime, inputs, call)  # an exact pass when the call's history needs one
+        steps.prepare_history(runtime, inputs, call, self.step)  # an exact pass when the call's history needs one
         self.setup_seconds += time.perf_counter() - t0
         anchor = torch.zeros((), device=self.comm.device, requires_grad=True)
         return _Fill.apply(self, runtime, inputs, call, anchor)
@@ -217,6 +217,21 @@ class GNNPipeEngine:
         self._calls = 0
         self.timeline.end_step()
         self.meter.end_step()
+        self._bound_drift()
+
+    def _bound_drift(self) -> None:
+        """``max_staleness``: when the largest drift measured this step on any rank passed the bound, every
+        history of every plan is refilled by an exact pass before the next step (one all-reduce of one
+        number a step, after the backward; the same decision on every rank)."""
+        bound, rt = self.config.max_staleness, self.runtime
+        if bound is None or rt is None or rt.plan.chunks_per_way == 1 or rt.plan.streaming:
+            return
+        drift = torch.tensor([self.meter.last_drift], dtype=torch.float64, device=self.comm.device)
+        self.comm.all_reduce(drift, None, "the staleness bound", op="max")
+        if float(drift) > bound:
+            for runtime in self._runtimes:
+                for history in runtime.history.calls.values():
+                    history.refresh_due = True
 
     # ------------------------------------------------------------------ planning
     def _runtime_for(self, inputs: CallInputs) -> Runtime:

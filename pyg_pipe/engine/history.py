@@ -78,6 +78,7 @@ class CallHistory:
         self._snapshot_written: Optional[int] = None
         self._start_written: Optional[int] = None
         self._step = 0
+        self.refresh_due = False  # a bound asked for an exact refill before the next step (:mod:`.step`)
 
     # ------------------------------------------------------------------ rows
     def buffer(self, key: str, like: Tensor) -> Tensor:
@@ -226,6 +227,14 @@ class CallHistory:
         """Drops the snapshot: the next step takes a new one (after the buffers were refilled)."""
         self.snapshot = {}
         self.written = None
+
+    def age_at(self, step: int, period: Optional[int]) -> int:
+        """The :meth:`age` step ``step`` would read at, were it to begin now (:meth:`begin_step`'s rule)."""
+        if self.written is None:
+            return 0
+        restore = period is not None and self.buffers and step % period != 0 and set(self.snapshot) == set(self.buffers)
+        origin = self._snapshot_written if restore else self.written
+        return 0 if origin is None else step - origin
 
     def age(self) -> int:
         """How many optimizer updates older than this step's weights the rows read stale this step are:

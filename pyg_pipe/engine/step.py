@@ -189,24 +189,33 @@ def exact(rt: Runtime, inputs: CallInputs, history: Optional[CallHistory] = None
     return full[cgs[0].inv]
 
 
-def prepare_history(rt: Runtime, inputs: CallInputs, call: int) -> None:
-    """Before a training call: its history is filled by an exact pass the first time, and again when the
-    per-edge inputs (edge weights, attributes, adjacency values) on the same graph changed, since they
-    change what layers compute everywhere, degrees included (new node features, by contrast, reach
-    history chunk by chunk, as the algorithm intends)."""
+def prepare_history(rt: Runtime, inputs: CallInputs, call: int, step: int = 0) -> None:
+    """Before a training call of step ``step``: its history is filled by an exact pass the first time,
+    again when the per-edge inputs (edge weights, attributes, adjacency values) on the same graph
+    changed, since they change what layers compute everywhere, degrees included (new node features, by
+    contrast, reach history chunk by chunk, as the algorithm intends), and when a staleness bound asks
+    for it: ``max_age`` (the step would read rows more updates old) or ``max_staleness`` (the last
+    step's drift passed it; :meth:`pyg_pipe.engine.engine.GNNPipeEngine` decides over all ranks)."""
     if rt.plan.chunks_per_way == 1 or rt.plan.streaming:
         return
     history = rt.history.of(call)
     tensors = inputs.edge_tensors()
-    if history.initialised and _same_objects(history.edge_inputs, tensors):
-        return
-    digest = tuple(fingerprint(t) for t in tensors)
-    if not history.initialised or (history.edge_inputs and digest != history.edge_inputs[-1]):
+    refill = False
+    if not (history.initialised and _same_objects(history.edge_inputs, tensors)):
+        digest = tuple(fingerprint(t) for t in tensors)
+        refill = not history.initialised or bool(history.edge_inputs and digest != history.edge_inputs[-1])
+        history.edge_inputs = tuple((weakref.ref(t), t._version) for t in tensors) + (digest,)
+    if not refill and (history.refresh_due or (rt.config.max_age is not None
+                                               and history.age_at(step, rt.config.snapshot_period)
+                                               > rt.config.max_age)):
+        refill = True
+        rt.meter.refreshes += 1
+    if refill:
         with torch.no_grad():
             exact(rt, inputs, history)
         history.renew()  # the T2 anchor is renewed too
         history.initialised = True
-    history.edge_inputs = tuple((weakref.ref(t), t._version) for t in tensors) + (digest,)
+        history.refresh_due = False
 
 
 def _same_objects(seen: tuple, tensors: List[Tensor]) -> bool:

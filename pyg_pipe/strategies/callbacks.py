@@ -85,16 +85,20 @@ class TimelineLogger(Callback):
 class StalenessLogger(Callback):
     """Logs how stale the historical rows read in each training epoch were (:mod:`pyg_pipe.engine.staleness`):
     ``staleness/max_drift`` (the largest per-site relative drift), ``staleness/drift/<site>``,
-    ``staleness/stale_share`` (stale halo reads ÷ all halo reads) and ``staleness/mean_age`` (optimizer
-    updates). Every rank's steps are gathered once per epoch, so all ranks log the same keys and values;
+    ``staleness/stale_share`` (stale halo reads ÷ all halo reads), ``staleness/mean_age`` (optimizer
+    updates) and ``staleness/refreshes`` (exact refills the bounds ``max_age`` / ``max_staleness`` asked
+    for). Every rank's steps are gathered once per epoch, so all ranks log the same keys and values;
     nothing is logged when no rank read history (one chunk per way, streaming, ``staleness_meter=False``)."""
 
     def __init__(self, strategy):
         self.strategy = strategy
         self._steps: List[dict] = []
+        self._refreshes = 0
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._steps = []
+        engine = self.strategy.engine
+        self._refreshes = engine.meter.refreshes if engine is not None else 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         engine = self.strategy.engine
@@ -111,7 +115,9 @@ class StalenessLogger(Callback):
             steps = [s for rank in comm.all_gather_objects(steps, "gathering the staleness meter") for s in rank]
         if not steps:
             return
-        for k, v in summarize(steps).items():
+        metrics = summarize(steps)
+        metrics["refreshes"] = float(engine.meter.refreshes - self._refreshes)  # the same on every rank
+        for k, v in metrics.items():
             # the same on every rank (gathered above): sync_dist only keeps Lightning from asking for it
             pl_module.log(f"staleness/{k}", torch.tensor(v, dtype=torch.float64), on_step=False, on_epoch=True,
                           sync_dist=True, reduce_fx="max")

@@ -84,6 +84,12 @@ class GNNPipeStrategy(DDPStrategy):
         staleness_meter: measure how far the historical rows each training step read were from the fresh
             ones and log it per epoch: ``staleness/max_drift``, ``staleness/drift/<site>``,
             ``staleness/stale_share``, ``staleness/mean_age`` (:mod:`pyg_pipe.engine.staleness`).
+        max_age: refresh the historical embeddings with an exact pass (one forward of the whole model,
+            no gradients) before a step whose stale reads would be more than this many optimizer updates
+            old; ``0`` makes every training forward exact. ``None``: T2's period is the only bound.
+        max_staleness: refresh them before the next step when the largest per-site drift of a step
+            (``staleness/max_drift``, over all ranks) exceeds this, e.g. ``0.1``. ``None``: no bound. How
+            often either refreshed is logged as ``staleness/refreshes``.
         boundary_dtype: ``torch.bfloat16`` (or ``torch.float16``) sends the activations and gradients
             crossing stage cuts and halos in that dtype during training: half the bytes, approximate
             (docs/gnnpipe.md measures the effect); validation, test and predict stay exact. ``None``: as
@@ -122,6 +128,8 @@ class GNNPipeStrategy(DDPStrategy):
         boundary_dtype: Optional[torch.dtype] = None,
         timeline_trace: Optional[str] = None,
         staleness_meter: bool = True,
+        max_age: Optional[int] = None,
+        max_staleness: Optional[float] = None,
         accelerator=None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment=None,
@@ -142,7 +150,7 @@ class GNNPipeStrategy(DDPStrategy):
                                      recompute=recompute, offload=offload, offload_budget=offload_budget,
                                      offload_dir=offload_dir, streaming=streaming, overlap=overlap,
                                      boundary_dtype=boundary_dtype, timeline_trace=timeline_trace,
-                                     staleness_meter=staleness_meter)
+                                     staleness_meter=staleness_meter, max_age=max_age, max_staleness=max_staleness)
         self.config.validate()
         if comm_timeout <= 0:
             raise ValueError(f"comm_timeout={comm_timeout} must be a positive number of seconds.")

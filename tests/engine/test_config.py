@@ -98,3 +98,21 @@ def test_the_first_bad_knob_is_the_one_named():
 def test_staleness_meter_must_be_a_bool(bad):
     with pytest.raises(ValueError, match=f"staleness_meter={bad!r}"):
         PipelineConfig(staleness_meter=bad).validate()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_max_age_must_be_a_count_of_updates(bad):
+    with pytest.raises(ValueError, match=f"max_age={bad!r}"):
+        PipelineConfig(max_age=bad).validate()
+
+
+@pytest.mark.parametrize("bad", [-0.1, True, "0.1", float("nan")])
+def test_max_staleness_must_be_a_drift(bad):
+    with pytest.raises(ValueError, match="max_staleness="):
+        PipelineConfig(max_staleness=bad).validate()
+
+
+def test_max_staleness_needs_the_meter():
+    with pytest.raises(ValueError, match="staleness_meter=True"):
+        PipelineConfig(max_staleness=0.1, staleness_meter=False).validate()
+    PipelineConfig(max_age=3, staleness_meter=False).validate()  # an age bound does not need it

@@ -172,3 +172,89 @@ def test_one_process_chunks_read_what_the_policy_says():
 @pytest.mark.parametrize("stages,ways,chunks", [(2, 2, 8)])
 def test_pipeline_and_ways_read_what_the_policy_says(stages, ways, chunks):
     run_distributed(_worker, stages * ways, stages, ways, chunks, timeout=240)
+
+
+def _bounded(rank, world, stages, ways, chunks, bound):
+    """The bounds refresh history with an exact pass: right after a refresh the training forward equals the
+    plain model with the current weights (lr > 0), the ages never pass ``max_age``, a drift above
+    ``max_staleness`` is followed by a refresh, and every rank refreshes at the same steps."""
+    from pyg_pipe.engine.staleness import summarize
+    torch.set_default_dtype(torch.float64)
+    x, g, y, mask = zoo_graph()
+    ei = g["edge_index"]
+    torch.manual_seed(0)
+    model = Net()
+    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, partition=ranges, snapshot_period=PERIOD,
+                                                 seed=SEED, balance="layers", streaming=False, **bound),
+                           Comm(torch.device("cpu"), timeout=60), num_stages=stages, ways=ways)
+    engine.install()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    refreshes, exact_steps, last_drift = 0, [], 0.0
+    for step in range(STEPS):
+        plain = Net()
+        plain.load_state_dict(_gathered(model, engine).state_dict())
+        with torch.no_grad():
+            want = plain(x, ei)
+        out = model(x, ei)
+        refreshed = engine.meter.refreshes > refreshes
+        refreshes = engine.meter.refreshes
+        if "max_staleness" in bound and step > 0:  # refreshed exactly when the last step passed the bound
+            assert refreshed == (last_drift > bound["max_staleness"]), (step, last_drift)
+        if refreshed or step == 0:
+            torch.testing.assert_close(out, want, atol=1e-9, rtol=0, msg=f"forward right after a refresh, step {step}")
+            exact_steps.append(step)
+        opt.zero_grad()
+        F.cross_entropy(out[mask], y[mask]).backward()
+        opt.step()
+        entries = engine.meter.take()
+        gathered = [None] * world
+        if dist.is_initialized():
+            dist.all_gather_object(gathered, (entries, refreshes))
+            assert len({r for _, r in gathered}) == 1, gathered  # the same refreshes on every rank
+            entries = [e for rank_entries, _ in gathered for e in rank_entries]
+        got = summarize(entries)
+        last_drift = got["max_drift"]
+        if "max_age" in bound:
+            assert got["mean_age"] <= bound["max_age"], (step, got)
+        if refreshed:
+            assert got["max_drift"] < 1e-9, (step, got)
+    engine.uninstall()
+    if bound.get("max_age") == 0:
+        assert exact_steps == list(range(STEPS)) and refreshes == STEPS - 1
+    else:
+        assert refreshes >= 2, refreshes
+
+
+@pytest.mark.parametrize("bound", [dict(max_age=0), dict(max_age=1), dict(max_staleness=0.2)],
+                         ids=["max_age=0", "max_age=1", "max_staleness=0.2"])
+def test_one_process_bounds_refresh_history(bound):
+    try:
+        _bounded(0, 1, 1, 1, 4, bound)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_pipeline_and_ways_refresh_at_the_same_steps():
+    run_distributed(_bounded, 4, 2, 2, 8, dict(max_staleness=0.2), timeout=240)
+
+
+def test_no_refresh_below_the_bound():
+    torch.set_default_dtype(torch.float64)
+    try:
+        x, g, y, mask = zoo_graph()
+        torch.manual_seed(0)
+        model = Net()
+        engine = GNNPipeEngine(model, PipelineConfig(num_chunks=4, partition=ranges, streaming=False,
+                                                     max_staleness=1e9, max_age=100),
+                               Comm(torch.device("cpu")), num_stages=1)
+        engine.install()
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        for _ in range(4):
+            out = model(x, g["edge_index"])
+            opt.zero_grad()
+            F.cross_entropy(out[mask], y[mask]).backward()
+            opt.step()
+        engine.uninstall()
+        assert engine.meter.refreshes == 0 and engine.meter.last_drift > 0
+    finally:
+        torch.set_default_dtype(torch.float32)

@@ -107,6 +107,7 @@ def test_the_timeline_and_the_staleness_meter_reach_the_logger_and_the_trace_fil
     assert float(t.callback_metrics["staleness/max_drift"]) > 0
     assert 0 < float(t.callback_metrics["staleness/stale_share"]) < 1
     assert float(t.callback_metrics["staleness/mean_age"]) == 1.0
+    assert float(t.callback_metrics["staleness/refreshes"]) == 0  # no bound set
     events = json.load(open(trace))["traceEvents"]
     spans = [e for e in events if e["tid"] == 0]
     for rank in (0, 1):  # 2 steps x (fill + drain) x 4 chunks, and the fill's output share once a step

@@ -1,0 +1,201 @@
+"""Convergence under staleness: accuracy per epoch of gnnpipe with and without the GNNPipe tricks, with a
+staleness bound, against the same model trained by plain PyG in one process.
+
+Each case trains a model from the same initial weights (one seed per repeat) on a generated graph and
+records, every epoch, the training loss, validation and test accuracy (inference is exact in pyg_pipe,
+so the curves show what the historical embeddings did to training), the staleness meter's
+``max_drift`` and the refreshes a bound asked for; the summary is the test accuracy at the epoch of
+best validation accuracy, mean ± spread (min .. max) over the seeds, and its difference from one
+process. graph_parallel is not run: it is exact (equal to one process within 1e-5, tested), so its
+curves are the one-process ones.
+
+Modes (``PipelineConfig`` knobs; T1 = chunk shuffling, T2 = snapshots every 23 steps, T3 = unbiased
+gradient scaling)::
+
+    t1-t3     the defaults
+    none      shuffle_chunks=False, snapshot_period=None, unbiased_gradients=False
+    t1 / t2 / t3   one trick alone
+    bound     the defaults and max_staleness=0.1 (refresh when a step's drift passes 10 %)
+    age0      the defaults and max_age=0 (history refreshed before every step: exact forwards)
+
+All gnnpipe cases of one invocation run in the same 2 (``--procs``) processes, one after the other;
+the one-process references run first, in this process with 2 threads.
+
+    python benchmarks/convergence.py --out docs/results/convergence.json            # the default sweep
+    python benchmarks/convergence.py --models gcnii --graphs community --chunks 8 --seeds 0 --epochs 20
+    python benchmarks/plot_convergence.py docs/results/convergence.json docs/img/convergence.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MODES = {
+    "t1-t3": {},
+    "none": dict(shuffle_chunks=False, snapshot_period=None, unbiased_gradients=False),
+    "t1": dict(snapshot_period=None, unbiased_gradients=False),
+    "t2": dict(shuffle_chunks=False, unbiased_gradients=False),
+    "t3": dict(shuffle_chunks=False, snapshot_period=None),
+    "bound": dict(max_staleness=0.1),
+    "age0": dict(max_age=0),
+}
+
+
+def graph(name: str, nodes: int):
+    from pyg_pipe.graph import sbm_graph
+    if name == "community":  # many small communities, as real graphs have (chunks keep most edges inside)
+        data = sbm_graph(nodes, num_classes=max(nodes // 100, 8), avg_degree=10, homophily=0.8, num_features=32,
+                         feature_noise=1.5, seed=0)
+        data.y = data.y % 8
+    else:  # heterophilous: most edges join different classes
+        data = sbm_graph(nodes, num_classes=8, avg_degree=10, homophily=0.2, num_features=32, feature_noise=1.0,
+                         seed=0)
+    return data
+
+
+def model(name: str, layers: int, seed: int):
+    from torch_geometric.nn import GAT
+
+    from pyg_pipe.models import ResGCNPlus, gcnii
+    torch.manual_seed(seed)
+    if name == "gcnii":
+        return gcnii(32, 64, 8, num_layers=layers, dropout=0.1)
+    if name == "resgcn":
+        return ResGCNPlus(32, 64, 8, num_layers=layers, dropout=0.1)
+    return GAT(32, 16, min(layers, 8), 8, heads=4, dropout=0.1)  # attention over (stale) neighbours
+
+
+def accuracies(out, data):
+    pred = out.argmax(-1)
+    return [float((pred[m] == data.y[m]).float().mean()) for m in (data.val_mask, data.test_mask)]
+
+
+def train(net, data, epochs: int, engine=None):
+    opt = torch.optim.Adam(net.parameters(), lr=0.005)
+    curve = []
+    for _ in range(epochs):
+        t0 = time.perf_counter()
+        net.train()
+        out = net(data.x, data.edge_index)
+        loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        seconds = time.perf_counter() - t0
+        net.eval()
+        with torch.no_grad():
+            val, test = accuracies(net(data.x, data.edge_index), data)
+        row = {"loss": float(loss), "val": val, "test": test, "seconds": seconds}
+        if engine is not None:
+            taken = engine.meter.take()
+            row["drift"] = max((s for e in taken for s in _drifts(e)), default=0.0)
+            row["refreshes"] = engine.meter.refreshes
+        curve.append(row)
+    return curve
+
+
+def _drifts(entry):
+    return [(d / f) ** 0.5 if f > 0 else 0.0 for d, f in entry["sites"].values()]
+
+
+def _worker(rank, world, args, cases):
+    import torch.distributed as dist
+
+    from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
+    results = []
+    for m, g, chunks, mode, seed in cases:
+        data = graph(g, args.nodes)
+        net = model(m, args.layers, seed)
+        cfg = PipelineConfig(num_chunks=chunks, balance="layers", seed=seed, **MODES[mode])
+        engine = GNNPipeEngine(net, cfg, Comm(torch.device("cpu"), timeout=600), num_stages=world)
+        engine.install()
+        torch.manual_seed(seed + 1)
+        curve = train(net, data, args.epochs, engine)
+        engine.uninstall()
+        # the drift is per rank (each holds its stage's sites): the largest over the ranks
+        drifts = torch.tensor([r["drift"] for r in curve], dtype=torch.float64)
+        dist.all_reduce(drifts, op=dist.ReduceOp.MAX)
+        for r, d in zip(curve, drifts.tolist()):
+            r["drift"] = d
+        results.append({"model": m, "graph": g, "chunks": chunks, "mode": mode, "seed": seed, "curve": curve})
+        if rank == 0:
+            print(f"{m} {g} {chunks} chunks {mode} seed {seed}: {summary(curve)[0]:.3f}", flush=True)
+    if rank == 0:
+        with open(args.tmp, "w") as f:
+            json.dump(results, f)
+
+
+def summary(curve):
+    """(test accuracy at the best validation epoch, that epoch)."""
+    best = max(range(len(curve)), key=lambda i: (curve[i]["val"], -i))
+    return curve[best]["test"], best
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["gcnii", "gat"], choices=["gcnii", "resgcn", "gat"])
+    p.add_argument("--graphs", nargs="+", default=["community", "heterophilous"])
+    p.add_argument("--chunks", nargs="+", type=int, default=[32])
+    p.add_argument("--modes", nargs="+", default=["t1-t3", "none", "bound"], choices=list(MODES))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    p.add_argument("--nodes", type=int, default=3000)
+    p.add_argument("--layers", type=int, default=16, help="GCNII / ResGCN+ layers (GAT: at most 8)")
+    p.add_argument("--epochs", type=int, default=60)
+    p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    results = []
+    for m in args.models:
+        for g in args.graphs:
+            for seed in args.seeds:
+                data = graph(g, args.nodes)
+                net = model(m, args.layers, seed)
+                torch.manual_seed(seed + 1)
+                curve = train(net, data, args.epochs)
+                results.append({"model": m, "graph": g, "chunks": 1, "mode": "one process", "seed": seed,
+                                "curve": curve})
+                print(f"{m} {g} one process seed {seed}: {summary(curve)[0]:.3f}", flush=True)
+    cases = [(m, g, c, mode, s) for m in args.models for g in args.graphs for c in args.chunks
+             for mode in args.modes for s in args.seeds]
+    import tempfile
+
+    from tests.dist import run_distributed
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        args.tmp = tmp.name
+        run_distributed(_worker, args.procs, args, cases, timeout=24 * 3600)
+        results += json.load(open(tmp.name))
+    print(f"\n{'model':<7} {'graph':<14} {'chunks':>6} {'mode':<12} {'test acc (mean, min..max)':>26} {'vs 1 proc':>9} "
+          f"{'max drift':>9} {'refreshes':>9} {'epoch s':>8}")
+    table = []
+    for m in args.models:
+        for g in args.graphs:
+            ref = [summary(r["curve"])[0] for r in results if (r["model"], r["graph"], r["mode"]) == (m, g, "one process")]
+            for c, mode in [(1, "one process")] + [(c, mode) for c in args.chunks for mode in args.modes]:
+                runs = [r for r in results if (r["model"], r["graph"], r["chunks"], r["mode"]) == (m, g, c, mode)]
+                accs = [summary(r["curve"])[0] for r in runs]
+                drift = max((row.get("drift", 0.0) for r in runs for row in r["curve"]), default=0.0)
+                refreshes = statistics.mean(r["curve"][-1].get("refreshes", 0) for r in runs)
+                secs = statistics.median(row["seconds"] for r in runs for row in r["curve"][len(r["curve"]) // 2:])
+                delta = statistics.mean(accs) - statistics.mean(ref)
+                table.append(dict(model=m, graph=g, chunks=c, mode=mode, acc=statistics.mean(accs), min=min(accs),
+                                  max=max(accs), delta=delta, drift=drift, refreshes=refreshes, seconds=secs))
+                print(f"{m:<7} {g:<14} {c:>6} {mode:<12} {statistics.mean(accs):>10.3f} ({min(accs):.3f}..{max(accs):.3f})"
+                      f"   {delta * 100:>+8.1f}pt {drift:>9.3f} {refreshes:>9.1f} {secs:>8.3f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"setting": {k: v for k, v in vars(args).items() if k != "tmp"}, "table": table,
+                       "runs": results}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -108,16 +108,21 @@ class Reference:
         return out
 
 
-def _worker(rank, world, stages, ways, chunks):
+def _setup(stages, ways, chunks, **cfg):
+    """float64 from here on; the zoo graph, the model and its installed engine (T2 every PERIOD steps)."""
     torch.set_default_dtype(torch.float64)
     x, g, y, mask = zoo_graph()
-    ei = g["edge_index"]
     torch.manual_seed(0)
     model = Net()
     engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, partition=ranges, snapshot_period=PERIOD,
-                                                 seed=SEED, balance="layers", streaming=False),
+                                                 seed=SEED, balance="layers", streaming=False, **cfg),
                            Comm(torch.device("cpu"), timeout=60), num_stages=stages, ways=ways)
     engine.install()
+    return x, g["edge_index"], y, mask, model, engine
+
+
+def _worker(rank, world, stages, ways, chunks):
+    x, ei, y, mask, model, engine = _setup(stages, ways, chunks)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     reference = None
     for step in range(STEPS):
@@ -179,15 +184,7 @@ def _bounded(rank, world, stages, ways, chunks, bound):
     plain model with the current weights (lr > 0), the ages never pass ``max_age``, a drift above
     ``max_staleness`` is followed by a refresh, and every rank refreshes at the same steps."""
     from pyg_pipe.engine.staleness import summarize
-    torch.set_default_dtype(torch.float64)
-    x, g, y, mask = zoo_graph()
-    ei = g["edge_index"]
-    torch.manual_seed(0)
-    model = Net()
-    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, partition=ranges, snapshot_period=PERIOD,
-                                                 seed=SEED, balance="layers", streaming=False, **bound),
-                           Comm(torch.device("cpu"), timeout=60), num_stages=stages, ways=ways)
-    engine.install()
+    x, ei, y, mask, model, engine = _setup(stages, ways, chunks, **bound)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     refreshes, exact_steps, last_drift = 0, [], 0.0
     for step in range(STEPS):

@@ -204,7 +204,7 @@ class CallHistory:
             if keep_start:
                 self.start = self._copies("start")
             return
-        if step % period == 0 or set(self.snapshot) != set(self.buffers):  # (no snapshot yet: take one)
+        if not self._restores(step, period):
             self.snapshot = self._copies("snapshot")
             self._snapshot_written = self.written
         else:
@@ -228,12 +228,17 @@ class CallHistory:
         self.snapshot = {}
         self.written = None
 
+    def _restores(self, step: int, period: Optional[int]) -> bool:
+        """T2 at the start of step ``step``: the buffers are restored from the snapshot (else a snapshot is
+        taken: at steps divisible by the period, and whenever a buffer has none)."""
+        return (period is not None and bool(self.buffers) and step % period != 0
+                and set(self.snapshot) == set(self.buffers))
+
     def age_at(self, step: int, period: Optional[int]) -> int:
         """The :meth:`age` step ``step`` would read at, were it to begin now (:meth:`begin_step`'s rule)."""
         if self.written is None:
             return 0
-        restore = period is not None and self.buffers and step % period != 0 and set(self.snapshot) == set(self.buffers)
-        origin = self._snapshot_written if restore else self.written
+        origin = self._snapshot_written if self._restores(step, period) else self.written
         return 0 if origin is None else step - origin
 
     def age(self) -> int:

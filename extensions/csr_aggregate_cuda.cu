@@ -19,6 +19,12 @@
 // side with a stable sort and cached), so it needs no atomics and is deterministic. max_backward
 // scatters through the arg-max with atomicAdd: several rows can share a source row, so its grad_x is
 // not bitwise deterministic (the sums are the same up to rounding order).
+//
+// The gated Gather of NGra's G-GCN (same contract as the CPU file):
+//   gated_forward(rowptr, col, a, b, c, mean)  -> [R, d]: scale_i * sum_e sigmoid(a[i] + b[j]) * c[j]
+//   gated_backward(rowptr, col, tptr, trow, a, b, c, g, need_a, need_bc) -> (grad_a, grad_b, grad_c)
+// One thread per (row, feature), consecutive threads on consecutive features of one row (coalesced),
+// the gate recomputed in the backward; grad_b/grad_c loop over the transposed structure (no atomics).
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDAException.h>
@@ -155,6 +161,51 @@ __global__ void max_backward_kernel(const index_t* __restrict__ col, const scala
   const int64_t src = col[e];
   if (gx) atomicAdd(gx + src * d + f, (val ? val[e] : scalar_t(1)) * g[idx]);
   if (gv) atomicAdd(gv + (e - base), g[idx] * x[src * d + f]);
+}
+
+// ---- gated Gather (G-GCN) ------------------------------------------------------------------
+template <typename scalar_t>
+__device__ inline scalar_t sigmoid_dev(scalar_t z) { return scalar_t(1) / (scalar_t(1) + exp(-z)); }
+
+template <typename scalar_t, typename index_t>
+__global__ void gated_rows_kernel(const index_t* __restrict__ rowptr, const index_t* __restrict__ col,
+                                  const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
+                                  const scalar_t* __restrict__ c, const scalar_t* __restrict__ g,
+                                  scalar_t* __restrict__ out, int64_t rows, int64_t d, bool mean) {
+  // g == nullptr: forward (out = gated sum); else grad_a (out = sum g c s (1 - s))
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= rows * d) return;
+  const int64_t i = idx / d, f = idx % d;
+  const int64_t e0 = rowptr[i], e1 = rowptr[i + 1];
+  const scalar_t ai = a[idx];
+  const scalar_t gi = g ? g[idx] : scalar_t(0);
+  scalar_t acc = 0;
+  for (int64_t e = e0; e < e1; ++e) {
+    const int64_t j = static_cast<int64_t>(col[e]) * d + f;
+    const scalar_t s = sigmoid_dev(ai + b[j]);
+    acc += g ? gi * c[j] * s * (scalar_t(1) - s) : s * c[j];
+  }
+  out[idx] = (mean && e1 > e0) ? acc / scalar_t(e1 - e0) : acc;
+}
+
+template <typename scalar_t, typename index_t>
+__global__ void gated_sources_kernel(const index_t* __restrict__ tptr, const index_t* __restrict__ trow,
+                                     const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
+                                     const scalar_t* __restrict__ c, const scalar_t* __restrict__ g,
+                                     scalar_t* __restrict__ gb, scalar_t* __restrict__ gc, int64_t n_src, int64_t d) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= n_src * d) return;
+  const int64_t j = idx / d, f = idx % d;
+  const scalar_t bj = b[idx], cj = c[idx];
+  scalar_t accb = 0, accc = 0;
+  for (int64_t t = tptr[j]; t < tptr[j + 1]; ++t) {
+    const int64_t i = static_cast<int64_t>(trow[t]) * d + f;
+    const scalar_t s = sigmoid_dev(a[i] + bj);
+    accc += g[i] * s;
+    accb += g[i] * cj * s * (scalar_t(1) - s);
+  }
+  gb[idx] = accb;
+  gc[idx] = accc;
 }
 
 // ---- host side -------------------------------------------------------------------------
@@ -308,6 +359,66 @@ std::vector<torch::Tensor> max_backward(torch::Tensor rowptr, torch::Tensor col,
   return {gx, gv};
 }
 
+void check_gated(const torch::Tensor& rowptr, const torch::Tensor& col, const torch::Tensor& a,
+                 const torch::Tensor& b, const torch::Tensor& c) {
+  check_common(rowptr, col, c);
+  for (const torch::Tensor* t : {&a, &b})
+    TORCH_CHECK(t->dim() == 2 && t->is_contiguous() && t->size(1) == c.size(1) && t->dtype() == c.dtype() &&
+                    t->device() == c.device(), "gated: a, b, c must be contiguous 2-D tensors of one width, dtype, device");
+  TORCH_CHECK(a.size(0) == rowptr.numel() - 1, "gated: a needs one row per destination row");
+  TORCH_CHECK(b.size(0) == c.size(0), "gated: b and c need one row per source");
+}
+
+torch::Tensor gated_forward(torch::Tensor rowptr, torch::Tensor col, torch::Tensor a, torch::Tensor b,
+                            torch::Tensor c, bool mean) {
+  check_gated(rowptr, col, a, b, c);
+  const c10::cuda::CUDAGuard guard(c.device());
+  const int64_t rows = rowptr.numel() - 1, d = c.size(1);
+  auto out = torch::zeros({rows, d}, c.options());
+  if (rows * d == 0) return out;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES(c.scalar_type(), "csr_gated_forward_cuda", [&] {
+    DISPATCH_INDEX(rowptr.scalar_type(), [&] {
+      gated_rows_kernel<scalar_t, index_t><<<blocks_for(rows * d), kThreads, 0, stream>>>(
+          rowptr.data_ptr<index_t>(), col.data_ptr<index_t>(), a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(),
+          c.data_ptr<scalar_t>(), nullptr, out.data_ptr<scalar_t>(), rows, d, mean);
+    });
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+std::vector<torch::Tensor> gated_backward(torch::Tensor rowptr, torch::Tensor col, torch::Tensor tptr,
+                                          torch::Tensor trow, torch::Tensor a, torch::Tensor b, torch::Tensor c,
+                                          torch::Tensor g, bool need_a, bool need_bc) {
+  check_gated(rowptr, col, a, b, c);
+  TORCH_CHECK(g.sizes() == a.sizes() && g.is_contiguous() && g.dtype() == c.dtype(), "gated: g must be like a");
+  TORCH_CHECK(tptr.scalar_type() == rowptr.scalar_type() && trow.scalar_type() == rowptr.scalar_type() &&
+                  tptr.numel() == b.size(0) + 1 && tptr.is_contiguous() && trow.is_contiguous() && tptr.is_cuda() &&
+                  trow.is_cuda(), "gated: tptr [n_src + 1] and trow of rowptr's dtype, on the device");
+  const c10::cuda::CUDAGuard guard(c.device());
+  const int64_t rows = rowptr.numel() - 1, d = c.size(1), n_src = b.size(0);
+  torch::Tensor ga, gb, gc;
+  if (need_a) ga = torch::zeros({rows, d}, c.options());
+  if (need_bc) { gb = torch::zeros({n_src, d}, c.options()); gc = torch::zeros({n_src, d}, c.options()); }
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES(c.scalar_type(), "csr_gated_backward_cuda", [&] {
+    DISPATCH_INDEX(rowptr.scalar_type(), [&] {
+      if (need_a && rows * d > 0)
+        gated_rows_kernel<scalar_t, index_t><<<blocks_for(rows * d), kThreads, 0, stream>>>(
+            rowptr.data_ptr<index_t>(), col.data_ptr<index_t>(), a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(),
+            c.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), ga.data_ptr<scalar_t>(), rows, d, false);
+      if (need_bc && n_src * d > 0)
+        gated_sources_kernel<scalar_t, index_t><<<blocks_for(n_src * d), kThreads, 0, stream>>>(
+            tptr.data_ptr<index_t>(), trow.data_ptr<index_t>(), a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(),
+            c.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), gb.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(),
+            n_src, d);
+    });
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {ga, gb, gc};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -315,4 +426,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "CSR aggregate forward: (out, arg)");
   m.def("edge_dot", &edge_dot, "per-edge <g[row], x[col]>");
   m.def("max_backward", &max_backward, "max aggregate backward through the arg-max (atomicAdd)");
+  m.def("gated_forward", &gated_forward, "gated CSR sum: sum_e sigmoid(a[i] + b[j]) * c[j]");
+  m.def("gated_backward", &gated_backward, "gradients of gated_forward (grad_a, grad_b, grad_c)");
 }

@@ -10,6 +10,7 @@ from pyg_pipe.ops.aggregate import (
     backend,
     clear_cache,
     csr_aggregate,
+    csr_gated_aggregate,
     extensions_enabled,
 )
 from pyg_pipe.ops.pyg import fused_kernels, install, installed, uninstall
@@ -19,6 +20,7 @@ __all__ = [
     "backend",
     "clear_cache",
     "csr_aggregate",
+    "csr_gated_aggregate",
     "extensions_enabled",
     "fused_kernels",
     "install",

@@ -1,4 +1,5 @@
-"""PyG's conv classes, each in a three-layer model as a user would stack them (nothing pyg_pipe-specific).
+"""PyG's conv classes, each in a three-layer model as a user would stack them (nothing pyg_pipe-specific),
+then the layers of :mod:`pyg_pipe.saga` (one per Gather route), which must be exact the same way.
 
 ``ZOO`` maps a case name to ``(make, call, kwargs)``: ``make(c_in, c_out)`` builds one layer (``None``
 channels for layers of fixed width, wrapped between linear maps), ``call(conv, x, x0, g)`` calls it
@@ -12,6 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch_geometric import nn as gnn
 from torch_geometric.utils import degree, to_undirected
+
+from pyg_pipe import saga
+from tests.saga import layers as saga_layers
 
 HIDDEN = 12
 
@@ -125,6 +129,13 @@ ZOO = {
     "AntiSymmetricConv": (lambda a, b: gnn.AntiSymmetricConv(HIDDEN, num_iters=2), _plain, "fixed"),
     "DirGNNConv": (lambda a, b: gnn.DirGNNConv(gnn.GCNConv(a, b), alpha=0.5), _plain),
     "MixHopConv": (lambda a, b: gnn.MixHopConv(a, b, powers=[0, 1, 2]), _plain, "times3"),
+    # pyg_pipe.saga layers: compiled to MessagePassing, each Gather route (gated, weighted, copy, edges)
+    "SAGA-GGCN": (lambda a, b: saga.GGCN(a, b), _plain),
+    "SAGA-GCN": (lambda a, b: saga.SAGAGCN(a, b), _weighted),
+    "SAGA-GAT": (lambda a, b: saga.SAGAGAT(a, b, heads=2), _plain, "heads2"),
+    "SAGA-mean-copy": (lambda a, b: saga_layers.MeanSAGE(a, b), _plain),
+    "SAGA-weighted-max": (lambda a, b: saga_layers.WeightedMax(a, b), _weighted),
+    "SAGA-edge-mlp": (lambda a, b: saga_layers.EdgeMLP(a, b), _attr),
 }
 
 SKIPPED = {

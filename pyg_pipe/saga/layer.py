@@ -25,7 +25,8 @@ function, so a SAGA layer is exact wherever PyG is: in plain PyG and in every py
 the engine's hooks give the per-vertex values that travel (``vs``) their halo rows like any source.
 
 Inside ``propagate`` the per-source values travel as one tensor ``vs`` (read as ``vs_j``) and the
-per-destination ones as ``vd`` (``vd_i``); on a fused route they are not lifted to the edges at all.
+per-destination ones as ``vd`` (``vd_i``). ``message`` receives them unlifted and lifts each value to
+the edges on its own (one ``index_select`` per value), or not at all on a fused route.
 """
 from __future__ import annotations
 
@@ -132,7 +133,7 @@ class SAGALayer(MessagePassing):
         program = self.saga_program
         layout = self._saga[1]
         vs, vd = self._vertex(program, "src", x, layout), self._vertex(program, "dst", x, layout)
-        self._lazy = self.route != "edges"
+        self._lazy = True   # Scatter happens in message: per value, or not at all on a fused route
         try:
             out = self.propagate(edge_index, vs=vs, vd=vd, edge_attr=edge_attr)
         finally:
@@ -176,14 +177,13 @@ class SAGALayer(MessagePassing):
             for name, offset, shape in layout.get(end, []):
                 values[name] = (packed, offset, shape)
         edge_inputs = {"edge_attr": edge_attr, "index": index, "size_i": size_i}
-        if isinstance(vs_j, _Lifted) or isinstance(vd_i, _Lifted):
+        if self.route != "edges":
             fused = self._fused(program, values, edge_inputs, edge_index_i, edge_index_j, size_i)
             if fused is not None:
                 self.last_route = self.route
                 return _Gathered(fused)
-            values = {k: (_lift(p, o, s), 0, s) for k, (p, o, s) in values.items()}
         self.last_route = "edges"
-        inputs = {k: _unpack(p, o, s) for k, (p, o, s) in values.items()}
+        inputs = {k: _lift(p, o, s) for k, (p, o, s) in values.items()}
         inputs.update(edge_inputs)
         if program.edge is None:
             return self.apply_edge(**{p: inputs[p] for p in program.parameters})
@@ -214,8 +214,7 @@ class SAGALayer(MessagePassing):
                 return None
             return csr_gated_aggregate(rowptr, col, d, s, v, reduce)
         (s,) = args   # weighted
-        inputs = {k: _lift(p, o, sh) if isinstance(p, _Lifted) else _unpack(p, o, sh)
-                  for k, (p, o, sh) in values.items() if k in _placeholders(program.weight)}
+        inputs = {k: _lift(p, o, sh) for k, (p, o, sh) in values.items() if k in _placeholders(program.weight)}
         inputs.update(edge_inputs)
         w = run_graph(program.weight, self, inputs)
         heads = s.shape[1] if s.dim() == 3 else 1

@@ -52,6 +52,9 @@ class PipelineConfig:
             no bound but T2's).
         max_staleness: refresh the history with an exact pass before the next step when the largest
             per-site drift the meter measured in a step (over all ranks) exceeds this (``None``: no bound).
+        halo_exchange: how the ways of a stage exchange halo rows and their gradients: ``"all_to_all"``
+            (every way sends every other way what it reads, one grouped exchange) or ``"ring"`` (hop by hop
+            between neighbouring ways, :mod:`.ring`; the same values, at least as many bytes, 2 peers).
     """
 
     num_chunks: Optional[int] = None
@@ -74,6 +77,7 @@ class PipelineConfig:
     staleness_meter: bool = True
     max_age: Optional[int] = None
     max_staleness: Optional[float] = None
+    halo_exchange: str = "all_to_all"
 
     def streams(self, devices: int) -> bool:
         """Whether a run on ``devices`` devices streams (``streaming="auto"``: one device, and several chunks
@@ -117,6 +121,10 @@ class PipelineConfig:
             if not self.staleness_meter:
                 raise ValueError("max_staleness needs the drift the staleness meter measures: set "
                                  "staleness_meter=True, or bound the age with max_age instead.")
+        if self.halo_exchange not in ("all_to_all", "ring"):
+            raise ValueError(f"halo_exchange={self.halo_exchange!r} must be 'all_to_all' (every way sends every "
+                             f"other way the rows it reads) or 'ring' (rows pass hop by hop between neighbouring "
+                             f"ways).")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap={self.overlap!r} must be True (post the next chunk's receives before "
                              f"computing the current one) or False.")

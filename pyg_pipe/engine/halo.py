@@ -12,6 +12,10 @@ builds ``[rows | halo]`` for the chunk that runs now:
   earlier in the order are fresh, the others historical (:mod:`pyg_pipe.engine.schedule`).
 * one chunk per way (graph parallelism, exact passes): every halo row is received now.
 
+How rows and gradients travel among the ways is ``halo_exchange``: ``"all_to_all"`` (every way sends
+every other way its messages in one grouped exchange) or ``"ring"`` (hop by hop between neighbouring
+ways, :mod:`.ring`); both deliver the same rows and the same gradient sums.
+
 Backward (:class:`_HaloJoin`): the gradient of every fresh halo row goes back to its owner, scaled
 by T3: to the site's gradient buffer ``G`` when the owner is an earlier chunk of this way, over the
 wire otherwise (``halo_backward`` bytes); stale reads are dropped. The chunk's own rows receive what
@@ -44,7 +48,10 @@ from .comm import Comm
 from .context import current, in_backward
 from .grid import RankGrid
 from .history import CallHistory
+from .ring import RingGrads, RingRows
 from .schedule import Schedule
+
+HALO_EXCHANGES = ("all_to_all", "ring")
 
 
 class _HaloJoin(torch.autograd.Function):
@@ -74,6 +81,7 @@ class _Routes:
         self.sends: List[Tuple[int, Tensor, Tensor]] = []                   # (way, halo positions, scale)
         self.recvs: List[Tuple[int, int, Tensor, Tensor, Tensor, Tensor]] = []  # (way, n, cur sel, cur rows,
         #                                                                        other sel, other ids)
+        self.ring: Optional[RingGrads] = None                               # halo_exchange="ring": the reduce
 
 
 class HaloExchange:
@@ -83,11 +91,17 @@ class HaloExchange:
         grid: the rank grid (ways of this stage exchange).
         comm: counted transport.
         schedule: chunk order and freshness.
+        mode: ``halo_exchange``, ``"all_to_all"`` or ``"ring"`` (:mod:`.ring`).
     """
 
-    def __init__(self, grid: RankGrid, comm: Comm, schedule: Schedule):
+    def __init__(self, grid: RankGrid, comm: Comm, schedule: Schedule, mode: str = "all_to_all"):
+        if mode not in HALO_EXCHANGES:
+            raise ValueError(f"halo_exchange={mode!r} must be 'all_to_all' or 'ring'.")
         self.grid, self.comm, self.schedule = grid, comm, schedule
+        self.ring = mode == "ring" and grid.ways > 1
+        self.ranks = [grid.rank_of(grid.stage, w) for w in range(grid.ways)]
         self._static: Dict[Tuple[int, int, int], Tensor] = {}
+        self._rings: Dict[Tuple[int, int], RingRows] = {}
 
     def begin(self, history: Optional[CallHistory], clock: Tensor, read_history: bool,
               write_history: bool) -> "HaloPass":
@@ -101,6 +115,14 @@ class HaloExchange:
         hit = self._static.get(key)
         if hit is None:
             hit = self._static[key] = ids - lg.start
+        return hit
+
+    def ring_rows(self, cg: ChunkedGraph, lg: LocalGraph) -> RingRows:
+        """The forward ring plan of ``lg``'s position in ``cg`` (cached: it depends on the graph only)."""
+        key = (id(cg), lg.index)
+        hit = self._rings.get(key)
+        if hit is None:
+            hit = self._rings[key] = RingRows(cg, lg, self.grid.way, self.grid.ways)
         return hit
 
     def positions(self, cg: ChunkedGraph, lg: LocalGraph, w: int, ids: Tensor) -> Tensor:
@@ -177,6 +199,8 @@ class HaloPass:
 
     def _exchange_rows(self, cg: ChunkedGraph, lg: LocalGraph, rows: Tensor) -> List[Tuple[int, Tensor, Tensor]]:
         """Sends this chunk's mirror rows to the other ways; returns ``(way, ids, rows)`` received."""
+        if self.exchange.ring:
+            return self.exchange.ring_rows(cg, lg).run(self.comm, self.exchange.ranks, self.grid.way, rows)
         mirrors, cpw, me = cg.mirrors(), cg.chunks_per_way, self.grid.way
         sends, recvs, ids_in, ways_in = [], [], [], []
         for w in range(self.grid.ways):
@@ -213,20 +237,26 @@ class HaloPass:
         if own.numel():
             r.own_pos, r.own_scale = own.to(dev), _scale(scale[own], dev)
             r.own_ids = lg.halo[r.own_pos]
-        for w in range(self.grid.ways):
+        W = self.grid.ways
+        fresh_ids: Dict[Tuple[int, int], Tensor] = {}   # (reader way, owner way) -> ids whose gradient goes there
+        for w in range(W):
+            reader = cg.chunks[w * cpw + lg.index % cpw]
+            o2, halo = reader.halo_chunk.cpu(), reader.halo.cpu()
+            read = schedule.fresh(clock, o2, reader.index)
+            for o in range(W) if self.exchange.ring else (me,):
+                if o != w:
+                    fresh_ids[(w, o)] = halo[read & (o2 // cpw == o)]
+        for w in range(W):
             if w == me:
                 continue
             pos = torch.nonzero(fresh & (owner_way == w)).view(-1)
             if pos.numel():
                 r.sends.append((w, pos.to(dev), _scale(scale[pos], dev)))
-            reader = cg.chunks[w * cpw + lg.index % cpw]
-            o2 = reader.halo_chunk.cpu()
-            sel = schedule.fresh(clock, o2, reader.index) & (o2 // cpw == me)
-            ids = reader.halo.cpu()[sel]
-            if ids.numel():
-                cur = (ids >= lg.start) & (ids < lg.end)
-                r.recvs.append((w, ids.numel(), torch.nonzero(cur).view(-1).to(dev), (ids[cur] - lg.start).to(dev),
-                                torch.nonzero(~cur).view(-1).to(dev), ids[~cur].to(dev)))
+            if not self.exchange.ring:
+                _receive(r, w, fresh_ids[(w, me)], lg, dev)
+        if self.exchange.ring:  # every reader's gradients of this way's rows arrive summed, in one bundle
+            r.ring = RingGrads(fresh_ids, me, W, dev)
+            _receive(r, -1, r.ring.final_ids, lg, dev)
         self._routes[(id(cg), lg.index)] = r
         return r
 
@@ -237,17 +267,28 @@ class HaloPass:
         g_rows = g_rows + pending.to(g_rows.dtype) if pending is not None else g_rows.clone()
         if r.own_pos is not None:
             self.history.add_grad(key, r.own_ids, _scaled(g_halo.index_select(0, r.own_pos), r.own_scale))
-        stage = self.grid.stage
-        sends = [(_scaled(g_halo.index_select(0, pos), scale), self.grid.rank_of(stage, w))
-                 for w, pos, scale in r.sends]
-        recvs = [((n, *g_halo.shape[1:]), g_halo.dtype, self.grid.rank_of(stage, w)) for w, n, *_ in r.recvs]
-        got = self.comm.exchange(sends, recvs, "halo_backward")
+        ranks = self.exchange.ranks
+        own = [(w, _scaled(g_halo.index_select(0, pos), scale)) for w, pos, scale in r.sends]
+        if r.ring is not None:
+            got = r.ring.run(self.comm, ranks, self.grid.way, dict(own), g_halo)
+        else:
+            recvs = [((n, *g_halo.shape[1:]), g_halo.dtype, ranks[w]) for w, n, *_ in r.recvs]
+            got = self.comm.exchange([(g, ranks[w]) for w, g in own], recvs, "halo_backward")
         for (w, n, cur_sel, cur_rows, other_sel, other_ids), g in zip(r.recvs, got):
             if cur_sel.numel():
                 g_rows.index_add_(0, cur_rows, g[cur_sel])
             if other_sel.numel():
                 self.history.add_grad(key, other_ids, g[other_sel])
         return g_rows
+
+
+def _receive(r: _Routes, w: int, ids: Tensor, lg: LocalGraph, dev) -> None:
+    """Where the gradients of ``ids`` (CPU, owned by this way), received from way ``w`` (``-1``: the ring), go:
+    rows of the current chunk, or history (:meth:`HaloPass.backward`)."""
+    if ids.numel():
+        cur = (ids >= lg.start) & (ids < lg.end)
+        r.recvs.append((w, ids.numel(), torch.nonzero(cur).view(-1).to(dev), (ids[cur] - lg.start).to(dev),
+                        torch.nonzero(~cur).view(-1).to(dev), ids[~cur].to(dev)))
 
 
 def _scale(scale: Tensor, device) -> object:

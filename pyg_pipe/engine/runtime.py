@@ -7,7 +7,7 @@
 ``schedule``         chunk order and freshness (:mod:`.schedule`)
 ``history``          historical rows per call of the model and call site (:mod:`.history`), in the
                      memory tier the knobs choose (:mod:`.tiers`)
-``halo``             the halo exchange among ways and with history (:mod:`.halo`)
+``halo``             the halo exchange among ways (all-to-all or ring, :mod:`.ring`) and with history (:mod:`.halo`)
 ``link``             values crossing the stage cuts, per chunk (:mod:`.link`)
 ``tiers``            where history and streamed values sit: device, host or disk (:mod:`.tiers`)
 ``stores``           streaming only: the values of each call of the model, group by group (:mod:`.stream`)
@@ -75,7 +75,7 @@ class Runtime:
         held = boundary(self.chunked, *bounds[grid.way:grid.way + 2])
         self.history = HistoryStore(plan.num_nodes, dev, self.tiers, held if held.numel() < plan.num_nodes else None)
         self.stores: Dict[int, "Store"] = {}
-        self.halo = HaloExchange(grid, comm, self.schedule)
+        self.halo = HaloExchange(grid, comm, self.schedule, config.halo_exchange)
         self.link = StageLink(comm, grid.prev, grid.next)
         self.programs = Programs(module, fn, plan.sizes, config.split_points, grid.stage, grid.is_last)
         self.sites = CallSites(comm, grid.stage_group if W > 1 else None)

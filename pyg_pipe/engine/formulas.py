@@ -15,9 +15,15 @@ otherwise (``b``; with ``boundary_dtype=torch.bfloat16`` the stage, carried and 
         halo_forward = halo_backward = Σ_sites d_site · Σ_p |halo(p)| · b
         weight_allreduce             = 2·(W-1)·#params·b              (a ring all-reduce)
 
+    graph parallel with halo_exchange="ring" (:mod:`.ring`): each row travels hop by hop to its farthest reader
+        halo_forward = halo_backward = Σ_sites d_site · Σ_o Σ_{v in part o read by another way} maxdist(v) · b
+
 where a *site* is a propagate call whose source rows are computed by the model (the first layer
-reads the input features, which every rank already has) and ``Σ_p |halo(p)|`` counts, over the W
-partitions, the vertices outside a partition with an edge into it (:func:`halo_rows`).
+reads the input features, which every rank already has), ``Σ_p |halo(p)|`` counts, over the W
+partitions, the vertices outside a partition with an edge into it (:func:`halo_rows`), and
+``maxdist(v)`` is the largest ring distance ``(r - o) mod W`` from ``v``'s part ``o`` to a part ``r``
+that reads it (:func:`ring_halo_rows`; ``>= 1`` per reader, so the ring never sends fewer bytes than
+all-to-all, and the same with ``W = 2``).
 """
 from __future__ import annotations
 
@@ -63,6 +69,30 @@ def halo_rows(edge_index: Tensor, perm: Tensor, ptr: Tensor) -> int:
     cross = ps != pd
     pairs = torch.unique(pd[cross] * n + src[cross])
     return int(pairs.numel())
+
+
+def ring_halo_rows(edge_index: Tensor, perm: Tensor, ptr: Tensor) -> int:
+    """``Σ_o Σ_{v in part o} maxdist(v)``: the rows the ring halo exchange sends per unit of width in one
+    direction, for the partitions ``ptr`` (contiguous new-id ranges of the order ``perm[new] = old``) as ring
+    ways ``0 .. W-1``; ``maxdist(v)`` is the largest ``(r - o) mod W`` over the parts ``r != o`` with an edge
+    from ``v`` into them (0 when there is none)."""
+    n, W = perm.numel(), ptr.numel() - 1
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(n, device=perm.device)
+    src, dst = inv[edge_index[0]], inv[edge_index[1]]
+    part_of = torch.bucketize(torch.arange(n, device=perm.device), ptr[1:], right=True)
+    dist = (part_of[dst] - part_of[src]) % W
+    far = torch.zeros(n, dtype=torch.long, device=perm.device).scatter_reduce_(0, src, dist, "amax")
+    return int(far.sum())
+
+
+def ring_halo_bytes(ring_rows: int, widths: Sequence[int], bytes_per_value: int = 4,
+                    boundary_bytes: Optional[int] = None) -> int:
+    """Per-step ``halo_forward`` bytes (``halo_backward`` is the same) of graph parallelism with
+    ``halo_exchange="ring"`` and one chunk per way: ``Σ_sites d_site · ring_rows · b`` with ``ring_rows`` from
+    :func:`ring_halo_rows`. The other categories are :func:`graph_parallel_bytes`' (which gives these
+    halo terms too when passed ``halo=ring_rows``)."""
+    return sum(widths) * ring_rows * (bytes_per_value if boundary_bytes is None else boundary_bytes)
 
 
 def graph_parallel_bytes(num_nodes: int, halo: int, widths: Sequence[int], num_params: int, ways: int,

@@ -94,6 +94,11 @@ class GNNPipeStrategy(DDPStrategy):
             crossing stage cuts and halos in that dtype during training: half the bytes, approximate
             (docs/gnnpipe.md measures the effect); validation, test and predict stay exact. ``None``: as
             computed.
+        halo_exchange: how graph-parallel ways (``graph_parallel``, hybrid) exchange halo rows and their
+            gradients at every layer: ``"all_to_all"`` (every way sends every other way the rows it reads,
+            one grouped exchange) or ``"ring"`` (NGra's ring: rows pass hop by hop between neighbouring ways,
+            gradients are summed on the way back; the same values, each rank talks to 2 peers, but at least
+            as many bytes; docs/graph_parallel.md). Nothing changes without ways.
         fused_kernels: while training, route PyG's sparse-adjacency aggregation (layers given a
             torch.sparse ``adj_t``) to the compiled CSR kernels of :mod:`pyg_pipe.ops` (built on
             first use; ``PYG_PIPE_DISABLE_EXTENSIONS=1`` or ``False`` here keeps PyG's own path).
@@ -130,6 +135,7 @@ class GNNPipeStrategy(DDPStrategy):
         staleness_meter: bool = True,
         max_age: Optional[int] = None,
         max_staleness: Optional[float] = None,
+        halo_exchange: str = "all_to_all",
         accelerator=None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment=None,
@@ -150,7 +156,8 @@ class GNNPipeStrategy(DDPStrategy):
                                      recompute=recompute, offload=offload, offload_budget=offload_budget,
                                      offload_dir=offload_dir, streaming=streaming, overlap=overlap,
                                      boundary_dtype=boundary_dtype, timeline_trace=timeline_trace,
-                                     staleness_meter=staleness_meter, max_age=max_age, max_staleness=max_staleness)
+                                     staleness_meter=staleness_meter, max_age=max_age, max_staleness=max_staleness,
+                                     halo_exchange=halo_exchange)
         self.config.validate()
         if comm_timeout <= 0:
             raise ValueError(f"comm_timeout={comm_timeout} must be a positive number of seconds.")

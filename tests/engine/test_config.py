@@ -30,6 +30,7 @@ def test_the_defaults_are_valid():
     {"per_chunk_statistics": True},
     {"split_points": None}, {"split_points": {}},
     {"split_points": {"conv2": SplitPoint.BEGINNING, "layers.3": SplitPoint.END}},
+    {"halo_exchange": "all_to_all"}, {"halo_exchange": "ring"},
 ])
 def test_every_documented_value_is_valid(knobs):
     PipelineConfig(**knobs).validate()

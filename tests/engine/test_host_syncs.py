@@ -6,7 +6,8 @@ reading a tensor's value on the host (``aten._local_scalar_dense``: ``.item()``,
 ``.tolist()``) or ``aten.nonzero`` would stall a GPU stream and is counted. After the first step
 (planning: shapes are learned once with small headers) the count must be zero, in a hybrid grid that
 exercises everything: 2 stages x 2 ways, 4 chunks per way, degrees, history, cross-way gradients, and
-the drain's replays of chunks (``recompute=True``).
+the drain's replays of chunks (``recompute=True``). The ring halo exchange (:mod:`pyg_pipe.engine.ring`) is
+checked on 1 stage x 4 ways, 2 chunks per way: rings of 4 with rows forwarded and gradients summed on the way.
 """
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,7 @@ class Net(nn.Module):
         return x
 
 
-def _worker(rank, world):
+def _worker(rank, world, stages=2, ways=2, halo_exchange="all_to_all"):
     counts, ran = {}, {"run_chunk": 0, "drain_chunk": 0}
     originals = {name: getattr(step, name) for name in ran}
     armed = [False]  # after the first step (planning learns shapes with small headers)
@@ -67,8 +68,9 @@ def _worker(rank, world):
         x, g, y, mask = zoo_graph()
         torch.manual_seed(0)
         model = Net()
-        engine = GNNPipeEngine(model, PipelineConfig(num_chunks=8, balance="layers", recompute=True),
-                               Comm(torch.device("cpu")), num_stages=2, ways=2)
+        engine = GNNPipeEngine(model, PipelineConfig(num_chunks=8, balance="layers", recompute=True,
+                                                     halo_exchange=halo_exchange),
+                               Comm(torch.device("cpu")), num_stages=stages, ways=ways)
         engine.install()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         for i in range(3):
@@ -81,10 +83,16 @@ def _worker(rank, world):
     finally:
         for name, fn in originals.items():
             setattr(step, name, fn)
-    # 2 steps x 4 chunks, and the drain's replays of the 3 chunks a step that recompute keeps no activations of
-    assert ran == {"run_chunk": 8 + 6, "drain_chunk": 8}, f"rank {rank}: the checked code ran {ran} times"
+    # 2 steps x cpw chunks, and the drain's replays of the cpw - 1 chunks a step that recompute keeps no activations of
+    cpw = 8 // ways
+    assert ran == {"run_chunk": 2 * cpw + 2 * (cpw - 1), "drain_chunk": 2 * cpw}, \
+        f"rank {rank}: the checked code ran {ran} times"
     assert counts == {}, f"rank {rank}: host synchronisations in the per-chunk loop: {counts}"
 
 
 def test_no_host_synchronisation_in_the_per_chunk_loop():
     run_distributed(_worker, 4, timeout=240)
+
+
+def test_no_host_synchronisation_in_the_ring_halo_exchange():
+    run_distributed(_worker, 4, 1, 4, "ring", timeout=240)

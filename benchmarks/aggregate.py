@@ -129,21 +129,26 @@ def run_once(fn, x, reduce, backward, grad, device):
 
 def peak_extra_bytes(fn, x, reduce, backward, grad, device) -> int:
     """Peak bytes allocated during one call, beyond what was allocated before it."""
+    def call():
+        out = fn(x, reduce)
+        if backward:
+            out.backward(grad)
+    return peak_allocated(call, device)
+
+
+def peak_allocated(call, device) -> int:
+    """Peak bytes the allocator held during ``call()`` beyond what it held before (module docstring)."""
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        out = fn(x, reduce)
-        if backward:
-            out.backward(grad)
+        call()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn(x, reduce)
-        if backward:
-            out.backward(grad)
+        call()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)

@@ -52,6 +52,8 @@ class PipelineConfig:
             no bound but T2's).
         max_staleness: refresh the history with an exact pass before the next step when the largest
             per-site drift the meter measured in a step (over all ranks) exceeds this (``None``: no bound).
+        smoothing: ``γ`` in [0, 1): stale rows are read as a moving average over steps,
+            ``s ← γ·s + (1-γ)·h`` (PipeGCN's smoothing of stale features; :mod:`.history`); ``None``: off.
         halo_exchange: how the ways of a stage exchange halo rows and their gradients: ``"all_to_all"``
             (every way sends every other way what it reads, one grouped exchange) or ``"ring"`` (hop by hop
             between neighbouring ways, :mod:`.ring`; the same values, at least as many bytes, 2 peers).
@@ -77,6 +79,7 @@ class PipelineConfig:
     staleness_meter: bool = True
     max_age: Optional[int] = None
     max_staleness: Optional[float] = None
+    smoothing: Optional[float] = None
     halo_exchange: str = "all_to_all"
 
     def streams(self, devices: int) -> bool:
@@ -125,6 +128,11 @@ class PipelineConfig:
             raise ValueError(f"halo_exchange={self.halo_exchange!r} must be 'all_to_all' (every way sends every "
                              f"other way the rows it reads) or 'ring' (rows pass hop by hop between neighbouring "
                              f"ways).")
+        if self.smoothing is not None and (isinstance(self.smoothing, bool)
+                                           or not isinstance(self.smoothing, (int, float))
+                                           or not 0.0 <= self.smoothing < 1.0):
+            raise ValueError(f"smoothing={self.smoothing!r} must be a momentum in [0, 1) (e.g. 0.5: stale rows read as "
+                             f"the average of the steps' rows, halving each step) or None to read the last rows.")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap={self.overlap!r} must be True (post the next chunk's receives before "
                              f"computing the current one) or False.")

@@ -24,6 +24,11 @@ Snapshots (T2, ``period = R``): at the start of step ``t`` the buffers are copie
 when ``t % R == 0`` (or when a buffer has none yet) and restored from it otherwise, so historical
 rows are an anchor refreshed every R steps instead of whatever the last step left.
 
+Smoothing (``smoothing = γ``, PipeGCN's momentum on stale features): then the rows a step starts
+with, and so every stale read, are a moving average over steps of what T2 would give,
+``s_t = γ·s_{t-1} + (1-γ)·h_t`` (``s`` restarts from ``h`` after an exact refill); fresh reads still
+see the rows written this step. One more buffer per site.
+
 This module is the one place that owns these buffers; where their bytes sit (the device, host
 memory, files on disk) is :mod:`.tiers`' business.
 """
@@ -67,6 +72,7 @@ class CallHistory:
             self.local[rows.to(device)] = torch.arange(self.size, device=device)
         self.buffers: Dict[str, Tensor] = {}
         self.snapshot: Dict[str, Tensor] = {}
+        self.smooth: Dict[str, Tensor] = {}      # the moving average of the rows steps start with (smoothing)
         self.grads: Dict[str, Tensor] = {}
         self.start: Dict[str, Tensor] = {}       # the rows at the start of the step (for replays)
         self._spare: Dict[str, Dict[str, Tensor]] = {}
@@ -189,31 +195,43 @@ class CallHistory:
         self.grads = {}
 
     # ------------------------------------------------------------------ steps and snapshots
-    def begin_step(self, step: int, period: Optional[int], keep_start: bool = False) -> None:
-        """T2: snapshot every ``period`` steps, restore the snapshot in between. ``keep_start``: the rows
-        as they are now stay readable through the step (:meth:`read_start`); with snapshots they are
-        the snapshot itself, without they cost a copy."""
+    def begin_step(self, step: int, period: Optional[int], keep_start: bool = False,
+                   smoothing: Optional[float] = None) -> None:
+        """T2: snapshot every ``period`` steps, restore the snapshot in between; then ``smoothing``: the
+        buffers become the moving average of what they start steps with (module docstring). ``keep_start``:
+        the rows as they are now stay readable through the step (:meth:`read_start`); with snapshots and
+        no smoothing they are the snapshot itself, otherwise they cost a copy."""
         self.grads, self.start = {}, {}
         self._step = step
-        if self.written is None:  # refilled before this step: computed with this step's weights
+        refilled = self.written is None
+        if refilled:  # refilled before this step: computed with this step's weights
             self.written = step
         self._start_written = self.written
         if not self.buffers:
             return
-        if period is None:
-            if keep_start:
-                self.start = self._copies("start")
+        if period is not None:
+            if not self._restores(step, period):
+                self.snapshot = self._copies("snapshot")
+                self._snapshot_written = self.written
+            else:
+                for k, v in self.buffers.items():
+                    v.copy_(self.snapshot[k])
+                    self.tiers.release(v, self.snapshot[k])
+                self._start_written = self._snapshot_written
+        if smoothing is not None:
+            self._smooth(smoothing, restart=refilled)
+        if keep_start:  # the snapshot equals the buffers now, unless smoothing changed them
+            self.start = self.snapshot if period is not None and smoothing is None else self._copies("start")
+
+    def _smooth(self, gamma: float, restart: bool) -> None:
+        if restart or set(self.smooth) != set(self.buffers):
+            self.smooth = self._copies("smooth")
             return
-        if not self._restores(step, period):
-            self.snapshot = self._copies("snapshot")
-            self._snapshot_written = self.written
-        else:
-            for k, v in self.buffers.items():
-                v.copy_(self.snapshot[k])
-                self.tiers.release(v, self.snapshot[k])
-            self._start_written = self._snapshot_written
-        if keep_start:
-            self.start = self.snapshot  # equal to the buffers now; the buffers change, the snapshot does not
+        for k, v in self.buffers.items():
+            s = self.smooth[k]
+            s.mul_(gamma).add_(v.to(s.device), alpha=1.0 - gamma)
+            v.copy_(s)
+            self.tiers.release(v, s)
 
     def _copies(self, role: str) -> Dict[str, Tensor]:
         """Copies of the buffers, in the tensors ``role`` used before (:meth:`_reused`)."""

@@ -91,7 +91,8 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
     use_history = plan.chunks_per_way > 1
     replay = rt.recompute
     if use_history:
-        history.begin_step(step, rt.config.snapshot_period, keep_start=True)  # replays read the start rows
+        history.begin_step(step, rt.config.snapshot_period, keep_start=True,  # replays read the start rows
+                           smoothing=rt.config.smoothing)
     run = rt.halo.begin(history, rt.schedule.clocks(step), use_history, use_history)
     localizer = Localizer(inputs, rt.chunked, rt.adjacency)
     sig = signature(rt.module, inputs)

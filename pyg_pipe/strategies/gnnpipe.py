@@ -90,6 +90,9 @@ class GNNPipeStrategy(DDPStrategy):
         max_staleness: refresh them before the next step when the largest per-site drift of a step
             (``staleness/max_drift``, over all ranks) exceeds this, e.g. ``0.1``. ``None``: no bound. How
             often either refreshed is logged as ``staleness/refreshes``.
+        smoothing: a momentum ``γ`` in [0, 1): stale neighbours are read as a moving average over steps
+            of their historical rows, ``s ← γ·s + (1-γ)·h`` (PipeGCN's smoothing); fresh ones as computed.
+            ``None``: the last rows (docs/convergence.md measures both).
         boundary_dtype: ``torch.bfloat16`` (or ``torch.float16``) sends the activations and gradients
             crossing stage cuts and halos in that dtype during training: half the bytes, approximate
             (docs/gnnpipe.md measures the effect); validation, test and predict stay exact. ``None``: as
@@ -135,6 +138,7 @@ class GNNPipeStrategy(DDPStrategy):
         staleness_meter: bool = True,
         max_age: Optional[int] = None,
         max_staleness: Optional[float] = None,
+        smoothing: Optional[float] = None,
         halo_exchange: str = "all_to_all",
         accelerator=None,
         parallel_devices: Optional[List[torch.device]] = None,
@@ -157,7 +161,7 @@ class GNNPipeStrategy(DDPStrategy):
                                      offload_dir=offload_dir, streaming=streaming, overlap=overlap,
                                      boundary_dtype=boundary_dtype, timeline_trace=timeline_trace,
                                      staleness_meter=staleness_meter, max_age=max_age, max_staleness=max_staleness,
-                                     halo_exchange=halo_exchange)
+                                     smoothing=smoothing, halo_exchange=halo_exchange)
         self.config.validate()
         if comm_timeout <= 0:
             raise ValueError(f"comm_timeout={comm_timeout} must be a positive number of seconds.")

@@ -117,3 +117,9 @@ def test_max_staleness_needs_the_meter():
     with pytest.raises(ValueError, match="staleness_meter=True"):
         PipelineConfig(max_staleness=0.1, staleness_meter=False).validate()
     PipelineConfig(max_age=3, staleness_meter=False).validate()  # an age bound does not need it
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, True, "0.5"])
+def test_smoothing_must_be_a_momentum(bad):
+    with pytest.raises(ValueError, match="smoothing="):
+        PipelineConfig(smoothing=bad).validate()

@@ -98,6 +98,27 @@ def test_with_period_one_every_step_sees_what_the_last_step_left():
     assert seen(h, n=2) == [4, 3]
 
 
+def test_smoothing_reads_a_moving_average_that_restarts_after_a_refill():
+    """``s_t = γ·s_{t-1} + (1-γ)·h_t`` for the rows a step starts with; this step's writes read as written;
+    an exact refill (``renew``) restarts the average; the start rows replays read are the smoothed ones."""
+    h = CallHistory(2, CPU)
+    h.write(KEY, 0, col(8, 8))                     # the exact pass
+    h.begin_step(0, None, smoothing=0.5)           # the average starts at the exact rows
+    assert seen(h, n=2) == [8, 8]
+    h.write(KEY, 0, col(4))                        # chunk 0 of step 0; row 1 is read stale
+    assert seen(h, n=2) == [4, 8]
+    h.begin_step(1, None, keep_start=True, smoothing=0.5)
+    assert seen(h, n=2) == [6, 8]                  # 0.5·8 + 0.5·4
+    assert h.read_start(KEY, torch.arange(2), col(0)).view(-1).tolist() == [6, 8]
+    h.write(KEY, 1, col(0))
+    h.begin_step(2, None, smoothing=0.5)
+    assert seen(h, n=2) == [6, 4]
+    h.renew()                                      # a refill: the average restarts from the buffers
+    h.write(KEY, 0, col(1, 1))
+    h.begin_step(3, None, smoothing=0.5)
+    assert seen(h, n=2) == [1, 1]
+
+
 def test_without_a_period_the_buffers_are_never_restored():
     h = CallHistory(3, CPU)
     h.begin_step(0, None)

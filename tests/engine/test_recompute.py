@@ -107,6 +107,7 @@ def test_recompute_is_bit_identical_in_a_pipeline_and_with_ways():
              ("GCNII", 2, 1, 4, dict(snapshot_period=None, shuffle_chunks=False)),
              ("DeepGCN", 2, 1, 4, dict(per_chunk_statistics=True)),  # BatchNorm in GENConv's MLP
              ("GCNII", 1, 2, 8, dict(snapshot_period=3)),
+             ("GCN", 2, 1, 4, dict(snapshot_period=2, smoothing=0.5)),   # replays read the smoothed rows
              ("GAT", 1, 2, 4, dict(snapshot_period=None))]
     run_distributed(_cases, 2, cases, timeout=300)
 

@@ -8,6 +8,8 @@ rows it keeps a |V|-row history ``H``:
 * before the first step, ``H`` holds the exact layer inputs (an exact pass with the initial weights);
 * at the start of step ``t``, T2: when ``t % R == 0`` ``H`` is copied to a snapshot, otherwise ``H`` is
   restored from the snapshot;
+* smoothing (when on): then ``H`` is replaced by the average ``S ← γ·S + (1-γ)·H`` (``S = H`` at the
+  first step);
 * T1: the chunks of every way run in the order ``randperm(C / W)`` seeded with ``seed·1000003 + t``;
   at each position the chunks of all ways at that position run together, layer by layer: their fresh
   rows are written into ``H`` and each layer reads its input rows from ``H`` (fresh for chunks that ran
@@ -57,8 +59,9 @@ class Net(nn.Module):
 class Reference:
     """GNNPipe's forward with history, on the whole graph (see the module docstring)."""
 
-    def __init__(self, model: Net, x, edge_index, ptr, ways: int):
+    def __init__(self, model: Net, x, edge_index, ptr, ways: int, smoothing=None):
         self.model, self.x, self.edge_index = model, x, edge_index
+        self.smoothing, self.average = smoothing, None
         self.ptr, self.ways = ptr.tolist(), ways
         self.cpw = (len(self.ptr) - 1) // ways
         with torch.no_grad():  # history starts at the exact layer inputs
@@ -77,6 +80,11 @@ class Reference:
         else:
             self.history = [s.clone() for s in self.snapshot]
             age = step - self.snapshot_origin
+        if self.smoothing is not None:  # smoothing: the rows a step starts with are averaged over steps
+            g = self.smoothing
+            self.average = [h.clone() for h in self.history] if self.average is None else \
+                [g * a + (1 - g) * h for a, h in zip(self.average, self.history)]
+            self.history = [a.clone() for a in self.average]
         read = [h.clone() for h in self.history]   # what a stale read sees
         order = torch.randperm(self.cpw, generator=torch.Generator().manual_seed(SEED * 1_000_003 + step)).tolist()
         position = torch.empty(x.size(0), dtype=torch.long)  # each vertex's chunk's position in its way's order
@@ -121,14 +129,14 @@ def _setup(stages, ways, chunks, **cfg):
     return x, g["edge_index"], y, mask, model, engine
 
 
-def _worker(rank, world, stages, ways, chunks):
-    x, ei, y, mask, model, engine = _setup(stages, ways, chunks)
+def _worker(rank, world, stages, ways, chunks, **cfg):
+    x, ei, y, mask, model, engine = _setup(stages, ways, chunks, **cfg)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     reference = None
     for step in range(STEPS):
         weights = _gathered(model, engine)
         if reference is None:
-            reference = Reference(weights, x, ei, ranges(ei, x.size(0), chunks)[1], ways)
+            reference = Reference(weights, x, ei, ranges(ei, x.size(0), chunks)[1], ways, cfg.get("smoothing"))
         reference.model.load_state_dict(weights.state_dict())
         want = reference.forward(step)
         out = model(x, ei)
@@ -172,6 +180,11 @@ def _gathered(model, engine) -> Net:
 
 def test_one_process_chunks_read_what_the_policy_says():
     _worker(0, 1, 1, 1, 4)
+
+
+def test_smoothing_reads_the_moving_average():
+    """``smoothing=0.5``: stale reads see the average over steps of what T2 gives (PipeGCN's smoothing)."""
+    _worker(0, 1, 1, 1, 4, smoothing=0.5)
 
 
 @pytest.mark.parametrize("stages,ways,chunks", [(2, 2, 8)])

@@ -36,7 +36,9 @@ both: the ring never sends fewer bytes, and more when rows are read by few far w
 rank talks to 2 peers (its ring neighbours) instead of ``W-1``, so only neighbour links carry traffic.
 With ``W = 2`` the ring is the all-to-all: one hop, the same messages, the same bytes.
 
-Hops are sequential (``W-1`` rounds per site and direction) and not yet overlapped with the layer's
+With ``boundary_dtype`` a forwarded row is re-sent exactly as it arrived (no further rounding), while a
+partial gradient sum is rounded to that dtype at every hop (the all-to-all rounds each reader's gradient
+once). Hops are sequential (``W-1`` rounds per site and direction) and not yet overlapped with the layer's
 computation. Every plan (bundle sizes and positions, as device index tensors) is computed before the
 per-chunk loop: the forward's once per graph and chunk position (it depends on the graph only), the
 backward's with the step's routes (:meth:`HaloPass.prepare`), so the loop reads nothing on the host.
@@ -161,7 +163,7 @@ class RingGrads:
         for o, n_send, prev_at, mine_at, has_mine, n_recv in self.hops:
             sends = []
             if n_send:
-                if prev is None:          # the first hop with something to send: only this way's own gradients
+                if prev is None:          # nothing came from further along: only this way's own gradients
                     bundle = own[o] if mine_at is None else like.new_zeros((n_send, *shape)).index_add_(
                         0, mine_at, own[o])
                 elif not has_mine:        # nothing to add: pass it on

@@ -2,7 +2,9 @@
 
 ``csr_aggregate`` is the kernel call and ``backend()`` says which implementation runs (see
 :mod:`pyg_pipe.ops.aggregate`); ``install`` / ``uninstall`` / ``fused_kernels`` route PyG's
-sparse-adjacency aggregation (``torch_geometric.utils.spmm``) to it (see :mod:`pyg_pipe.ops.pyg`).
+sparse-adjacency aggregation (``torch_geometric.utils.spmm``) to it (see :mod:`pyg_pipe.ops.pyg`);
+``fuse_messages(model)`` does the same for layers given an ``edge_index`` whose message is the source
+row, optionally weighted per edge (see :mod:`pyg_pipe.ops.messages`).
 """
 
 from pyg_pipe.ops.aggregate import (
@@ -13,6 +15,7 @@ from pyg_pipe.ops.aggregate import (
     csr_gated_aggregate,
     extensions_enabled,
 )
+from pyg_pipe.ops.messages import fuse_messages
 from pyg_pipe.ops.pyg import fused_kernels, install, installed, uninstall
 
 __all__ = [
@@ -22,6 +25,7 @@ __all__ = [
     "csr_aggregate",
     "csr_gated_aggregate",
     "extensions_enabled",
+    "fuse_messages",
     "fused_kernels",
     "install",
     "installed",

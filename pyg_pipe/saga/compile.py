@@ -320,6 +320,48 @@ def _sub_program(edge: fx.Graph, result: fx.Node) -> fx.Graph:
     return g
 
 
+# ---- the Gather route of a PyG layer's own message ---------------------------------------------------
+
+@dataclass
+class MessageRoute:
+    """What a PyG layer's ``message`` computes, when it is a fused Gather's input: ``value`` is the
+    ``*_j`` argument gathered, ``weight`` the sub-program of its per-edge weight (``None``: unweighted),
+    reading only arguments that are not lifted vertex data (edge tensors, ``index``, ``size_i``, ...)."""
+
+    value: str
+    weight: Optional[fx.Graph] = None
+
+
+def compile_message(module: nn.Module, none_args: Tuple[str, ...] = ()) -> Optional[MessageRoute]:
+    """The route of ``module.message`` called with the arguments ``none_args`` set to ``None``: ``x_j``
+    alone, or ``w * x_j`` with ``w`` computed from arguments other than vertex data; ``None`` for any
+    other message (and for one ``torch.fx`` cannot trace). Decided from the traced structure only."""
+    tracer = _Tracer()
+    tracer.traced_func_name = "message"
+    try:
+        traced = tracer.trace(module, concrete_args={name: None for name in none_args})
+    except Exception:  # noqa: BLE001 - untraceable: PyG's own path
+        return None
+    out = next(n for n in traced.nodes if n.op == "output").args[0]
+    if not isinstance(out, fx.Node):
+        return None
+
+    def lifted(node) -> bool:
+        return isinstance(node, fx.Node) and node.op == "placeholder" and str(node.target)[-2:] in ("_i", "_j") \
+            and node.target not in ("edge_index_i", "edge_index_j", "size_i", "size_j")
+
+    def value(node) -> bool:
+        return lifted(node) and str(node.target).endswith("_j")
+
+    if value(out):
+        return MessageRoute(out.target)
+    if _is_mul(out):
+        for gate, val in ((out.args[0], out.args[1]), (out.args[1], out.args[0])):
+            if value(val) and isinstance(gate, fx.Node) and not any(lifted(n) for n in _ancestors([gate])):
+                return MessageRoute(val.target, _sub_program(traced, gate))
+    return None
+
+
 # ---- running a program ----------------------------------------------------------------------------
 
 def run_graph(graph: fx.Graph, root: nn.Module, inputs: Dict[str, Any]) -> Any:

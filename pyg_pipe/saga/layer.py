@@ -31,34 +31,23 @@ the edges on its own (one ``index_select`` per value), or not at all on a fused 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 from torch_geometric.nn import MessagePassing
 
 from ..ops import csr_aggregate, csr_gated_aggregate
+from ..ops.messages import Lifted, csr_of, per_head
 from .compile import SAGAProgram, compile_apply_edge, run_graph
 
 _FUSED_AGGR = {"sum": "sum", "add": "sum", "mean": "mean", "max": "max"}
 _FUSED_DTYPES = (torch.float32, torch.float64)
 
 
-class _Lifted:
-    """A vertex tensor standing for its rows at one end of every edge, not gathered (fused routes)."""
-
-    __slots__ = ("t", "index")
-
-    def __init__(self, t: Tensor, index: Tensor):
-        self.t, self.index = t, index
-
-    def columns(self, offset: int, shape: Tuple[int, ...]) -> Tensor:
-        """The vertex value at ``offset`` in the packed tensor, one row per vertex, in its own shape."""
-        return _unpack(self.t, offset, shape)
-
-    def lift(self, offset: int, shape: Tuple[int, ...]) -> Tensor:
-        return self.columns(offset, shape).index_select(0, self.index)
+def _columns(packed: Lifted, offset: int, shape: Tuple[int, ...]) -> Tensor:
+    """The vertex value at ``offset`` in a packed tensor, one row per vertex, in its own shape."""
+    return _unpack(packed.t, offset, shape)
 
 
 class _Gathered:
@@ -166,7 +155,7 @@ class SAGALayer(MessagePassing):
     # -- Scatter / ApplyEdge / Gather inside propagate -------------------------------------------
     def _index_select(self, src: Tensor, index: Tensor):
         if self._lazy:
-            return _Lifted(src, index)
+            return Lifted(src, index)
         return super()._index_select(src, index)
 
     def message(self, vs_j, vd_i, edge_attr: Optional[Tensor], index: Tensor, size_i: Optional[int],
@@ -199,15 +188,15 @@ class SAGALayer(MessagePassing):
         """The Gather of a fused route, or ``None`` when this call's tensors do not fit it (then the
         messages are built per edge)."""
         reduce = _FUSED_AGGR[self.gather]
-        vertex = {k: p.columns(o, s) if isinstance(p, _Lifted) else None for k, (p, o, s) in values.items()}
+        vertex = {k: _columns(p, o, s) if isinstance(p, Lifted) else None for k, (p, o, s) in values.items()}
         args = [vertex[a] for a in program.route_args]
         if any(a is None or a.dtype not in _FUSED_DTYPES for a in args):
             return None
-        rowptr, col, perm = _csr(index_i, index_j, size_i)
+        rowptr, col, perm = csr_of(index_i, index_j, size_i)
         route = self.route
         if route == "copy":
             (s,) = args
-            return _per_head(lambda t, w: csr_aggregate(rowptr, col, t, reduce=reduce), s, None)
+            return per_head(lambda t, w: csr_aggregate(rowptr, col, t, reduce=reduce), s, None)
         if route == "gated":
             d, s, v = args
             if not (d.dim() == s.dim() == v.dim() == 2 and d.shape[1] == s.shape[1] == v.shape[1]):
@@ -222,47 +211,15 @@ class SAGALayer(MessagePassing):
                 or s.dim() not in (2, 3):
             return None
         w = w.reshape(w.size(0), heads).index_select(0, perm)
-        return _per_head(lambda t, wh: csr_aggregate(rowptr, col, t, value=wh, reduce=reduce), s, w)
+        return per_head(lambda t, wh: csr_aggregate(rowptr, col, t, value=wh, reduce=reduce), s, w)
 
 
 def _lift(packed, offset: int, shape) -> Tensor:
-    return packed.lift(offset, shape) if isinstance(packed, _Lifted) else _unpack(packed, offset, shape)
+    """One value of a packed tensor at the edges (lifted now if ``packed`` is a lazy :class:`Lifted`)."""
+    if isinstance(packed, Lifted):
+        return _columns(packed, offset, shape).index_select(0, packed.index)
+    return _unpack(packed, offset, shape)
 
 
 def _placeholders(graph) -> set:
     return {n.target for n in graph.nodes if n.op == "placeholder"}
-
-
-def _per_head(fn, s: Tensor, w: Optional[Tensor]) -> Tensor:
-    """``fn(values [N, C], weights [E] or None)`` for 2-D ``s``, or once per head of ``s [N, H, C]``."""
-    if s.dim() == 2:
-        return fn(s, None if w is None else w[:, 0])
-    if s.dim() != 3:
-        return fn(s.reshape(s.size(0), -1), None if w is None else w[:, 0])
-    return torch.stack([fn(s[:, h].contiguous(), None if w is None else w[:, h].contiguous())
-                        for h in range(s.size(1))], dim=1)
-
-
-# ---- the CSR of the graph a layer sees, cached --------------------------------------------------
-_CSR_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
-_CSR_CACHE_SIZE = 64
-
-
-def _csr(index_i: Tensor, index_j: Tensor, size_i: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(rowptr, col, perm)``: the edges sorted by destination (stable), ``perm[k]`` the edge at CSR
-    position ``k``. Cached by the index tensors' memory (address, length, version counter); the entry
-    keeps them alive, so their addresses cannot be reused by another graph while it is cached."""
-    key = (index_i.device, index_i.data_ptr(), index_i.numel(), index_i._version, index_i.stride(0),
-           index_j.data_ptr(), index_j._version, index_j.stride(0), size_i)
-    hit = _CSR_CACHE.get(key)
-    if hit is not None:
-        _CSR_CACHE.move_to_end(key)
-        return hit[2:]
-    perm = torch.argsort(index_i, stable=True)
-    col = index_j.index_select(0, perm)
-    rowptr = torch.zeros(size_i + 1, dtype=torch.long, device=index_i.device)
-    rowptr[1:] = torch.cumsum(torch.bincount(index_i, minlength=size_i), 0)
-    _CSR_CACHE[key] = (index_i, index_j, rowptr, col, perm)
-    while len(_CSR_CACHE) > _CSR_CACHE_SIZE:
-        _CSR_CACHE.popitem(last=False)
-    return rowptr, col, perm

@@ -35,23 +35,41 @@ REFUSED = {
 }
 
 
-def _sweep(rank, world, mode, path):
+def _sweep(rank, world, mode, path, fused=False):
     from functools import partial
+
+    from pyg_pipe.ops import fuse_messages
     torch.set_default_dtype(torch.float64)
     x, g, y, mask = zoo_graph(ring=True)
     inputs = dict(x=x, **g)
-    results = {name: harness.check_mode(mode, partial(ZooNet, name), inputs, y, mask, world) for name in ZOO}
+    handles = []
+
+    def make(name):
+        model = ZooNet(name)
+        if fused:
+            handles.append(fuse_messages(model))
+        return model
+
+    results = {name: harness.check_mode(mode, partial(make, name), inputs, y, mask, world) for name in ZOO}
+    results["fused calls"] = sum(h.fused_calls for h in handles)
     if rank == 0:
         with open(path, "w") as f:
             json.dump(results, f)
 
 
-@pytest.mark.parametrize("mode,world", [("graph_parallel", 2), ("pipeline", 2), ("chunks", 2), ("hybrid", 4),
-                                        ("streaming_disk", 1)])
-def test_every_conv_class_is_exact_or_refused(mode, world, tmp_path):
+@pytest.mark.parametrize("mode,world,fused", [("graph_parallel", 2, False), ("pipeline", 2, False),
+                                              ("chunks", 2, False), ("hybrid", 4, False), ("streaming_disk", 1, False),
+                                              ("graph_parallel", 2, True), ("chunks", 2, True)],
+                         ids=["graph_parallel", "pipeline", "chunks", "hybrid", "streaming_disk",
+                              "graph_parallel-fused", "chunks-fused"])
+def test_every_conv_class_is_exact_or_refused(mode, world, fused, tmp_path):
+    """``-fused``: every model's layers given to :func:`pyg_pipe.ops.fuse_messages` first (the reference is a
+    copy, fused too; ``tests/ops/test_messages.py`` checks fused layers against PyG's path)."""
     path = tmp_path / "zoo.json"
-    run_distributed(_sweep, world, mode, str(path), timeout=600)
+    run_distributed(_sweep, world, mode, str(path), fused, timeout=600)
     results = json.loads(path.read_text())
+    fused_calls = results.pop("fused calls")
+    assert (fused_calls > 0) == fused, fused_calls
     kind = "chunks" if mode in ("chunks", "hybrid", "streaming_disk") else "one"
     wrong = {}
     for name, outcome in results.items():

@@ -12,6 +12,7 @@ invocation, and the ratios are printed at the end.
     python benchmarks/gnnpipe_epoch.py                       # the full setting (about 10 minutes)
     python benchmarks/gnnpipe_epoch.py --model resgcn --graph random --procs 4 --chunks 16   # ResGCN+ (or gcn)
     python benchmarks/gnnpipe_epoch.py --nodes 5000 --degree 20 --layers 8 --epochs 3   # a quick look
+    python benchmarks/gnnpipe_epoch.py --input edge_index --fused-kernels 0   # edge_index, PyG's aggregation
 
 Epoch time = one optimizer step on the whole graph (forward, loss, backward, step), median over the
 second half of the epochs (the first plans the pipeline, partitions the graph and fills the history,
@@ -103,11 +104,13 @@ def run_single(args) -> dict:
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     times, losses = [], []
     if args.kernels:  # plain PyG with pyg_pipe's fused CSR kernels routed in (as the strategies do)
-        from pyg_pipe.ops import fused_kernels
+        from pyg_pipe.ops import fuse_messages, fused_kernels
         fused_kernels().__enter__()
+        fuse_messages(model)
+    graph = data.adj_t if args.input == "adj_t" else data.edge_index
     for _ in range(args.epochs):
         t0 = now()
-        out = model(data.x, data.adj_t)
+        out = model(data.x, graph)
         loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
         opt.zero_grad()
         loss.backward()
@@ -134,7 +137,7 @@ def run_pipe(args) -> None:
             self.model = model
 
         def training_step(self, batch, batch_idx):
-            out = self.model(batch.x, batch.adj_t)
+            out = self.model(batch.x, batch.adj_t if args.input == "adj_t" else batch.edge_index)
             return F.cross_entropy(out[batch.train_mask], batch.y[batch.train_mask])
 
         def configure_optimizers(self):
@@ -157,14 +160,15 @@ def run_pipe(args) -> None:
     memory = dict(recompute={"on": True, "off": False}.get(args.recompute, "auto"),
                   offload=None if args.offload == "none" else args.offload,
                   offload_budget=None if args.offload_budget < 0 else args.offload_budget)
+    fused = dict(fused_kernels=bool(args.fused_kernels))
     if args.strategy == "graph_parallel":
-        strategy = pyg_pipe.GraphParallelStrategy()
+        strategy = pyg_pipe.GraphParallelStrategy(**fused)
     elif args.strategy == "hybrid":
         strategy = pyg_pipe.HybridStrategy(stages=2, ways=args.procs // 2, num_chunks=args.chunks,
-                                           snapshot_period=args.snapshot_period or None, **memory)
+                                           snapshot_period=args.snapshot_period or None, **memory, **fused)
     else:
         strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks, snapshot_period=args.snapshot_period or None,
-                                            timeline_trace=args.trace or None, **memory)
+                                            timeline_trace=args.trace or None, **memory, **fused)
     timer = Timer()
     trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if CUDA else "cpu", devices=args.procs, max_epochs=args.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -184,7 +188,7 @@ def run_pipe(args) -> None:
 def launch(args, mode: str, **extra) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode]
     for k in ("graph", "model", "nodes", "degree", "features", "classes", "layers", "hidden", "epochs", "procs",
-              "threads_single", "snapshot_period", "trace", "device"):
+              "threads_single", "snapshot_period", "trace", "device", "input", "fused_kernels"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k, ""))]
     for k, v in extra.items():
         cmd += [f"--{k}", str(v)]
@@ -226,6 +230,11 @@ def main():
     p.add_argument("--offload-budget", "--offload_budget", dest="offload_budget", type=int, default=-1,
                    help="GNNPipeStrategy(offload_budget=...) in bytes (-1: None)")
     p.add_argument("--kernels", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--input", choices=["adj_t", "edge_index"], default="adj_t",
+                   help="the graph the models are given: a torch.sparse CSR adj_t (PyG's fastest path, the default) "
+                        "or an edge_index (what most PyG examples pass)")
+    p.add_argument("--fused-kernels", dest="fused_kernels", type=int, default=1,
+                   help="the strategies' fused_kernels knob (0: PyG's own aggregation in gnnpipe / graph_parallel)")
     p.add_argument("--trace", default="", help="gnnpipe runs write their Chrome trace here (timeline_trace=...)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: every process on its own GPU (NCCL; --procs at most the GPU count; 1 process "

@@ -103,8 +103,11 @@ class GNNPipeStrategy(DDPStrategy):
             gradients are summed on the way back; the same values, each rank talks to 2 peers, but at least
             as many bytes; docs/graph_parallel.md). Nothing changes without ways.
         fused_kernels: while training, route PyG's sparse-adjacency aggregation (layers given a
-            torch.sparse ``adj_t``) to the compiled CSR kernels of :mod:`pyg_pipe.ops` (built on
-            first use; ``PYG_PIPE_DISABLE_EXTENSIONS=1`` or ``False`` here keeps PyG's own path).
+            torch.sparse ``adj_t``), and the Gather of layers given an ``edge_index`` whose message is the
+            source row, optionally weighted per edge (GCNConv, GCN2Conv, SAGEConv, GINConv, GraphConv,
+            GATConv, ...: :func:`pyg_pipe.ops.fuse_messages`), to the compiled CSR kernels of
+            :mod:`pyg_pipe.ops` (built on first use; ``PYG_PIPE_DISABLE_EXTENSIONS=1`` or ``False`` here
+            keeps PyG's own path).
         start_method, timeout, process_group_backend, cluster_environment, ...: as for
             :class:`~lightning.pytorch.strategies.DDPStrategy` (``"popen"`` by default, also under
             ``torchrun`` and SLURM through Lightning's cluster environments).
@@ -178,6 +181,7 @@ class GNNPipeStrategy(DDPStrategy):
         self._memory: Optional[PeakMemory] = None
         self.checkpoints = PipelineCheckpoints(self)
         self._kernels = None
+        self._fused_messages = None   # pyg_pipe.ops.fuse_messages' handle while training
         self._same_graph = SameGraph()
         self._failed = False
 
@@ -257,6 +261,9 @@ class GNNPipeStrategy(DDPStrategy):
         self.engine = GNNPipeEngine(target, self.config, self.comm, num_stages=stages, ways=ways, min_ways=min_ways)
         self.engine.steps_only()  # training passes only inside training_step
         self.engine.install()
+        if self.fused_kernels:
+            from .. import ops
+            self._fused_messages = ops.fuse_messages(target)
         self.checkpoints.install_pending()
         self._memory = PeakMemory(self.root_device).start()
         for kind in (CommLogger, TimelineLogger, StalenessLogger, GlobalNormClipping):
@@ -275,6 +282,9 @@ class GNNPipeStrategy(DDPStrategy):
         if self._kernels is not None:
             self._kernels.__exit__(None, None, None)
             self._kernels = None
+        if self._fused_messages is not None:
+            self._fused_messages.remove()
+            self._fused_messages = None
         if self.engine is not None:
             self.plan_seconds = self.engine.setup_seconds
             self.notes = list(self.engine.notes)

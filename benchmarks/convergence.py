@@ -17,6 +17,8 @@ gradient scaling)::
     t1 / t2 / t3   one trick alone
     bound     the defaults and max_staleness=0.1 (refresh when a step's drift passes 10 %)
     age0      the defaults and max_age=0 (history refreshed before every step: exact forwards)
+    smooth    the defaults and smoothing=0.5 (stale rows read as a moving average over steps, PipeGCN)
+    smooth-none    smoothing=0.5 without T1-T3 (PipeGCN's setting)
 
 All gnnpipe cases of one invocation run in the same 2 (``--procs``) processes, one after the other;
 the one-process references run first, in this process with 2 threads.
@@ -47,6 +49,8 @@ MODES = {
     "t3": dict(shuffle_chunks=False, snapshot_period=None),
     "bound": dict(max_staleness=0.1),
     "age0": dict(max_age=0),
+    "smooth": dict(smoothing=0.5),
+    "smooth-none": dict(shuffle_chunks=False, snapshot_period=None, unbiased_gradients=False, smoothing=0.5),
 }
 
 

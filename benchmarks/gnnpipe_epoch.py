@@ -264,7 +264,8 @@ def main():
         return statistics.median(ts[len(ts) // 2:])
 
     results = {"setting": {k: getattr(args, k) for k in ("graph", "model", "nodes", "degree", "features", "classes", "layers",
-                                                         "hidden", "epochs", "procs", "threads_single", "snapshot_period")}}
+                                                         "hidden", "epochs", "procs", "threads_single", "snapshot_period",
+                                                         "input", "fused_kernels")}}
     single = json.loads(launch(args, "single").stdout.strip().splitlines()[-1])
     results["single"] = single
     single_k = json.loads(launch(args, "single", kernels=1).stdout.strip().splitlines()[-1])
@@ -302,7 +303,8 @@ def main():
                       f"wait {tl['wait']:.3f} s, bubble {tl['bubble']:.3f} s; bubble share {tl['bubble_share']:.3f} "
                       f"(GPipe formula (S-1)/(C+S-1) = {bubble_share(args.procs, c):.3f})", flush=True)
     print(f"\nsetting: {results['setting']}")
-    print(f"single process ({args.threads_single} threads, sparse CSR, cached): epoch {t_single:.3f} s, "
+    graph = "sparse CSR" if args.input == "adj_t" else "edge_index"
+    print(f"single process ({args.threads_single} threads, {graph}, cached): epoch {t_single:.3f} s, "
           f"peak {m_single:.0f} MB (net {net_single:.0f} MB); with pyg_pipe's fused kernels: epoch {t_single_k:.3f} s")
     print(f"graph_parallel ({args.procs} processes x 1 thread): epoch {t_gp:.3f} s ({t_gp / t_single:.2f} x single), "
           f"worst peak {m_gp:.0f} MB (net {net_gp:.0f} MB, {net_gp / max(net_single, 1e-9):.2f} x single net); "

@@ -153,8 +153,11 @@ def _pre_propagate(module, inputs):
     the module, so a deep copy's hook serves the copy)."""
     state = module.__dict__.get("_pyg_pipe_fused")
     if state is not None:
+        edge_index = inputs[0]
+        # a sparse adjacency with message_and_aggregate never calls message: PyG's (or ops.install's) path
+        sparse = not isinstance(edge_index, Tensor) or edge_index.layout != torch.strided
         explaining = bool(getattr(module, "explain", False))
-        state.route = None if explaining else state.route_for(inputs[2])
+        state.route = None if explaining or (sparse and module.fuse) else state.route_for(inputs[2])
         state.lazy = state.route is not None
     return None
 

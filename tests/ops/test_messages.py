@@ -84,3 +84,18 @@ def test_none_arguments_take_their_own_route():
         torch.testing.assert_close(layer(x, g["edge_index"], w), ref(x, g["edge_index"], w), atol=1e-10, rtol=0)
     assert handle.fused_calls == 3
     assert set(layer._pyg_pipe_fused.routes) == {(), ("edge_weight",)}
+
+
+def test_sparse_adjacency_keeps_its_own_path():
+    """Given a sparse ``adj_t``, layers with ``message_and_aggregate`` never call ``message``: nothing is
+    made lazy, so a GATConv called next (its ``edge_updater`` lifts rows too) is untouched."""
+    from torch_geometric.utils import to_torch_csr_tensor
+    x, g, _, _ = zoo_graph()
+    adj_t = to_torch_csr_tensor(g["edge_index"].flip(0), size=(x.size(0), x.size(0)))
+    gcn, gat = gnn.GCNConv(8, 8), gnn.GATConv(8, 4, heads=2)
+    model = torch.nn.ModuleList([gcn, gat])
+    ref = copy.deepcopy(model)
+    handle = fuse_messages(model)
+    out = model[1](model[0](x, adj_t), g["edge_index"])
+    torch.testing.assert_close(out, ref[1](ref[0](x, adj_t), g["edge_index"]), atol=1e-10, rtol=0)
+    assert handle.fused_calls == 1   # GATConv's, not GCNConv's

@@ -17,6 +17,7 @@ gradient scaling)::
     t1 / t2 / t3   one trick alone
     bound     the defaults and max_staleness=0.1 (refresh when a step's drift passes 10 %)
     age0      the defaults and max_age=0 (history refreshed before every step: exact forwards)
+    age2 / age5 / age11   the defaults and max_age=k (an exact refresh at least every k+1 steps)
     smooth    the defaults and smoothing=0.5 (stale rows read as a moving average over steps, PipeGCN)
     smooth-none    smoothing=0.5 without T1-T3 (PipeGCN's setting)
 
@@ -49,6 +50,9 @@ MODES = {
     "t3": dict(shuffle_chunks=False, snapshot_period=None),
     "bound": dict(max_staleness=0.1),
     "age0": dict(max_age=0),
+    "age2": dict(max_age=2),
+    "age5": dict(max_age=5),
+    "age11": dict(max_age=11),
     "smooth": dict(smoothing=0.5),
     "smooth-none": dict(shuffle_chunks=False, snapshot_period=None, unbiased_gradients=False, smoothing=0.5),
 }

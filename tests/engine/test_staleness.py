@@ -244,6 +244,37 @@ def test_one_process_bounds_refresh_history(bound):
         torch.set_default_dtype(torch.float32)
 
 
+@pytest.mark.parametrize("max_age", [1, 2])
+def test_every_step_between_refreshes_reads_what_the_policy_says(max_age):
+    """With refreshes every few steps, every training forward (not only those right after a refresh) equals
+    the whole-graph reference in which a refresh refills history with the current weights and renews the
+    T2 snapshot (lr > 0)."""
+    try:
+        x, ei, y, mask, model, engine = _setup(1, 1, 4, max_age=max_age)
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        reference, refreshes, seen = None, 0, 0
+        for step in range(STEPS):
+            weights = _gathered(model, engine)
+            if reference is None:
+                reference = Reference(weights, x, ei, ranges(ei, x.size(0), 4)[1], 1)
+            reference.model.load_state_dict(weights.state_dict())
+            out = model(x, ei)
+            if engine.meter.refreshes > refreshes:   # the engine refreshed before this step: so does the reference
+                refreshes, seen = engine.meter.refreshes, seen + 1
+                with torch.no_grad():
+                    h1 = reference.model.conv1(x, ei).relu()
+                    reference.history = [h1, reference.model.conv2(h1, ei).relu()]
+                reference.snapshot, reference.origin = None, step
+            torch.testing.assert_close(out, reference.forward(step), atol=1e-9, rtol=0, msg=f"step {step}")
+            opt.zero_grad()
+            F.cross_entropy(out[mask], y[mask]).backward()
+            opt.step()
+        engine.uninstall()
+        assert seen >= 1, seen
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 def test_pipeline_and_ways_refresh_at_the_same_steps():
     run_distributed(_bounded, 4, 2, 2, 8, dict(max_staleness=0.2), timeout=240)
 

@@ -42,6 +42,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+DROPOUT = float(os.environ.get("PYG_PIPE_BENCH_DROPOUT", 0.1))  # of every model (the study: 0.1)
+
 MODES = {
     "t1-t3": {},
     "none": dict(shuffle_chunks=False, snapshot_period=None, unbiased_gradients=False),
@@ -78,10 +80,10 @@ def model(name: str, layers: int, seed: int):
     from pyg_pipe.models import ResGCNPlus, gcnii
     torch.manual_seed(seed)
     if name == "gcnii":
-        return gcnii(32, 64, 8, num_layers=layers, dropout=0.1)
+        return gcnii(32, 64, 8, num_layers=layers, dropout=DROPOUT)
     if name == "resgcn":
-        return ResGCNPlus(32, 64, 8, num_layers=layers, dropout=0.1)
-    return GAT(32, 16, min(layers, 8), 8, heads=4, dropout=0.1)  # attention over (stale) neighbours
+        return ResGCNPlus(32, 64, 8, num_layers=layers, dropout=DROPOUT)
+    return GAT(32, 16, min(layers, 8), 8, heads=4, dropout=DROPOUT)  # attention over (stale) neighbours
 
 
 def accuracies(out, data):

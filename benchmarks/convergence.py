@@ -17,7 +17,8 @@ gradient scaling)::
     t1 / t2 / t3   one trick alone
     bound     the defaults and max_staleness=0.1 (refresh when a step's drift passes 10 %)
     age0      the defaults and max_age=0 (history refreshed before every step: exact forwards)
-    age2 / age5 / age11   the defaults and max_age=k (an exact refresh at least every k+1 steps)
+    age1 / age2 / age5 / age11   the defaults and max_age=k (an exact refresh at least every k+1 steps)
+    age2-noT2 / age1-noT3 / age1-noT1   max_age with one trick off (probes of the max_age result in docs)
     smooth    the defaults and smoothing=0.5 (stale rows read as a moving average over steps, PipeGCN)
     smooth-none    smoothing=0.5 without T1-T3 (PipeGCN's setting)
 
@@ -55,6 +56,8 @@ MODES = {
     "age1": dict(max_age=1),
     "age2": dict(max_age=2),
     "age2-noT2": dict(max_age=2, snapshot_period=None),
+    "age1-noT3": dict(max_age=1, unbiased_gradients=False),
+    "age1-noT1": dict(max_age=1, shuffle_chunks=False),
     "age5": dict(max_age=5),
     "age11": dict(max_age=11),
     "smooth": dict(smoothing=0.5),

@@ -19,7 +19,7 @@ from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
 from tests.dist import run_distributed
 from tests.harness import ranges
 from tests.lit import NodeClassifier, graph_loader
-from tests.models import as_data, gcnii, small_graph
+from tests.models import as_data, forward_backward, gcnii, small_graph
 from tests.zoo import zoo_graph
 
 pytestmark = pytest.mark.gpu
@@ -30,10 +30,7 @@ def _train(model, x, graph, y, mask, steps=3):
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     outs = []
     for _ in range(steps):
-        out = model(x, graph)
-        loss = F.cross_entropy(out[mask], y[mask])
-        opt.zero_grad()
-        loss.backward()
+        out, _ = forward_backward(model, opt, x, graph, y, mask)
         opt.step()
         outs.append(out.detach())
     return outs

@@ -124,6 +124,8 @@ class _Fused:
 
     def __init__(self, module):
         self.module = module
+        # where each message argument comes from in propagate's kwargs (x for x_j), read once
+        self.sources = [(p, p[:-2] if p[-2:] in ("_i", "_j") else p) for p in module.inspector.get_param_names("message")]
         self.routes: Dict[tuple, Any] = {}
         self.route = None      # the route of the call in progress
         self.lazy = False
@@ -131,11 +133,9 @@ class _Fused:
 
     def route_for(self, kwargs: dict):
         from ..saga.compile import compile_message
-        m = self.module
-        params = m.inspector.get_param_names("message")
-        none = tuple(p for p in params if kwargs.get(p[:-2] if p[-2:] in ("_i", "_j") else p, 0) is None)
+        none = tuple(p for p, source in self.sources if kwargs.get(source, 0) is None)
         if none not in self.routes:
-            self.routes[none] = compile_message(m, none)
+            self.routes[none] = compile_message(self.module, none)
         return self.routes[none]
 
 

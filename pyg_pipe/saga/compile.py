@@ -154,6 +154,14 @@ class SAGAProgram:
     weight: Optional[fx.Graph] = None
     reason: str = ""                              # why nothing was rewritten, when nothing was
 
+    @property
+    def weight_inputs(self) -> Set[str]:
+        """The placeholders the weight sub-program reads (computed once)."""
+        if not hasattr(self, "_weight_inputs"):
+            self._weight_inputs = {n.target for n in self.weight.nodes if n.op == "placeholder"} \
+                if self.weight is not None else set()
+        return self._weight_inputs
+
     def hoisted(self, end: str) -> List[str]:
         return self.vertex[end].outputs if end in self.vertex else []
 

@@ -203,7 +203,7 @@ class SAGALayer(MessagePassing):
                 return None
             return csr_gated_aggregate(rowptr, col, d, s, v, reduce)
         (s,) = args   # weighted
-        inputs = {k: _lift(p, o, sh) for k, (p, o, sh) in values.items() if k in _placeholders(program.weight)}
+        inputs = {k: _lift(p, o, sh) for k, (p, o, sh) in values.items() if k in program.weight_inputs}
         inputs.update(edge_inputs)
         w = run_graph(program.weight, self, inputs)
         heads = s.shape[1] if s.dim() == 3 else 1

@@ -10,6 +10,12 @@ from lightning.pytorch.callbacks import Callback
 from ..engine import CATEGORIES
 
 
+def _metric(value, pl_module) -> torch.Tensor:
+    """A float64 metric on the module's device: Lightning syncs logged tensors where they are, and NCCL
+    cannot reduce a CPU tensor (found on the first GPU run: every epoch end failed)."""
+    return torch.tensor(float(value), dtype=torch.float64, device=pl_module.device)
+
+
 class CommLogger(Callback):
     """Logs the pipeline's communication of every training epoch: ``comm/bytes`` (summed over all
     ranks) and ``comm/<category>`` for each category of :mod:`pyg_pipe.engine.comm` the grid sends."""
@@ -35,9 +41,9 @@ class CommLogger(Callback):
         # the counts are already summed over ranks (the same on every rank): sync_dist only keeps
         # Lightning from asking for it
         log = dict(on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
-        pl_module.log("comm/bytes", torch.tensor(float(self._epoch["total"]), dtype=torch.float64), **log)
+        pl_module.log("comm/bytes", _metric(self._epoch["total"], pl_module), **log)
         for cat in self.categories:
-            pl_module.log(f"comm/{cat}", torch.tensor(float(self._epoch.get(cat, 0)), dtype=torch.float64), **log)
+            pl_module.log(f"comm/{cat}", _metric(self._epoch.get(cat, 0), pl_module), **log)
 
     @property
     def categories(self) -> List[str]:
@@ -79,7 +85,7 @@ class TimelineLogger(Callback):
         per_step["bubble_share"] = per_step["bubble"] / total if total > 0 else 0.0
         log = dict(on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
         for k, v in per_step.items():
-            pl_module.log(f"time/{k}", torch.tensor(v, dtype=torch.float64), **log)
+            pl_module.log(f"time/{k}", _metric(v, pl_module), **log)
 
 
 class StalenessLogger(Callback):
@@ -119,7 +125,7 @@ class StalenessLogger(Callback):
         metrics["refreshes"] = float(engine.meter.refreshes - self._refreshes)  # the same on every rank
         for k, v in metrics.items():
             # the same on every rank (gathered above): sync_dist only keeps Lightning from asking for it
-            pl_module.log(f"staleness/{k}", torch.tensor(v, dtype=torch.float64), on_step=False, on_epoch=True,
+            pl_module.log(f"staleness/{k}", _metric(v, pl_module), on_step=False, on_epoch=True,
                           sync_dist=True, reduce_fx="max")
 
 

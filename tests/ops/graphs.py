@@ -26,7 +26,7 @@ def reference(rowptr, col, x, value=None, reduce="sum", row_start=0, row_end=Non
     row_end = rowptr.numel() - 1 if row_end is None else row_end
     rp = rowptr[row_start:row_end + 1].long()
     base, end = int(rp[0]), int(rp[-1])
-    dst = torch.repeat_interleave(torch.arange(row_end - row_start), rp[1:] - rp[:-1])
+    dst = torch.repeat_interleave(torch.arange(row_end - row_start, device=x.device), rp[1:] - rp[:-1])
     msg = x.index_select(0, col[base:end].long())
     if value is not None:
         msg = msg * value[base:end].unsqueeze(1)

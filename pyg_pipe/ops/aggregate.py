@@ -299,12 +299,39 @@ def _kernels(kind: str):
             return _modules[kind]
         module = None
         if extensions_enabled() and (kind == "cpu" or _cuda_buildable()):
+            slice_edges = _cuda_slice_edges() if kind == "cuda" else 0  # a bad value raises, never falls back
             try:
                 module = _load(kind)
+                if kind == "cuda":
+                    module.set_slice_edges(slice_edges)
             except Exception as err:  # noqa: BLE001  (a failed build must never stop training)
                 _warn_once(_fallback_message(kind, err))
         _modules[kind] = module
         return module
+
+
+ENV_CUDA_SLICE_EDGES = "PYG_PIPE_CUDA_SLICE_EDGES"
+_CUDA_SLICE_EDGES = 256
+
+
+def _cuda_slice_edges() -> int:
+    """Edges per slice of the CUDA sum/mean kernel (``PYG_PIPE_CUDA_SLICE_EDGES``; 0: one group per row).
+
+    Slices of equal edge counts keep every warp busy on power-law graphs, where a row per group leaves
+    the GPU waiting on the hub rows; docs/kernels.md has the measurement behind the default.
+    """
+    raw = os.environ.get(ENV_CUDA_SLICE_EDGES, "").strip()
+    if not raw:
+        return _CUDA_SLICE_EDGES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{ENV_CUDA_SLICE_EDGES}={raw!r}: expected an integer >= 0 (edges per slice of the "
+                         f"CUDA sum/mean kernel; 0 gives each row its own group); unset it for the default "
+                         f"{_CUDA_SLICE_EDGES}")
+    return value
 
 
 def _cuda_buildable() -> bool:
@@ -439,7 +466,6 @@ class _CompiledAggregate(torch.autograd.Function):
         need_x = ctx.needs_input_grad[3]
         g = grad_out.contiguous()
         grad_x = grad_value_part = None
-        base, end = int(rowptr[0]), int(rowptr[-1])
         if reduce == "max":
             grad_x, grad_value_part = module.max_backward(rowptr, col, value, x, g, arg, ctx.n_src,
                                                           need_x, need_value)
@@ -457,7 +483,8 @@ class _CompiledAggregate(torch.autograd.Function):
                     deg = (rowptr[1:] - rowptr[:-1]).long()
                     grad_value_part = grad_value_part * torch.repeat_interleave(inv_deg, deg)
         grad_value = None
-        if need_value:
+        if need_value:  # reads the row range's edge span on the host: a sync on CUDA, only for edge values
+            base, end = int(rowptr[0]), int(rowptr[-1])
             if base == 0 and end == value.numel():
                 grad_value = grad_value_part
             else:

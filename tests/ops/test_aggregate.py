@@ -164,6 +164,56 @@ def test_cuda_matches_reference(reduce, weighted, index_dtype, width):
             _compare(rowptr.cuda(), col.cuda(), x, value, reduce, rs, re, atol=atol)
 
 
+def _hub_csr(n=300, hub_degree=2000, seed=4, index_dtype=torch.int64):
+    """A power-law-like CSR: row 7 has ``hub_degree`` edges, rows 0, 150-159 and n-1 none, the rest 0-5."""
+    gen = torch.Generator().manual_seed(seed)
+    deg = torch.randint(0, 6, (n,), generator=gen)
+    deg[7] = hub_degree
+    deg[0] = deg[150:160] = deg[n - 1] = 0
+    rowptr = torch.zeros(n + 1, dtype=torch.int64)
+    rowptr[1:] = torch.cumsum(deg, 0)
+    col = torch.randint(0, n, (int(rowptr[-1]),), generator=gen)
+    col[rowptr[7]:rowptr[8]] = torch.arange(hub_degree) % 40  # the hub's sources: hub columns backward too
+    return rowptr.to(index_dtype), col.to(index_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slice_edges", [0, 1, 3, 64, 256, 100_000])
+def test_cuda_edge_balanced_slices(slice_edges):
+    """The edge-balanced sum/mean kernel (rows split across slices, then joined in slice order) equals the
+    reference for every slice size: a hub row over many slices, rows ending exactly at a slice end,
+    empty rows at the start, middle and end, row ranges of the CSR, and the backward (whose transposed
+    graph has hub columns)."""
+    module = aggregate._kernels("cuda")
+    assert module is not None, "CUDA is available but the CUDA kernel did not build"
+    before = module.slice_edges()
+    module.set_slice_edges(slice_edges)
+    try:
+        for index_dtype in (torch.int32, torch.int64):
+            rowptr, col = _hub_csr(index_dtype=index_dtype)
+            n = rowptr.numel() - 1
+            for dtype, atol in ((torch.float32, 1e-4), (torch.float64, 1e-10)):
+                x = torch.randn(n, 12, dtype=dtype, device="cuda", requires_grad=True)
+                value = torch.rand(col.numel(), dtype=dtype, device="cuda", requires_grad=True)
+                for reduce in ("sum", "mean"):
+                    for v in (None, value):
+                        for rs, re in ((0, n), (0, 8), (7, 8), (5, 160), (149, n), (150, 160)):
+                            _compare(rowptr.cuda(), col.cuda(), x, v, reduce, rs, re, atol=atol)
+            ops.clear_cache()
+    finally:
+        module.set_slice_edges(before)
+
+
+def test_cuda_slice_edges_setting_is_validated(monkeypatch):
+    monkeypatch.setenv(aggregate.ENV_CUDA_SLICE_EDGES, "many")
+    with pytest.raises(ValueError, match="PYG_PIPE_CUDA_SLICE_EDGES"):
+        aggregate._cuda_slice_edges()
+    monkeypatch.setenv(aggregate.ENV_CUDA_SLICE_EDGES, "0")
+    assert aggregate._cuda_slice_edges() == 0
+    monkeypatch.delenv(aggregate.ENV_CUDA_SLICE_EDGES)
+    assert aggregate._cuda_slice_edges() == aggregate._CUDA_SLICE_EDGES
+
+
 @pytest.mark.gpu
 def test_cuda_backend_and_gradcheck():
     assert ops.backend("cuda") == "cuda", "CUDA is available but the CUDA kernel did not build"

@@ -273,11 +273,15 @@ def main(argv=None):
     except OSError:
         cpu_model = platform.processor()
     dev_name = torch.cuda.get_device_name() if device == "cuda" else f"{cpu_model}, {torch.get_num_threads()} threads"
-    print(f"device: {dev_name}; torch {torch.__version__}; kernel backend: {backend}")
+    slice_edges = ops.aggregate._kernels("cuda").slice_edges() if backend == "cuda" else None
+    print(f"device: {dev_name}; torch {torch.__version__}; kernel backend: {backend}"
+          + (f"; sum/mean kernel: {slice_edges} edges per slice (0: a group per row; "
+             f"PYG_PIPE_CUDA_SLICE_EDGES)" if slice_edges is not None else ""))
     print(f"graph: {args.nodes} vertices, {args.edges} edges; float32; repeats {args.repeats} "
           f"({args.slow_repeats} for calls over {args.slow_s} s); times in ms (median), ratio = method / kernel")
 
-    results = {"device": dev_name, "torch": torch.__version__, "backend": backend, "nodes": args.nodes,
+    results = {"device": dev_name, "torch": torch.__version__, "backend": backend, "slice_edges": slice_edges,
+               "nodes": args.nodes,
                "edges": args.edges, "threads": torch.get_num_threads(), "rows": []}
     header = f"{'graph':9}{'reduce':7}{'pass':8}{'d':>5}" + "".join(f"{m:>13}" for m in args.methods) \
         + "".join(f"{'x ' + m:>15}" for m in args.methods if m != "kernel")

@@ -5,8 +5,12 @@
 #   2. the fused kernels against cuSPARSE (torch.sparse.mm) and PyG's scatter path, with the kernel's
 #      achieved bandwidth (benchmarks/aggregate.py --device cuda);
 #   3. one engine epoch on CUDA: plain PyG, plain PyG with the kernels, graph_parallel and gnnpipe on
-#      min(2, GPUs) processes (one GPU: the engine streams over the chunks), 16-layer GCNII, 20k vertices.
+#      min(2, GPUs) processes (one GPU: the engine streams over the chunks), 16-layer GCNII, 20k vertices;
+#   4. a profile of one GPU's step, plain PyG against the engine streaming (benchmarks/gpu_profile.py):
+#      wall time against GPU busy time, host synchronisations and copies per step.
+# A failing step does not stop the later ones (the script exits non-zero at the end if one failed).
 # Results go to $OUT (default docs/results/gpu). Without a CUDA device it says so and exits 0.
+# The first CUDA build of the kernels takes about 2 minutes (measured on an H200 machine).
 #
 #   bash benchmarks/gpu.sh
 set -euo pipefail
@@ -20,9 +24,13 @@ fi
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt" || true
 procs=$(( gpus >= 2 ? 2 : 1 ))
-set -x
-python -m pytest -q -m gpu tests 2>&1 | tee "$out/tests.txt"
-python benchmarks/aggregate.py --device cuda --widths 64 128 --repeats 5 --out "$out/aggregate_cuda.json" \
-    2>&1 | tee "$out/aggregate_cuda.txt"
-python benchmarks/gnnpipe_epoch.py --device cuda --procs "$procs" --nodes 20000 --layers 16 --chunks 4 8 \
-    --epochs 6 --out "$out/epoch_cuda.json" 2>&1 | tee "$out/epoch_cuda.txt"
+failed=0
+step() { echo "+ $*"; "$@" || { echo "benchmarks/gpu.sh: failed: $*"; failed=1; }; }
+step bash -c "set -o pipefail; python -m pytest -q -m gpu tests 2>&1 | tee '$out/tests.txt'"
+step bash -c "set -o pipefail; python benchmarks/aggregate.py --device cuda --widths 64 128 --repeats 5 \
+    --out '$out/aggregate_cuda.json' 2>&1 | tee '$out/aggregate_cuda.txt'"
+step bash -c "set -o pipefail; python benchmarks/gnnpipe_epoch.py --device cuda --procs $procs --nodes 20000 --layers 16 \
+    --chunks 4 8 --epochs 6 --out '$out/epoch_cuda.json' 2>&1 | tee '$out/epoch_cuda.txt'"
+step bash -c "set -o pipefail; python benchmarks/gpu_profile.py --nodes 20000 --layers 16 --chunks 4 8 --steps 3 \
+    --out '$out/profile.json' 2>&1 | tee '$out/profile.txt'"
+exit $failed

@@ -15,6 +15,7 @@ cases apart. Checked for one stage x 2 ways (fresh reads at the same clock and e
 (gradients crossing the stage link), with and without T3, over two steps with different orders.
 """
 import copy
+import functools
 
 import pytest
 import torch
@@ -63,7 +64,7 @@ def reference_grads(model, x, edge_index, y, mask, perm, ptr, ways, pi, unbiased
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-def _worker(rank, world, stages, ways, chunks, unbiased):
+def _worker(rank, world, stages, ways, chunks, unbiased, **cfg):
     torch.set_default_dtype(torch.float64)
     x, g, y, mask = zoo_graph(sizes=(64 // chunks, 64 - 64 // chunks))
     edge_index = g["edge_index"]
@@ -71,11 +72,11 @@ def _worker(rank, world, stages, ways, chunks, unbiased):
     model = TwoLayers()
     reference = copy.deepcopy(model)
     engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, partition=ranges, unbiased_gradients=unbiased,
-                                                 balance="layers"),
+                                                 balance="layers", **cfg),
                            Comm(torch.device("cpu"), timeout=60), num_stages=stages, ways=ways)
     engine.install()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    for step in range(2):
+    for step in range(2 if cfg.get("max_age") is None else 4):
         out = model(x, edge_index)
         opt.zero_grad()
         F.cross_entropy(out[mask], y[mask]).backward()
@@ -87,12 +88,21 @@ def _worker(rank, world, stages, ways, chunks, unbiased):
                 torch.testing.assert_close(p.grad, want[name], atol=1e-9, rtol=1e-7,
                                            msg=f"step {step}: gradient of {name}")
         opt.step()
+    if cfg.get("max_age") is not None:  # the bound did refill history (so the steps after a refresh were checked)
+        assert engine.meter.refreshes >= 1, engine.meter.refreshes
     engine.uninstall()
 
 
 @pytest.mark.parametrize("stages,ways,chunks,unbiased", [(1, 2, 8, True), (2, 1, 4, True), (2, 1, 4, False)])
 def test_cross_chunk_gradients_follow_freshness(stages, ways, chunks, unbiased):
     run_distributed(_worker, stages * ways, stages, ways, chunks, unbiased, timeout=240)
+
+
+@pytest.mark.parametrize("max_age", [0, 1])
+def test_gradients_after_a_refresh_follow_the_same_policy(max_age):
+    """A bound's exact refill (``max_age``: every step, every other step) changes what history holds, not
+    which reads carry gradients: one process, 4 chunks (not streamed), the same reference."""
+    run_distributed(functools.partial(_worker, streaming=False, max_age=max_age), 1, 1, 1, 4, True, timeout=240)
 
 
 def test_reference_tells_the_cases_apart():

@@ -24,7 +24,10 @@ class PipelineConfig:
         balance: ``"time"``, ``"layers"`` or layer groups per stage.
         partition: partitioner name or callable ``(edge_index, num_nodes, num_chunks) -> (perm, ptr)``.
         seed: seed of the partitioner and of the chunk order.
-        per_chunk_statistics: graph-wide statistics per chunk when a way runs several (approximate).
+        per_chunk_statistics: how graph-wide statistics (BatchNorm) run when a way has several chunks:
+            ``False`` refuses them, ``True`` takes each chunk's own rows (approximate, GPipe's choice),
+            ``"history"`` the whole graph's, other chunks' sums from their latest run (approximate;
+            :mod:`.statistics`).
         split_points: ``{"module.name": SplitPoint.BEGINNING | END}``.
         recompute: a stage keeps only each chunk's inputs during the fill and recomputes the chunk's
             activations in the drain (``"auto"``: when a way runs several chunks and keeping all of their
@@ -66,7 +69,7 @@ class PipelineConfig:
     balance: Union[str, Sequence[int]] = "time"
     partition: Union[str, Callable] = "auto"
     seed: int = 0
-    per_chunk_statistics: bool = False
+    per_chunk_statistics: Union[bool, str] = False
     split_points: Optional[Dict[str, SplitPoint]] = None
     recompute: Union[bool, str] = "auto"
     offload: Optional[str] = None
@@ -99,6 +102,10 @@ class PipelineConfig:
                                                  or isinstance(self.snapshot_period, bool) or self.snapshot_period < 1):
             raise ValueError(f"snapshot_period={self.snapshot_period!r} must be a positive integer, or None to "
                              f"turn periodic snapshots off.")
+        if self.per_chunk_statistics not in (True, False, "history"):
+            raise ValueError(f"per_chunk_statistics={self.per_chunk_statistics!r} must be False (refuse graph-wide "
+                             f"statistics with several chunks per way), True (each chunk's own rows) or 'history' "
+                             f"(the whole graph's: other chunks' sums from their latest run).")
         if self.recompute not in (True, False, "auto"):
             raise ValueError(f"recompute={self.recompute!r} must be True, False or 'auto' (recompute when the "
                              f"activations of every chunk would not fit a quarter of the free memory).")

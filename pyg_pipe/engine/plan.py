@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..model.errors import UnsupportedModelError
 from ..model.inputs import CallInputs, graph_edges
-from ..model.norms import needs_statistics
+from ..model.norms import BATCH_NORM, needs_statistics
 from ..model.split import balance, parameter_stages, split, stage_groups
 from ..model.trace import Program, trace
 from .config import PipelineConfig
@@ -170,8 +170,9 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
     else:
         C = wanted
         perm, ptr = partition(config, inputs, C, W, comm, root)
-    if C // W > 1 and not config.per_chunk_statistics:
-        refuse_statistics(module, C // W, W)
+    if C // W > 1 and config.per_chunk_statistics is not True:
+        refuse_statistics(module, C // W, W, history=config.per_chunk_statistics == "history",
+                          streaming=shape.streaming)
     stage_sizes: Optional[Tuple[int, ...]] = None
     if shape.streaming:  # every layer group is a stage of its own, all on this device
         stage_sizes = (1,) * len(shape.groups) if shape.groups is not None else None
@@ -257,16 +258,36 @@ def refuse_graph_builders(module: torch.nn.Module) -> None:
                 f"Train this model on one device (no pyg_pipe strategy).")
 
 
-def refuse_statistics(module: torch.nn.Module, chunks_per_way: int, ways: int) -> None:
-    """Refuses graph-wide statistics when a way runs several chunks (the pipeline never holds all rows)."""
+def refuse_statistics(module: torch.nn.Module, chunks_per_way: int, ways: int, history: bool = False,
+                      streaming: bool = False) -> None:
+    """Refuses graph-wide statistics when a way runs several chunks (the pipeline never holds all rows).
+
+    ``history`` (``per_chunk_statistics="history"``): BatchNorm is run with historical sums
+    (:mod:`.statistics`), except when streaming; every other graph-wide module is still refused."""
+    from torch_geometric.nn import BatchNorm as PygBatchNorm
     for name, m in module.named_modules():
-        if needs_statistics(m):
+        if not needs_statistics(m):
+            continue
+        if history and isinstance(m, (BATCH_NORM, PygBatchNorm)):
+            if streaming:
+                raise UnsupportedModelError(
+                    f"Module '{name}' ({type(m).__name__}): per_chunk_statistics='history' runs in the pipeline "
+                    f"schedule, not in NGra streaming on one device. Pass streaming=False (or "
+                    f"per_chunk_statistics=True for each chunk's own statistics).")
+            continue
+        if history:
             raise UnsupportedModelError(
-                f"Module '{name}' ({type(m).__name__}) normalises with statistics over all vertices, but with "
-                f"{chunks_per_way} chunks per way the pipeline never holds all vertices at once. Use "
-                f"num_chunks={ways} (exact; one chunk per way), opt into per-chunk statistics "
-                f"(per_chunk_statistics=True, approximate, as GPipe does for micro-batches), or a per-vertex norm "
-                f"(torch.nn.LayerNorm, torch_geometric.nn.LayerNorm(mode='node')).")
+                f"Module '{name}' ({type(m).__name__}) normalises with statistics over all vertices; "
+                f"per_chunk_statistics='history' covers BatchNorm only. Use per_chunk_statistics=True (each "
+                f"chunk's own rows, approximate), num_chunks={ways} (exact; one chunk per way) or a per-vertex "
+                f"norm (torch.nn.LayerNorm, torch_geometric.nn.LayerNorm(mode='node')).")
+        raise UnsupportedModelError(
+            f"Module '{name}' ({type(m).__name__}) normalises with statistics over all vertices, but with "
+            f"{chunks_per_way} chunks per way the pipeline never holds all vertices at once. Use "
+            f"num_chunks={ways} (exact; one chunk per way), opt into per-chunk statistics "
+            f"(per_chunk_statistics=True, approximate, as GPipe does for micro-batches; for BatchNorm "
+            f"per_chunk_statistics='history', the whole graph's with other chunks' sums from their latest run), "
+            f"or a per-vertex norm (torch.nn.LayerNorm, torch_geometric.nn.LayerNorm(mode='node')).")
 
 
 def graph_digest(graph: Tensor) -> int:

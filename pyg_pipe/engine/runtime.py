@@ -39,6 +39,7 @@ from .program import Programs
 from .schedule import Schedule
 from .tiers import Tiers
 from .staleness import StalenessMeter
+from .statistics import StatisticsHistory
 from .timeline import Timeline
 from .sites import CallSites
 
@@ -75,6 +76,7 @@ class Runtime:
         held = boundary(self.chunked, *bounds[grid.way:grid.way + 2])
         self.history = HistoryStore(plan.num_nodes, dev, self.tiers, held if held.numel() < plan.num_nodes else None)
         self.stores: Dict[int, "Store"] = {}
+        self._statistics: Dict[int, StatisticsHistory] = {}  # call -> historical BatchNorm sums (:mod:`.statistics`)
         self.halo = HaloExchange(grid, comm, self.schedule, config.halo_exchange)
         self.link = StageLink(comm, grid.prev, grid.next)
         self.programs = Programs(module, fn, plan.sizes, config.split_points, grid.stage, grid.is_last)
@@ -85,6 +87,17 @@ class Runtime:
         self.rows_checked: Set[str] = set()
         self._derived: Dict = {}
         self._names: Optional[Dict[int, str]] = None
+
+    def statistics_history(self, call: int) -> Optional[StatisticsHistory]:
+        """The historical BatchNorm sums of the ``call``-th call of a step (``per_chunk_statistics="history"``
+        with several chunks per way), else ``None``."""
+        if self.config.per_chunk_statistics != "history" or self.plan.chunks_per_way == 1:
+            return None
+        if call not in self._statistics:
+            rows = [lg.rows for lg in self.chunked[0].chunks]
+            group = self.grid.stage_group if self.grid.ways > 1 else None
+            self._statistics[call] = StatisticsHistory(rows, group, self.comm)
+        return self._statistics[call]
 
     @property
     def way_chunked(self) -> List[ChunkedGraph]:

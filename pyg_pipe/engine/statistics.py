@@ -21,11 +21,33 @@ every edge exactly once, as on one device (the local graph's extra self loops of
 count). With more than one chunk per way the statistics of a step would need every chunk at once,
 which the pipeline never has: such modules are refused before training unless
 ``per_chunk_statistics=True``, which computes them per chunk (GPipe's choice for micro-batches;
-approximate). In exact passes (inference, the history pass) nothing is approximate.
+approximate), or, for BatchNorm, ``per_chunk_statistics="history"``. In exact passes (inference, the
+history pass) nothing is approximate.
+
+**Historical statistics** (``per_chunk_statistics="history"``, BatchNorm on vertex rows): statistics are
+sums, so the whole graph's can be assembled the way history assembles a layer's input. For a BatchNorm
+call site and chunk ``c`` of a way running several chunks::
+
+    s_c = Σ_{v in c} x_v,   q_c = Σ_{v in c} x_v²           (this run, with autograd)
+    S   = s_c + Σ_{c' ≠ c, seen} s_{c'}^{hist}               (the other chunks' latest sums, constants)
+    Q   = q_c + Σ_{c' ≠ c, seen} q_{c'}^{hist},   n = rows of c and of the seen chunks
+    mean = S / n,   var = Q / n − mean²                      (all-reduced over the ways first, if several)
+
+then ``s_c, q_c`` replace chunk ``c``'s entry. Chunks earlier in the step's order contribute this step's
+sums, later ones the previous step's: at lr = 0, from the second step on, every chunk normalises with
+exactly the whole graph's statistics (as one process does), and in the first step the chunks see the
+chunks run so far. The gradient reaches the statistics through the chunk's own rows only. A replay
+(recompute in the drain) reads what its fill read. The running statistics move once per step, in the
+chunk that runs last in the way's order, whose sums are all from this step (one process's update
+whenever the model's inputs to the norm are exact, as at lr = 0). The variance is taken as
+``E[x²] − mean²``: fine for normalised activations, less accurate than the two-pass form where a
+feature's mean is far larger than its spread. Not covered: BatchNorm inside a layer's ``message``
+(statistics over edges) and other graph-wide norms (refused), NGra streaming (refused); the sums are not
+checkpointed (after a resume the first step assembles them again).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -50,10 +72,20 @@ class Statistics:
     """
 
     def __init__(self, comm, group, way_rows: Optional[List[int]], rows: int, update_running: bool = True,
-                 replay: bool = False):
+                 replay: bool = False, history: Optional["StatisticsHistory"] = None, chunk: int = -1,
+                 last: bool = False, prime: Optional[Tuple["StatisticsHistory", List[int], List[int]]] = None):
         self.comm, self.group, self.way_rows, self.rows = comm, group, way_rows, rows
         self.update_running, self.replay = update_running, replay
+        self.history, self.chunk, self.last = history, chunk, last  # historical statistics (module docstring)
+        self.prime = prime  # an exact pass fills the historical sums: (history, chunk ids, row offsets)
+        self.calls: Dict[int, int] = {}
         self.inside_gather = False
+
+    def site(self, module: torch.nn.Module) -> Tuple[int, int]:
+        """``(id(module), k)`` for the module's ``k``-th call in this chunk's run."""
+        k = self.calls.get(id(module), 0)
+        self.calls[id(module)] = k + 1
+        return id(module), k
 
     def moves_running(self) -> bool:
         """Whether a norm run now updates its running statistics."""
@@ -61,6 +93,54 @@ class Statistics:
             return False
         ctx = current()
         return not (self.replay and ctx is not None and not ctx.recomputing())
+
+
+class StatisticsHistory:
+    """The latest sums ``(s_c, q_c)`` of every chunk of this way at every BatchNorm call site, and what each
+    chunk's fill read (for its replay); see the module docstring. ``chunk_rows[c]``: rows of chunk ``c``
+    (global chunk ids; only this way's are used)."""
+
+    def __init__(self, chunk_rows: List[int], group=None, comm=None):
+        self.chunk_rows = chunk_rows
+        self.group, self.comm = group, comm
+        self.sums: Dict[Tuple[int, int], Tensor] = {}       # site -> [C, 2, d], zeros where not seen
+        self.seen: Dict[Tuple[int, int], List[bool]] = {}   # site -> [C] (host: no device read)
+        self.read: Dict[Tuple[Tuple[int, int], int], Tuple[Tensor, float]] = {}  # (site, chunk) -> others, n
+
+    def record(self, site: Tuple[int, int], chunks: List[int], offsets: List[int], rows: Tensor, dims) -> None:
+        """An exact pass's rows of a whole way (chunk ``chunks[i]`` at ``offsets[i]:offsets[i + 1]``): every
+        chunk's sums, so the first training step starts from exact statistics, as history starts from
+        exact embeddings."""
+        with torch.no_grad():
+            own = [torch.stack([rows[a:b].sum(dims), (rows[a:b] * rows[a:b]).sum(dims)])
+                   for a, b in zip(offsets[:-1], offsets[1:])]
+            buf = self.sums.get(site)
+            if buf is None or buf.shape[1:] != own[0].shape:
+                buf = own[0].new_zeros((len(self.chunk_rows), *own[0].shape))
+                self.sums[site], self.seen[site] = buf, [False] * len(self.chunk_rows)
+            for c, o in zip(chunks, own):
+                buf[c] = o
+                self.seen[site][c] = True
+
+    def combine(self, site: Tuple[int, int], chunk: int, own: Tensor, own_n: float, replay: bool,
+                per_row: int) -> Tuple[Tensor, float]:
+        """``own`` [2, d] (``s_c``, ``q_c``, with autograd) plus the other chunks' latest sums: ``(S|Q, n)``."""
+        key = (site, chunk)
+        if replay and key in self.read:
+            others, n_others = self.read[key]
+        else:
+            buf = self.sums.get(site)
+            if buf is None or buf.shape[1:] != own.shape:
+                buf = own.new_zeros((len(self.chunk_rows), *own.shape))
+                self.sums[site], self.seen[site] = buf, [False] * len(self.chunk_rows)
+            seen = self.seen[site]
+            others = buf.sum(0) - buf[chunk] if seen[chunk] else buf.sum(0)
+            n_others = float(sum(r for c, (r, s) in enumerate(zip(self.chunk_rows, seen)) if s and c != chunk)
+                             * per_row)
+            self.read[key] = (others, n_others)
+            buf[chunk] = own.detach()
+            seen[chunk] = True
+        return own + others, own_n + n_others
 
 
 class StatisticsHooks:
@@ -119,11 +199,21 @@ def _batch_norm(module, original, stats: Statistics, inv, x: Tensor) -> Tensor:
     dims = [0] + list(range(2, x.dim()))
     shape = [1, -1] + [1] * (x.dim() - 2)
     per_row = x[0].numel() // x.size(1) if x.size(0) else 1
+    if inv is None and stats.history is not None:
+        return _historical_batch_norm(module, stats, x, dims, shape, per_row)
+    if inv is not None and stats.history is not None:
+        raise UnsupportedModelError(
+            f"A BatchNorm in the message function of layer '{inv.name}' normalises over edges; "
+            f"per_chunk_statistics='history' covers BatchNorm over vertex rows. Use per_chunk_statistics=True "
+            f"(each chunk's own edges, approximate) or one chunk per way.")
     if inv is None:  # vertex rows: the chunk's are the first ``rows``
         rows = x.narrow(0, 0, min(stats.rows, x.size(0)))
         weight = None
         n = float((sum(stats.way_rows) if stats.group is not None else rows.size(0)) * per_row)
         s = rows.sum(dims)
+        if stats.prime is not None:
+            hist, chunks, offsets = stats.prime
+            hist.record(stats.site(module), chunks, offsets, rows, dims)
         if stats.group is not None:
             s = _AllReduce.apply(s, stats.comm, stats.group)
     else:  # edge rows: those into the chunk's vertices
@@ -157,6 +247,34 @@ def _batch_norm(module, original, stats: Statistics, inv, x: Tensor) -> Tensor:
             unbiased = var.detach() * factor
             module.running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
             module.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+    return y
+
+
+def _historical_batch_norm(module, stats: Statistics, x: Tensor, dims, shape, per_row: int) -> Tensor:
+    """BatchNorm of a chunk with the whole graph's statistics, other chunks' sums historical (module docstring)."""
+    rows = x.narrow(0, 0, min(stats.rows, x.size(0)))
+    own = torch.stack([rows.sum(dims), (rows * rows).sum(dims)])
+    both, n = stats.history.combine(stats.site(module), stats.chunk, own, float(rows.size(0) * per_row),
+                                    stats.replay, per_row)
+    hist = stats.history
+    if hist.group is not None:  # the ways' chunks at this clock, each with its way's history
+        flat = torch.cat([both.reshape(-1), both.new_tensor([n])])
+        flat = _AllReduce.apply(flat, hist.comm, hist.group)
+        both, n = flat[:-1].view_as(both), flat[-1]
+    mean = both[0] / n
+    var = (both[1] / n - mean * mean).clamp(min=0)
+    y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + module.eps)
+    if module.affine:
+        y = y * module.weight.view(shape) + module.bias.view(shape)
+    if module.training and module.track_running_stats and stats.last and stats.moves_running():
+        with torch.no_grad():  # once per step: in the last chunk of the order, whose sums are all this step's
+            module.num_batches_tracked.add_(1)
+            momentum = module.momentum
+            if momentum is None:
+                momentum = 1.0 / float(module.num_batches_tracked)
+            factor = n / (n - 1.0).clamp(min=1.0) if isinstance(n, Tensor) else n / max(n - 1.0, 1.0)
+            module.running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
+            module.running_var.mul_(1 - momentum).add_(var.detach() * factor, alpha=momentum)
     return y
 
 

@@ -51,7 +51,7 @@ from .rows import RowCheck
 from .runtime import Runtime
 from .sites import kind_of, same_as_first_chunk, site_keys
 from .tree import flatten, unflatten
-from .statistics import Statistics
+from .statistics import Statistics, StatisticsHistory
 
 
 @dataclass
@@ -77,6 +77,7 @@ class CallRecord:
     chunks: List[ChunkRecord]
     localizer: Optional[Localizer] = None
     runner: Any = None
+    statistics: Optional[StatisticsHistory] = None  # historical BatchNorm sums (per_chunk_statistics="history")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,6 +103,7 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
     chunks: List[ChunkRecord] = []
     reference, mine, check = None, None, None
     order = rt.schedule.order(step, grid.way)
+    stat_history = rt.statistics_history(call)
     measure = replay and rt.recompute_pending
     ahead = rt.config.overlap and grid.prev is not None
     for i, c in enumerate(order):
@@ -113,7 +115,8 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
                 rt.timeline.chunk("fill", c, i == 0):
             rec = run_chunk(rt, run, localizer, rt.chunked, c, runner, ("train", sig, c), plan.chunks_per_way == 1,
                             init=False, check=check if reference is None else None, train=True, protect=not keep,
-                            next_key=("train", sig, order[i + 1]) if ahead and i + 1 < len(order) else None)
+                            next_key=("train", sig, order[i + 1]) if ahead and i + 1 < len(order) else None,
+                            statistics=stat_history, last=i == len(order) - 1)
         if measure and keep:
             decide_recompute(rt, saved.bytes, rt.chunked[0].chunks[c].rows)
         keys = site_keys(rec.ctx.sites)
@@ -142,7 +145,7 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
     if use_history:  # every row written, with this step's weights: how far the stale reads were (:mod:`.staleness`)
         rt.meter.measure(run)
         history.written = step
-    return full[rt.graph.inv], CallRecord(rt, run, chunks, localizer, runner)
+    return full[rt.graph.inv], CallRecord(rt, run, chunks, localizer, runner, stat_history)
 
 
 def drain(grad: Tensor, record: CallRecord) -> None:
@@ -168,8 +171,10 @@ def drain(grad: Tensor, record: CallRecord) -> None:
     record.run.history.clear_grads()
 
 
-def exact(rt: Runtime, inputs: CallInputs, history: Optional[CallHistory] = None) -> Tensor:
-    """One chunk per way, halo rows fresh, stage after stage; with ``history``, also fills it."""
+def exact(rt: Runtime, inputs: CallInputs, history: Optional[CallHistory] = None,
+          statistics: Optional[StatisticsHistory] = None) -> Tensor:
+    """One chunk per way, halo rows fresh, stage after stage; with ``history``, also fills it (and
+    ``statistics``, the historical BatchNorm sums of every chunk)."""
     grid = rt.grid
     cgs, w = rt.way_chunked, grid.way
     init = history is not None
@@ -179,7 +184,8 @@ def exact(rt: Runtime, inputs: CallInputs, history: Optional[CallHistory] = None
     lg = cgs[0].chunks[w]
     check = _row_check(rt, lg.rows)
     rec = run_chunk(rt, run, Localizer(inputs, cgs, rt.adjacency), cgs, w, rt.programs.runner(inputs),
-                    ("exact", sig, w), True, init=init, check=check, train=False)
+                    ("exact", sig, w), True, init=init, check=check, train=False,
+                    statistics=statistics if init else None)
     rt.sites.record(kind_of(rt.module.training, sig), site_keys(rec.ctx.sites))
     if grid.next is not None:
         rt.link.send(("exact", sig, w), rec.sent, rt.programs.next_activation(inputs))
@@ -213,7 +219,7 @@ def prepare_history(rt: Runtime, inputs: CallInputs, call: int, step: int = 0) -
         rt.meter.refreshes += 1
     if refill:
         with torch.no_grad():
-            exact(rt, inputs, history)
+            exact(rt, inputs, history, rt.statistics_history(call))
         history.renew()  # the T2 anchor is renewed too
         history.initialised = True
         history.refresh_due = False
@@ -236,20 +242,32 @@ def _same_objects(seen: tuple, tensors: List[Tensor]) -> bool:
 
 def run_chunk(rt: Runtime, run: HaloPass, localizer: Localizer, cgs: List[ChunkedGraph], c: int, runner,
               link_key, one_per_way: bool, init: bool, check: Optional[RowCheck], train: bool,
-              received: Optional[Dict[str, Any]] = None, protect: bool = False, next_key=None) -> ChunkRecord:
+              received: Optional[Dict[str, Any]] = None, protect: bool = False, next_key=None,
+              statistics: Optional[StatisticsHistory] = None, last: bool = False) -> ChunkRecord:
     """Chunk ``c`` of the chunking ``cgs`` through this rank's stage: inputs cut to the chunk, values
     from the previous stage, the stage's program. ``check``: the row check watches this run.
     ``received``: a replay (module docstring), with the values the fill received. ``protect``: the
     program gets copies of the received values (a replay needs them intact, and a reversible block
     frees its input's storage). ``next_key``: the receives of the chunk run next are posted as soon as
-    this chunk's arrived (:mod:`.link`, overlap)."""
+    this chunk's arrived (:mod:`.link`, overlap). ``statistics``: historical BatchNorm sums of the call
+    (:mod:`.statistics`); ``last``: the chunk runs last in its way's order (it moves running statistics)."""
     grid = rt.grid
     lg = cgs[0].chunks[c]
     replay = received is not None
-    if one_per_way and grid.ways > 1:
-        stats = Statistics(rt.comm, grid.stage_group, rt.way_rows, lg.rows, update_running=not init, replay=replay)
+    prime = None
+    if statistics is not None and one_per_way:  # an exact pass fills the historical sums of every chunk
+        ids = rt.schedule.order(0, grid.way)
+        ids = sorted(ids)
+        starts = [rt.chunked[0].chunks[k].start for k in ids]
+        prime = (statistics, ids, [a - starts[0] for a in starts] + [sum(rt.chunked[0].chunks[k].rows for k in ids)])
+    if statistics is not None and not one_per_way:
+        stats = Statistics(rt.comm, None, None, lg.rows, update_running=not init, replay=replay, history=statistics,
+                           chunk=c, last=last)
+    elif one_per_way and grid.ways > 1:
+        stats = Statistics(rt.comm, grid.stage_group, rt.way_rows, lg.rows, update_running=not init, replay=replay,
+                           prime=prime)
     else:
-        stats = Statistics(rt.comm, None, None, lg.rows, update_running=not init, replay=replay)
+        stats = Statistics(rt.comm, None, None, lg.rows, update_running=not init, replay=replay, prime=prime)
     ctx = ChunkContext(cgs[0], lg, run, localizer.resolver(c, rt.derive), stats, rt.layer_cache, check, replay)
     stage = runner.stage
     with ctx:
@@ -278,7 +296,7 @@ def _replay(record: CallRecord, rec: ChunkRecord) -> ChunkRecord:
         if rec.rng[1] is not None:
             torch.cuda.set_rng_state(rec.rng[1], dev)
         return run_chunk(rt, record.run, record.localizer, rt.chunked, rec.chunk, record.runner, None, False,
-                         init=False, check=None, train=True, received=rec.received)
+                         init=False, check=None, train=True, received=rec.received, statistics=record.statistics)
 
 
 class _SavedBytes:

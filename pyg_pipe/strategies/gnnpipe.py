@@ -59,8 +59,11 @@ class GNNPipeStrategy(DDPStrategy):
         checkpoint_history: also store the historical embeddings in checkpoints, so resuming
             continues exactly (they are as large as one copy of every stage's layer inputs).
         per_chunk_statistics: let graph-wide statistics (BatchNorm, GraphNorm, ...) use each chunk's rows
-            when a way runs several chunks (approximate, as GPipe does for micro-batches); without it such
-            models are refused with several chunks per way. With one chunk per way they are exact.
+            when a way runs several chunks (``True``; approximate, as GPipe does for micro-batches), or, for
+            BatchNorm, the whole graph's statistics with the other chunks' sums taken from their latest run
+            (``"history"``; approximate, exact at lr = 0 after the first step; needs ``streaming=False``);
+            without it such models are refused with several chunks per way. With one chunk per way they
+            are exact.
         split_points: ``{"module.name": SplitPoint.BEGINNING | SplitPoint.END}``: cut the pipeline
             before / after that module (the convention of ``torch.distributed.pipelining``; calling
             ``pyg_pipe.pipe_split()`` in the forward does the same).
@@ -128,7 +131,7 @@ class GNNPipeStrategy(DDPStrategy):
         comm_timeout: float = 600.0,
         checkpoint_history: bool = True,
         fused_kernels: bool = True,
-        per_chunk_statistics: bool = False,
+        per_chunk_statistics: Union[bool, str] = False,
         split_points: Optional[Dict[str, Any]] = None,
         recompute: Union[bool, str] = "auto",
         offload: Optional[str] = None,

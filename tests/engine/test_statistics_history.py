@@ -1,0 +1,151 @@
+"""BatchNorm with several chunks per way and ``per_chunk_statistics="history"``: the whole graph's statistics,
+other chunks' sums from their latest run (:mod:`pyg_pipe.engine.statistics`).
+
+At lr = 0 every sum is of exact values: the exact pass that fills history fills the sums too, so from the
+first step every chunk normalises with the whole graph's mean and variance, as one process does. The
+training forward, the running statistics and inference then equal plain PyG's (float64, 1e-9), checked
+with PyG's own models on a graph of several components, in one process (with and without recompute, whose
+replays must read what their fill read), in a pipeline of 2 stages and with 2 ways of 2 chunks (sums
+all-reduced among the ways). With per-chunk statistics (``True``) the same run differs: the check can fail.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch_geometric.nn import BatchNorm, EdgeConv, GraphNorm
+from torch_geometric.nn.models import GCN, GIN
+
+from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
+from pyg_pipe.model.errors import UnsupportedModelError
+from tests.dist import run_distributed
+from tests.harness import ranges
+from tests.zoo import zoo_graph
+
+
+class BNNet(nn.Module):
+    """PyG's BatchNorm between layers, a torch BatchNorm1d at the end (two kinds of call site)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gcn = GCN(8, 16, 2, 16, norm="batch_norm")
+        self.norm = BatchNorm(16)
+        self.out = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+    def forward(self, x, edge_index):
+        return self.out(self.norm(self.gcn(x, edge_index)).relu())
+
+
+MODELS = {"GCN-batch_norm": lambda: GCN(8, 16, 3, 3, norm="batch_norm"),
+          "GIN": lambda: GIN(8, 16, 3, 3),  # its MLPs hold BatchNorm1d
+          "BNNet": BNNet}
+
+
+def _check(rank, world, name, stages, ways, chunks, recompute, setting=("history",), steps=3):
+    torch.set_default_dtype(torch.float64)
+    x, g, y, mask = zoo_graph()
+    ei = g["edge_index"]
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    ref = copy.deepcopy(model)
+    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, partition=ranges, streaming=False,
+                                                 per_chunk_statistics=setting[0], recompute=recompute,
+                                                 balance="layers"),
+                           Comm(torch.device("cpu"), timeout=60), num_stages=stages, ways=ways)
+    engine.install()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.0), torch.optim.SGD(ref.parameters(), lr=0.0)
+    for step in range(steps):
+        out, want = model(x, ei), ref(x, ei)
+        torch.testing.assert_close(out, want, atol=1e-9, rtol=0, msg=f"{name}: training forward at step {step}")
+        for o, m, r in ((opt, out, y), (ref_opt, want, y)):
+            o.zero_grad()
+            F.cross_entropy(m[mask], r[mask]).backward()
+            o.step()
+    mine = {n for n, owner in engine.owners.items() if owner == engine.stage_index}
+    ref_buffers = dict(ref.named_buffers())
+    for n, b in model.named_buffers():
+        if n in mine and "running" in n:
+            torch.testing.assert_close(b, ref_buffers[n], atol=1e-9, rtol=0, msg=f"{name}: {n}")
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, ei), ref(x, ei), atol=1e-9, rtol=0, msg=f"{name}: inference")
+    engine.uninstall()
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+def test_one_process_equals_pyg_at_lr0(recompute):
+    try:
+        for name in MODELS:
+            _check(0, 1, name, 1, 1, 4, recompute)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_per_chunk_statistics_differ():
+    """The same check fails with each chunk's own statistics (so the tests above can fail)."""
+    try:
+        with pytest.raises(AssertionError, match="training forward"):
+            _check(0, 1, "GCN-batch_norm", 1, 1, 4, False, setting=(True,))
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _many(rank, world, stages, ways, chunks):
+    for name in MODELS:
+        _check(rank, world, name, stages, ways, chunks, "auto")
+
+
+@pytest.mark.parametrize("stages,ways,chunks", [(2, 1, 4), (1, 2, 4)], ids=["2 stages", "2 ways x 2 chunks"])
+def test_pipeline_and_ways_equal_pyg_at_lr0(stages, ways, chunks):
+    run_distributed(_many, stages * ways, stages, ways, chunks, timeout=300)
+
+
+def _engine(model, **cfg):
+    return GNNPipeEngine(model, PipelineConfig(num_chunks=4, partition=ranges, **cfg), Comm(torch.device("cpu")),
+                         num_stages=1)
+
+
+def test_refusals_name_the_module_and_the_fix():
+    x, g, y, mask = zoo_graph()
+    ei = g["edge_index"]
+
+    class WithGraphNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gcn, self.norm = GCN(8, 16, 2, 3), GraphNorm(3)
+
+        def forward(self, x, edge_index):
+            return self.norm(self.gcn(x, edge_index))
+
+    for model, cfg, match in [
+        (WithGraphNorm(), dict(streaming=False), r"'norm' \(GraphNorm\).*BatchNorm only.*per_chunk_statistics=True"),
+        (GCN(8, 16, 2, 3, norm="batch_norm"), dict(streaming=True), "streaming=False"),
+    ]:
+        engine = _engine(model, per_chunk_statistics="history", **cfg)
+        engine.install()
+        try:
+            with pytest.raises(UnsupportedModelError, match=match):
+                model(x, ei)
+        finally:
+            engine.uninstall()
+
+    class EdgeBN(nn.Module):  # a BatchNorm over the edges, inside EdgeConv's message MLP
+        def __init__(self):
+            super().__init__()
+            self.conv = EdgeConv(nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8), nn.ReLU()))
+            self.lin = nn.Linear(8, 3)
+
+        def forward(self, x, edge_index):
+            return self.lin(self.conv(x, edge_index))
+
+    model = EdgeBN()
+    engine = _engine(model, per_chunk_statistics="history", streaming=False)
+    engine.install()
+    try:
+        with pytest.raises(UnsupportedModelError, match="message function of layer 'conv'.*per_chunk_statistics=True"):
+            model(x, ei)
+    finally:
+        engine.uninstall()
+    with pytest.raises(ValueError, match="per_chunk_statistics='yes' must be"):
+        PipelineConfig(per_chunk_statistics="yes").validate()

@@ -28,22 +28,25 @@ history pass) nothing is approximate.
 sums, so the whole graph's can be assembled the way history assembles a layer's input. For a BatchNorm
 call site and chunk ``c`` of a way running several chunks::
 
-    s_c = Σ_{v in c} x_v,   q_c = Σ_{v in c} x_v²           (this run, with autograd)
+    s_c = Σ_{v in c} x_v,   q_c = Σ_{v in c} x_v²           (this run)
     S   = s_c + Σ_{c' ≠ c, seen} s_{c'}^{hist}               (the other chunks' latest sums, constants)
     Q   = q_c + Σ_{c' ≠ c, seen} q_{c'}^{hist},   n = rows of c and of the seen chunks
     mean = S / n,   var = Q / n − mean²                      (all-reduced over the ways first, if several)
 
 then ``s_c, q_c`` replace chunk ``c``'s entry. Chunks earlier in the step's order contribute this step's
-sums, later ones the previous step's: at lr = 0, from the second step on, every chunk normalises with
-exactly the whole graph's statistics (as one process does), and in the first step the chunks see the
-chunks run so far. The gradient reaches the statistics through the chunk's own rows only. A replay
+sums, later ones the previous step's, and the exact pass that fills history fills these sums too: at
+lr = 0 every chunk normalises with exactly the whole graph's statistics (as one process does) from the
+first step. The backward is BatchNorm's through its statistics,
+``rstd·(g − A/n − u·B/n)`` with ``A = Σ g``, ``B = Σ g·u`` over all rows, the other chunks' ``A, B`` from
+their latest backward in the same way (:class:`_Centred`; without these terms training drifts apart,
+measured in docs/convergence.md). A replay
 (recompute in the drain) reads what its fill read. The running statistics move once per step, in the
 chunk that runs last in the way's order, whose sums are all from this step (one process's update
 whenever the model's inputs to the norm are exact, as at lr = 0). The variance is taken as
 ``E[x²] − mean²``: fine for normalised activations, less accurate than the two-pass form where a
 feature's mean is far larger than its spread. Not covered: BatchNorm inside a layer's ``message``
 (statistics over edges) and other graph-wide norms (refused), NGra streaming (refused); the sums are not
-checkpointed (after a resume the first step assembles them again).
+checkpointed (after a resume the exact pass assembles the forward's again; the backward's start over).
 """
 from __future__ import annotations
 
@@ -106,6 +109,8 @@ class StatisticsHistory:
         self.sums: Dict[Tuple[int, int], Tensor] = {}       # site -> [C, 2, d], zeros where not seen
         self.seen: Dict[Tuple[int, int], List[bool]] = {}   # site -> [C] (host: no device read)
         self.read: Dict[Tuple[Tuple[int, int], int], Tuple[Tensor, float]] = {}  # (site, chunk) -> others, n
+        self.grad_sums: Dict[Tuple[int, int], Tensor] = {}     # site -> [C, 2, d] of the backward (Σ g, Σ g·u)
+        self.grad_seen: Dict[Tuple[int, int], List[bool]] = {}
 
     def record(self, site: Tuple[int, int], chunks: List[int], offsets: List[int], rows: Tensor, dims) -> None:
         """An exact pass's rows of a whole way (chunk ``chunks[i]`` at ``offsets[i]:offsets[i + 1]``): every
@@ -121,6 +126,18 @@ class StatisticsHistory:
             for c, o in zip(chunks, own):
                 buf[c] = o
                 self.seen[site][c] = True
+
+    def combine_grad(self, site: Tuple[int, int], chunk: int, own: Tensor) -> Tensor:
+        """The backward's sums ``(Σ g, Σ g·u)`` [2, d]: ``own`` plus the other chunks' latest (module docstring)."""
+        buf = self.grad_sums.get(site)
+        if buf is None or buf.shape[1:] != own.shape:
+            buf = own.new_zeros((len(self.chunk_rows), *own.shape))
+            self.grad_sums[site], self.grad_seen[site] = buf, [False] * len(self.chunk_rows)
+        seen = self.grad_seen[site]
+        others = buf.sum(0) - buf[chunk] if seen[chunk] else buf.sum(0)
+        buf[chunk] = own
+        seen[chunk] = True
+        return own + others
 
     def combine(self, site: Tuple[int, int], chunk: int, own: Tensor, own_n: float, replay: bool,
                 per_row: int) -> Tuple[Tensor, float]:
@@ -252,20 +269,21 @@ def _batch_norm(module, original, stats: Statistics, inv, x: Tensor) -> Tensor:
 
 def _historical_batch_norm(module, stats: Statistics, x: Tensor, dims, shape, per_row: int) -> Tensor:
     """BatchNorm of a chunk with the whole graph's statistics, other chunks' sums historical (module docstring)."""
-    rows = x.narrow(0, 0, min(stats.rows, x.size(0)))
-    own = torch.stack([rows.sum(dims), (rows * rows).sum(dims)])
-    both, n = stats.history.combine(stats.site(module), stats.chunk, own, float(rows.size(0) * per_row),
-                                    stats.replay, per_row)
-    hist = stats.history
-    if hist.group is not None:  # the ways' chunks at this clock, each with its way's history
-        flat = torch.cat([both.reshape(-1), both.new_tensor([n])])
-        flat = _AllReduce.apply(flat, hist.comm, hist.group)
-        both, n = flat[:-1].view_as(both), flat[-1]
-    mean = both[0] / n
-    var = (both[1] / n - mean * mean).clamp(min=0)
-    y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + module.eps)
-    if module.affine:
-        y = y * module.weight.view(shape) + module.bias.view(shape)
+    hist, site = stats.history, stats.site(module)
+    with torch.no_grad():
+        rows = x.narrow(0, 0, min(stats.rows, x.size(0)))
+        own = torch.stack([rows.sum(dims), (rows * rows).sum(dims)])
+        both, n = hist.combine(site, stats.chunk, own, float(rows.size(0) * per_row), stats.replay, per_row)
+        if hist.group is not None:  # the ways' chunks at this clock, each with its way's history
+            flat = torch.cat([both.reshape(-1), both.new_tensor([n])])
+            hist.comm.all_reduce(flat, hist.group, "graph-wide statistics")
+            both, n = flat[:-1].view_as(both), flat[-1]
+        mean = both[0] / n
+        var = (both[1] / n - mean * mean).clamp(min=0)
+        rstd = torch.rsqrt(var + module.eps)
+    u = (x - mean.view(shape)) * rstd.view(shape)  # the statistics are constants to autograd here ...
+    u = _Centred.apply(u, hist, site, stats.chunk, min(stats.rows, x.size(0)), dims, shape, n)  # ... and here
+    y = u * module.weight.view(shape) + module.bias.view(shape) if module.affine else u
     if module.training and module.track_running_stats and stats.last and stats.moves_running():
         with torch.no_grad():  # once per step: in the last chunk of the order, whose sums are all this step's
             module.num_batches_tracked.add_(1)
@@ -273,9 +291,41 @@ def _historical_batch_norm(module, stats: Statistics, x: Tensor, dims, shape, pe
             if momentum is None:
                 momentum = 1.0 / float(module.num_batches_tracked)
             factor = n / (n - 1.0).clamp(min=1.0) if isinstance(n, Tensor) else n / max(n - 1.0, 1.0)
-            module.running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
-            module.running_var.mul_(1 - momentum).add_(var.detach() * factor, alpha=momentum)
+            module.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+            module.running_var.mul_(1 - momentum).add_(var * factor, alpha=momentum)
     return y
+
+
+class _Centred(torch.autograd.Function):
+    """Identity forward; backward: BatchNorm's gradient through its statistics, over the whole graph.
+
+    With ``u = (x − mean) · rstd`` and the statistics taken over all ``n`` rows, one process's gradient is
+    ``dL/dx = rstd · (g − A/n − u · B/n)`` with ``A = Σ g``, ``B = Σ g·u`` over every row. A chunk has its
+    own rows' ``g``; the other chunks' ``A, B`` come from their latest backward (this step's for chunks
+    drained before, the previous step's otherwise), as the forward's sums do: at lr = 0, from the second
+    step, equal to one process's whenever ``g`` is. Dropping these terms (the statistics as constants)
+    loses BatchNorm's invariance to shifting and scaling its input, and training drifts apart
+    (docs/convergence.md).
+    """
+
+    @staticmethod
+    def forward(ctx, u, hist, site, chunk, rows, dims, shape, n):
+        ctx.hist, ctx.site, ctx.chunk, ctx.rows, ctx.dims, ctx.shape, ctx.n = hist, site, chunk, rows, dims, shape, n
+        ctx.save_for_backward(u)
+        return u.view_as(u)
+
+    @staticmethod
+    def backward(ctx, g):
+        (u,) = ctx.saved_tensors
+        own_u, own_g = u.narrow(0, 0, ctx.rows), g.narrow(0, 0, ctx.rows)
+        own = torch.stack([own_g.sum(ctx.dims), (own_g * own_u).sum(ctx.dims)])
+        both = ctx.hist.combine_grad(ctx.site, ctx.chunk, own)
+        if ctx.hist.group is not None:
+            both = both.clone()
+            ctx.hist.comm.all_reduce(both, ctx.hist.group, "graph-wide statistics (backward)")
+        n = ctx.n
+        return (g - (both[0] / n).view(ctx.shape) - u * (both[1] / n).view(ctx.shape),
+                None, None, None, None, None, None, None)
 
 
 def _gathered(module, original, stats: Statistics, x: Tensor, *args, **kwargs):

@@ -20,6 +20,8 @@ per-step sums to whoever asks (:meth:`StalenessMeter.take`; the Lightning strate
 ``staleness/max_drift``, ``staleness/drift/<site>``, ``staleness/stale_share`` and
 ``staleness/mean_age`` per epoch). A fill with one chunk a way (graph parallelism, exact passes),
 inference and streaming read nothing stale and record nothing. ``staleness_meter=False`` turns it off.
+Historical BatchNorm statistics (``per_chunk_statistics="history"``) add a site ``statistics:<module>``:
+the other chunks' sums each chunk read against their values at the end of the fill.
 """
 from __future__ import annotations
 
@@ -78,6 +80,15 @@ class StalenessMeter:
             acc = self._sq.get(key)
             self._sq[key] = sq if acc is None else acc + sq
         self.seconds += time.perf_counter() - t0
+
+    def add(self, key: str, diff_sq: Tensor, fresh_sq: Tensor) -> None:
+        """Another site's ``Σ‖fresh − stale‖²`` and ``Σ‖fresh‖²`` this step (device scalars): the historical
+        BatchNorm sums (:mod:`.statistics`) report here under ``statistics:<module>``."""
+        if not self.on:
+            return
+        sq = torch.stack([diff_sq.double(), fresh_sq.double()])
+        acc = self._sq.get(key)
+        self._sq[key] = sq if acc is None else acc + sq
 
     def end_step(self) -> None:
         """The step is over: its sums become one entry of :attr:`steps` (read on the host here, outside

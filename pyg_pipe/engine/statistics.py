@@ -127,6 +127,22 @@ class StatisticsHistory:
                 buf[c] = o
                 self.seen[site][c] = True
 
+    def measure(self, meter, names: Dict[int, str]) -> None:
+        """After a fill: for every site, the other chunks' sums each chunk read against their values now
+        (all of this step), into the staleness meter as ``statistics:<module name>#<call>``."""
+        for site, buf in self.sums.items():
+            total = buf.sum(0)
+            diff = fresh = None
+            for (key, c), (others, _) in self.read.items():
+                if key != site:
+                    continue
+                d = (others - (total - buf[c])).pow(2).sum()
+                diff = d if diff is None else diff + d
+                f = total.pow(2).sum()
+                fresh = f if fresh is None else fresh + f
+            if diff is not None:
+                meter.add(f"statistics:{names.get(site[0], '?')}#{site[1]}", diff, fresh)
+
     def combine_grad(self, site: Tuple[int, int], chunk: int, own: Tensor) -> Tensor:
         """The backward's sums ``(Σ g, Σ g·u)`` [2, d]: ``own`` plus the other chunks' latest (module docstring)."""
         buf = self.grad_sums.get(site)

@@ -144,6 +144,8 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
         _verdict(rt, check)
     if use_history:  # every row written, with this step's weights: how far the stale reads were (:mod:`.staleness`)
         rt.meter.measure(run)
+        if stat_history is not None and rt.meter.on:
+            stat_history.measure(rt.meter, rt.module_names)
         history.written = step
     return full[rt.graph.inv], CallRecord(rt, run, chunks, localizer, runner, stat_history)
 

@@ -192,3 +192,33 @@ def test_refusals_name_the_module_and_the_fix():
         engine.uninstall()
     with pytest.raises(ValueError, match="per_chunk_statistics='yes' must be"):
         PipelineConfig(per_chunk_statistics="yes").validate()
+
+
+def test_meter_reports_the_statistics_drift():
+    """The staleness meter gets a site per BatchNorm: none at lr = 0 (every sum read is this step's value),
+    some once the weights move."""
+    from pyg_pipe.engine.staleness import summarize
+    torch.set_default_dtype(torch.float64)
+    try:
+        x, g, y, mask = zoo_graph()
+        ei = g["edge_index"]
+        for lr in (0.0, 0.05):
+            torch.manual_seed(0)
+            model = GCN(8, 16, 3, 3, norm="batch_norm")
+            engine = _engine(model, per_chunk_statistics="history", streaming=False)
+            engine.install()
+            opt = torch.optim.Adam(model.parameters(), lr=lr)
+            for _ in range(3):
+                opt.zero_grad()
+                F.cross_entropy(model(x, ei)[mask], y[mask]).backward()
+                opt.step()
+            got = summarize(engine.meter.take()[1:])
+            engine.uninstall()
+            sites = sorted(k for k in got if k.startswith("drift/statistics:"))
+            assert sites == ["drift/statistics:norms.0.module#0", "drift/statistics:norms.1.module#0"], sites
+            if lr == 0:
+                assert all(got[k] < 1e-12 for k in sites), got
+            else:
+                assert all(got[k] > 1e-6 for k in sites), got
+    finally:
+        torch.set_default_dtype(torch.float32)

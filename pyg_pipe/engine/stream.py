@@ -45,8 +45,7 @@ from torch import Tensor
 from ..graph.chunks import ChunkedGraph, LocalGraph
 from ..model.errors import UnsupportedModelError
 from ..model.inputs import CallInputs, Localizer
-from .context import ChunkContext, current
-from .program import signature
+from .context import ChunkContext
 from .runtime import Runtime
 from .sites import same_as_first_chunk, site_keys
 from .statistics import Statistics

@@ -112,6 +112,22 @@ class StatisticsHistory:
         self.grad_sums: Dict[Tuple[int, int], Tensor] = {}     # site -> [C, 2, d] of the backward (Σ g, Σ g·u)
         self.grad_seen: Dict[Tuple[int, int], List[bool]] = {}
 
+    def _slot(self, store: Dict, flags: Dict, site: Tuple[int, int], like: Tensor) -> Tuple[Tensor, List[bool]]:
+        """The site's [C, 2, d] buffer in ``store`` (zeros, nothing seen, when new) and its seen flags."""
+        buf = store.get(site)
+        if buf is None or buf.shape[1:] != like.shape:
+            buf = like.new_zeros((len(self.chunk_rows), *like.shape))
+            store[site], flags[site] = buf, [False] * len(self.chunk_rows)
+        return buf, flags[site]
+
+    @staticmethod
+    def _exchange(buf: Tensor, seen: List[bool], chunk: int, own: Tensor) -> Tensor:
+        """The sum of the other chunks' seen entries; then ``own`` becomes ``chunk``'s entry."""
+        others = buf.sum(0) - buf[chunk] if seen[chunk] else buf.sum(0)
+        buf[chunk] = own.detach()
+        seen[chunk] = True
+        return others
+
     def record(self, site: Tuple[int, int], chunks: List[int], offsets: List[int], rows: Tensor, dims) -> None:
         """An exact pass's rows of a whole way (chunk ``chunks[i]`` at ``offsets[i]:offsets[i + 1]``): every
         chunk's sums, so the first training step starts from exact statistics, as history starts from
@@ -119,13 +135,9 @@ class StatisticsHistory:
         with torch.no_grad():
             own = [torch.stack([rows[a:b].sum(dims), (rows[a:b] * rows[a:b]).sum(dims)])
                    for a, b in zip(offsets[:-1], offsets[1:])]
-            buf = self.sums.get(site)
-            if buf is None or buf.shape[1:] != own[0].shape:
-                buf = own[0].new_zeros((len(self.chunk_rows), *own[0].shape))
-                self.sums[site], self.seen[site] = buf, [False] * len(self.chunk_rows)
+            buf, seen = self._slot(self.sums, self.seen, site, own[0])
             for c, o in zip(chunks, own):
-                buf[c] = o
-                self.seen[site][c] = True
+                self._exchange(buf, seen, c, o)
 
     def measure(self, meter, names: Dict[int, str]) -> None:
         """After a fill: for every site, the other chunks' sums each chunk read against their values now
@@ -145,15 +157,8 @@ class StatisticsHistory:
 
     def combine_grad(self, site: Tuple[int, int], chunk: int, own: Tensor) -> Tensor:
         """The backward's sums ``(Σ g, Σ g·u)`` [2, d]: ``own`` plus the other chunks' latest (module docstring)."""
-        buf = self.grad_sums.get(site)
-        if buf is None or buf.shape[1:] != own.shape:
-            buf = own.new_zeros((len(self.chunk_rows), *own.shape))
-            self.grad_sums[site], self.grad_seen[site] = buf, [False] * len(self.chunk_rows)
-        seen = self.grad_seen[site]
-        others = buf.sum(0) - buf[chunk] if seen[chunk] else buf.sum(0)
-        buf[chunk] = own
-        seen[chunk] = True
-        return own + others
+        buf, seen = self._slot(self.grad_sums, self.grad_seen, site, own)
+        return own + self._exchange(buf, seen, chunk, own)
 
     def combine(self, site: Tuple[int, int], chunk: int, own: Tensor, own_n: float, replay: bool,
                 per_row: int) -> Tuple[Tensor, float]:
@@ -162,17 +167,11 @@ class StatisticsHistory:
         if replay and key in self.read:
             others, n_others = self.read[key]
         else:
-            buf = self.sums.get(site)
-            if buf is None or buf.shape[1:] != own.shape:
-                buf = own.new_zeros((len(self.chunk_rows), *own.shape))
-                self.sums[site], self.seen[site] = buf, [False] * len(self.chunk_rows)
-            seen = self.seen[site]
-            others = buf.sum(0) - buf[chunk] if seen[chunk] else buf.sum(0)
+            buf, seen = self._slot(self.sums, self.seen, site, own)
             n_others = float(sum(r for c, (r, s) in enumerate(zip(self.chunk_rows, seen)) if s and c != chunk)
                              * per_row)
+            others = self._exchange(buf, seen, chunk, own)
             self.read[key] = (others, n_others)
-            buf[chunk] = own.detach()
-            seen[chunk] = True
         return own + others, own_n + n_others
 
 

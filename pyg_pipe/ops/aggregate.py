@@ -70,6 +70,7 @@ import time
 import warnings
 from collections import OrderedDict
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -149,19 +150,26 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, UserWarning, stacklevel=4)
 
 
+def _env_setting(name: str, default, parse: Callable, valid: Callable, error: Callable):
+    """The environment variable ``name`` parsed (``default`` when unset or blank); ``error(raw)`` when it is
+    not a valid value: the exception to raise, naming the variable and the fix."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = parse(raw)
+    except ValueError:
+        raise error(raw) from None
+    if not valid(value):
+        raise error(raw)
+    return value
+
+
 def _build_timeout() -> float:
     """Seconds to wait for another process's build: ``PYG_PIPE_BUILD_TIMEOUT``, default 600."""
-    raw = os.environ.get(ENV_BUILD_TIMEOUT, "").strip()
-    if not raw:
-        return _DEFAULT_BUILD_TIMEOUT_S
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = float("nan")
-    if not seconds > 0:
-        raise _BuildLockError(f"{ENV_BUILD_TIMEOUT}={raw!r} is not a positive number of seconds; set it to "
-                              f"e.g. {_DEFAULT_BUILD_TIMEOUT_S:.0f} or unset it.")
-    return seconds
+    return _env_setting(ENV_BUILD_TIMEOUT, _DEFAULT_BUILD_TIMEOUT_S, float, lambda s: s > 0, lambda raw: _BuildLockError(
+        f"{ENV_BUILD_TIMEOUT}={raw!r} is not a positive number of seconds; set it to "
+        f"e.g. {_DEFAULT_BUILD_TIMEOUT_S:.0f} or unset it."))
 
 
 def _library_exists(build_dir: Path, name: str) -> bool:
@@ -320,18 +328,9 @@ def _cuda_slice_edges() -> int:
     Slices of equal edge counts keep every warp busy on power-law graphs, where a row per group leaves
     the GPU waiting on the hub rows; docs/kernels.md has the measurement behind the default.
     """
-    raw = os.environ.get(ENV_CUDA_SLICE_EDGES, "").strip()
-    if not raw:
-        return _CUDA_SLICE_EDGES
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{ENV_CUDA_SLICE_EDGES}={raw!r}: expected an integer >= 0 (edges per slice of the "
-                         f"CUDA sum/mean kernel; 0 gives each row its own group); unset it for the default "
-                         f"{_CUDA_SLICE_EDGES}")
-    return value
+    return _env_setting(ENV_CUDA_SLICE_EDGES, _CUDA_SLICE_EDGES, int, lambda v: v >= 0, lambda raw: ValueError(
+        f"{ENV_CUDA_SLICE_EDGES}={raw!r}: expected an integer >= 0 (edges per slice of the CUDA sum/mean "
+        f"kernel; 0 gives each row its own group); unset it for the default {_CUDA_SLICE_EDGES}"))
 
 
 def _cuda_buildable() -> bool:

@@ -246,3 +246,26 @@ def test_monitoring_callbacks_see_the_metric_on_every_rank(data, tmp_path):
     t.fit(NodeClassifier(make_model("sage")), train_dataloaders=graph_loader(data), val_dataloaders=graph_loader(data))
     assert t.current_epoch < 10
     assert os.path.exists(t.checkpoint_callback.best_model_path)
+
+
+def test_batch_norm_with_historical_statistics_trains_as_on_one_device_at_lr0(data, tmp_path):
+    """PyG's GCN with BatchNorm, 2 stages x 4 chunks, per_chunk_statistics="history", through Lightning: at
+    lr = 0 the running statistics after fit and the validation loss equal one device's (the default
+    refuses the model; per-chunk statistics would move the running statistics differently)."""
+    from torch_geometric.nn.models import GCN
+    torch.manual_seed(0)
+    model = GCN(8, 16, 3, 3, norm="batch_norm")
+    ref = copy.deepcopy(model)
+    for _ in range(3):  # three training steps at lr = 0: only the running statistics move
+        ref(data.x, data.edge_index)
+    lit = NodeClassifier(model, lr=0.0)
+    t = trainer(tmp_path, devices=2, max_epochs=3, num_chunks=4, per_chunk_statistics="history")
+    t.fit(lit, train_dataloaders=graph_loader(data), val_dataloaders=graph_loader(data))
+    want = dict(ref.named_buffers())
+    for name, b in lit.model.named_buffers():
+        torch.testing.assert_close(b, want[name], atol=1e-5, rtol=0, msg=name)
+    with torch.no_grad():
+        out = ref.eval()(data.x, data.edge_index)
+    loss = F.cross_entropy(out[data.val_mask], data.y[data.val_mask])
+    assert float(t.callback_metrics["val_loss"]) == pytest.approx(float(loss), abs=1e-5)
+    assert "staleness/drift/statistics:norms.0.module#0" in t.callback_metrics

@@ -21,10 +21,10 @@ gradient scaling)::
     age2-noT2 / age1-noT3 / age1-noT1   max_age with one trick off (probes of the max_age result in docs)
     smooth    the defaults and smoothing=0.5 (stale rows read as a moving average over steps, PipeGCN)
     smooth-none    smoothing=0.5 without T1-T3 (PipeGCN's setting)
-    bn-chunk  the defaults and per_chunk_statistics=True (BatchNorm: each chunk's own statistics)
-    bn-history     the defaults and per_chunk_statistics="history" (BatchNorm: the whole graph's, other
-              chunks' sums from their latest run); the bn-* modes are for the model gcn-bn (PyG's GCN
-              with norm="batch_norm"), which the other modes refuse
+    bn-chunk  the defaults and per_chunk_statistics=True (each chunk's own statistics)
+    bn-history     the defaults and per_chunk_statistics="history" (the whole graph's, other chunks'
+              sums from their latest run); the bn-* modes are for the models gcn-bn and gcn-gn (PyG's
+              GCN with norm="batch_norm" / "graph_norm"), which the other modes refuse
 
 All gnnpipe cases of one invocation run in the same 2 (``--procs``) processes, one after the other;
 the one-process references run first, in this process with 2 threads.
@@ -92,8 +92,8 @@ def model(name: str, layers: int, seed: int):
         return gcnii(32, 64, 8, num_layers=layers, dropout=DROPOUT)
     if name == "resgcn":
         return ResGCNPlus(32, 64, 8, num_layers=layers, dropout=DROPOUT)
-    if name == "gcn-bn":  # BatchNorm after every layer: graph-wide statistics (modes bn-chunk, bn-history)
-        return GCN(32, 64, layers, 8, norm="batch_norm", dropout=DROPOUT)
+    if name in ("gcn-bn", "gcn-gn"):  # a graph-wide norm after every layer (modes bn-chunk, bn-history)
+        return GCN(32, 64, layers, 8, norm="batch_norm" if name == "gcn-bn" else "graph_norm", dropout=DROPOUT)
     return GAT(32, 16, min(layers, 8), 8, heads=4, dropout=DROPOUT)  # attention over (stale) neighbours
 
 
@@ -165,7 +165,7 @@ def summary(curve):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["gcnii", "gat"], choices=["gcnii", "resgcn", "gat", "gcn-bn"])
+    p.add_argument("--models", nargs="+", default=["gcnii", "gat"], choices=["gcnii", "resgcn", "gat", "gcn-bn", "gcn-gn"])
     p.add_argument("--graphs", nargs="+", default=["community", "heterophilous"])
     p.add_argument("--chunks", nargs="+", type=int, default=[32])
     p.add_argument("--modes", nargs="+", default=["t1-t3", "none", "bound"], choices=list(MODES))

@@ -262,13 +262,14 @@ def refuse_statistics(module: torch.nn.Module, chunks_per_way: int, ways: int, h
                       streaming: bool = False) -> None:
     """Refuses graph-wide statistics when a way runs several chunks (the pipeline never holds all rows).
 
-    ``history`` (``per_chunk_statistics="history"``): BatchNorm is run with historical sums
+    ``history`` (``per_chunk_statistics="history"``): BatchNorm and GraphNorm run with historical sums
     (:mod:`.statistics`), except when streaming; every other graph-wide module is still refused."""
     from torch_geometric.nn import BatchNorm as PygBatchNorm
+    from torch_geometric.nn import GraphNorm
     for name, m in module.named_modules():
         if not needs_statistics(m):
             continue
-        if history and isinstance(m, (BATCH_NORM, PygBatchNorm)):
+        if history and isinstance(m, (BATCH_NORM, PygBatchNorm, GraphNorm)):
             if streaming:
                 raise UnsupportedModelError(
                     f"Module '{name}' ({type(m).__name__}): per_chunk_statistics='history' runs in the pipeline "
@@ -278,7 +279,7 @@ def refuse_statistics(module: torch.nn.Module, chunks_per_way: int, ways: int, h
         if history:
             raise UnsupportedModelError(
                 f"Module '{name}' ({type(m).__name__}) normalises with statistics over all vertices; "
-                f"per_chunk_statistics='history' covers BatchNorm only. Use per_chunk_statistics=True (each "
+                f"per_chunk_statistics='history' covers BatchNorm and GraphNorm. Use per_chunk_statistics=True (each "
                 f"chunk's own rows, approximate), num_chunks={ways} (exact; one chunk per way) or a per-vertex "
                 f"norm (torch.nn.LayerNorm, torch_geometric.nn.LayerNorm(mode='node')).")
         raise UnsupportedModelError(

@@ -24,29 +24,29 @@ which the pipeline never has: such modules are refused before training unless
 approximate), or, for BatchNorm, ``per_chunk_statistics="history"``. In exact passes (inference, the
 history pass) nothing is approximate.
 
-**Historical statistics** (``per_chunk_statistics="history"``, BatchNorm on vertex rows): statistics are
-sums, so the whole graph's can be assembled the way history assembles a layer's input. For a BatchNorm
-call site and chunk ``c`` of a way running several chunks::
+**Historical statistics** (``per_chunk_statistics="history"``; BatchNorm on vertex rows, PyG's GraphNorm
+on one graph): statistics are sums, so the whole graph's can be assembled the way history assembles a
+layer's input. For a norm's call site and chunk ``c`` of a way running several chunks::
 
     s_c = Σ_{v in c} x_v,   q_c = Σ_{v in c} x_v²           (this run)
     S   = s_c + Σ_{c' ≠ c, seen} s_{c'}^{hist}               (the other chunks' latest sums, constants)
     Q   = q_c + Σ_{c' ≠ c, seen} q_{c'}^{hist},   n = rows of c and of the seen chunks
-    mean = S / n,   var = Q / n − mean²                      (all-reduced over the ways first, if several)
+    mean = S / n,   var = Q / n − mean²                      (S, Q, n all-reduced over the ways, if several)
+    GraphNorm: out = x − α·mean,   var = Q / n − (2α − α²)·mean²
 
 then ``s_c, q_c`` replace chunk ``c``'s entry. Chunks earlier in the step's order contribute this step's
 sums, later ones the previous step's, and the exact pass that fills history fills these sums too: at
 lr = 0 every chunk normalises with exactly the whole graph's statistics (as one process does) from the
-first step. The backward is BatchNorm's through its statistics,
-``rstd·(g − A/n − u·B/n)`` with ``A = Σ g``, ``B = Σ g·u`` over all rows, the other chunks' ``A, B`` from
-their latest backward in the same way (:class:`_Centred`; without these terms training drifts apart,
-measured in docs/convergence.md). A replay
-(recompute in the drain) reads what its fill read. The running statistics move once per step, in the
-chunk that runs last in the way's order, whose sums are all from this step (one process's update
+first step. The backward goes through the whole graph's sums too: the loss's gradient with respect to
+``S`` and ``Q`` collects every chunk's outputs, so each chunk adds the other chunks' parts from their
+latest backward (:class:`_Shared`; without them training drifts apart, measured in
+docs/convergence.md). A replay (recompute in the drain) reads what its fill read. The running
+statistics move once per step, in the chunk that runs last in the way's order, whose sums are all from this step (one process's update
 whenever the model's inputs to the norm are exact, as at lr = 0). The variance is taken as
 ``E[x²] − mean²``: fine for normalised activations, less accurate than the two-pass form where a
 feature's mean is far larger than its spread. Not covered: BatchNorm inside a layer's ``message``
-(statistics over edges) and other graph-wide norms (refused), NGra streaming (refused); the sums are not
-checkpointed (after a resume the exact pass assembles the forward's again; the backward's start over).
+(statistics over edges), GraphNorm with a batch vector and the other graph-wide norms (refused), NGra
+streaming (refused); the sums are not checkpointed (after a resume the exact pass assembles the forward's again; the backward's start over).
 """
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch_geometric.nn import GraphNorm
 
 from ..model.errors import UnsupportedModelError
 from ..model.norms import BATCH_NORM, needs_statistics
@@ -155,14 +156,10 @@ class StatisticsHistory:
             if diff is not None:
                 meter.add(f"statistics:{names.get(site[0], '?')}#{site[1]}", diff, fresh)
 
-    def combine_grad(self, site: Tuple[int, int], chunk: int, own: Tensor) -> Tensor:
-        """The backward's sums ``(Σ g, Σ g·u)`` [2, d]: ``own`` plus the other chunks' latest (module docstring)."""
-        buf, seen = self._slot(self.grad_sums, self.grad_seen, site, own)
-        return own + self._exchange(buf, seen, chunk, own)
-
-    def combine(self, site: Tuple[int, int], chunk: int, own: Tensor, own_n: float, replay: bool,
-                per_row: int) -> Tuple[Tensor, float]:
-        """``own`` [2, d] (``s_c``, ``q_c``, with autograd) plus the other chunks' latest sums: ``(S|Q, n)``."""
+    def others(self, site: Tuple[int, int], chunk: int, own: Tensor, own_n: float, replay: bool,
+               per_row: int) -> Tuple[Tensor, float]:
+        """The other chunks' latest sums (constants) and all rows counted: ``(others, n)``; ``own`` [2, d]
+        (``s_c``, ``q_c``) becomes the chunk's entry. A replay gets what its fill got."""
         key = (site, chunk)
         if replay and key in self.read:
             others, n_others = self.read[key]
@@ -172,7 +169,7 @@ class StatisticsHistory:
                              * per_row)
             others = self._exchange(buf, seen, chunk, own)
             self.read[key] = (others, n_others)
-        return own + others, own_n + n_others
+        return others, own_n + n_others
 
 
 class StatisticsHooks:
@@ -211,12 +208,18 @@ def _patched(module: torch.nn.Module, original: Callable):
         with ctx.engine_work():  # its statistics are the engine's business, not a row-mixing operation
             if isinstance(module, BATCH_NORM):
                 out = _batch_norm(module, original, stats, inv, *args, **kwargs)
+            elif stats.history is not None and inv is None and isinstance(module, GraphNorm):
+                out = _historical_graph_norm(module, stats, *args, **kwargs)
             elif inv is not None:
                 raise UnsupportedModelError(
                     f"{type(module).__name__} runs inside the message function of layer '{inv.name}' with "
                     f"statistics over the edges; pyg_pipe completes BatchNorm there, not this norm. Use a "
                     f"BatchNorm or a per-row norm (torch.nn.LayerNorm) in the message MLP.")
             else:
+                if stats.prime is not None and isinstance(module, GraphNorm):  # exact pass: its sums, per chunk
+                    hist, chunks, offsets = stats.prime
+                    x = args[0]
+                    hist.record(stats.site(module), chunks, offsets, x.narrow(0, 0, min(stats.rows, x.size(0))), [0])
                 out = _gathered(module, original, stats, *args, **kwargs)
         if ctx.observer is not None and inv is None:
             ctx.observer.returned(out, 0)
@@ -282,65 +285,78 @@ def _batch_norm(module, original, stats: Statistics, inv, x: Tensor) -> Tensor:
     return y
 
 
+def _historical_sums(module, stats: Statistics, x: Tensor, dims, per_row: int) -> Tuple[Tensor, Tensor]:
+    """The whole graph's ``(Σ x, Σ x²)`` [2, d] per feature and the rows counted ``n``: this chunk's sums with
+    autograd, the other chunks' from their latest run (module docstring), summed over the ways."""
+    hist = stats.history
+    rows = x.narrow(0, 0, min(stats.rows, x.size(0)))
+    own = torch.stack([rows.sum(dims), (rows * rows).sum(dims)])
+    site = stats.site(module)
+    others, n = hist.others(site, stats.chunk, own.detach(), float(rows.size(0) * per_row), stats.replay, per_row)
+    total = _Shared.apply(own, others, hist, site, stats.chunk)
+    n = total.new_tensor(n)
+    if hist.group is not None:  # the ways' chunks at this clock, each with its way's history
+        both = _AllReduce.apply(torch.cat([total.reshape(-1), n.reshape(1)]), hist.comm, hist.group)
+        total, n = both[:-1].view_as(total), both[-1]
+    return total, n
+
+
 def _historical_batch_norm(module, stats: Statistics, x: Tensor, dims, shape, per_row: int) -> Tensor:
     """BatchNorm of a chunk with the whole graph's statistics, other chunks' sums historical (module docstring)."""
-    hist, site = stats.history, stats.site(module)
-    with torch.no_grad():
-        rows = x.narrow(0, 0, min(stats.rows, x.size(0)))
-        own = torch.stack([rows.sum(dims), (rows * rows).sum(dims)])
-        both, n = hist.combine(site, stats.chunk, own, float(rows.size(0) * per_row), stats.replay, per_row)
-        if hist.group is not None:  # the ways' chunks at this clock, each with its way's history
-            flat = torch.cat([both.reshape(-1), both.new_tensor([n])])
-            hist.comm.all_reduce(flat, hist.group, "graph-wide statistics")
-            both, n = flat[:-1].view_as(both), flat[-1]
-        mean = both[0] / n
-        var = (both[1] / n - mean * mean).clamp(min=0)
-        rstd = torch.rsqrt(var + module.eps)
-    u = (x - mean.view(shape)) * rstd.view(shape)  # the statistics are constants to autograd here ...
-    u = _Centred.apply(u, hist, site, stats.chunk, min(stats.rows, x.size(0)), dims, shape, n)  # ... and here
-    y = u * module.weight.view(shape) + module.bias.view(shape) if module.affine else u
+    total, n = _historical_sums(module, stats, x, dims, per_row)
+    mean = total[0] / n
+    var = (total[1] / n - mean * mean).clamp(min=0)
+    y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + module.eps)
+    if module.affine:
+        y = y * module.weight.view(shape) + module.bias.view(shape)
     if module.training and module.track_running_stats and stats.last and stats.moves_running():
         with torch.no_grad():  # once per step: in the last chunk of the order, whose sums are all this step's
             module.num_batches_tracked.add_(1)
             momentum = module.momentum
             if momentum is None:
                 momentum = 1.0 / float(module.num_batches_tracked)
-            factor = n / (n - 1.0).clamp(min=1.0) if isinstance(n, Tensor) else n / max(n - 1.0, 1.0)
             module.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
-            module.running_var.mul_(1 - momentum).add_(var * factor, alpha=momentum)
+            module.running_var.mul_(1 - momentum).add_(var * n / (n - 1.0).clamp(min=1.0), alpha=momentum)
     return y
 
 
-class _Centred(torch.autograd.Function):
-    """Identity forward; backward: BatchNorm's gradient through its statistics, over the whole graph.
+def _historical_graph_norm(module, stats: Statistics, x: Tensor, batch=None, batch_size=None) -> Tensor:
+    """PyG's GraphNorm on one graph from the whole graph's sums: with ``μ = S/n`` and ``α`` its mean scale,
+    ``out = x − α·μ`` and ``var = mean(out²) = Q/n − (2α − α²)·μ²``."""
+    if batch is not None:
+        raise UnsupportedModelError(
+            "GraphNorm was given a batch vector; per_chunk_statistics='history' covers one graph (batch=None). "
+            "Use per_chunk_statistics=True or one chunk per way.")
+    total, n = _historical_sums(module, stats, x, [0], 1)
+    mean = total[0] / n
+    alpha = module.mean_scale
+    var = (total[1] / n - (2 * alpha - alpha * alpha) * mean * mean).clamp(min=0)
+    return module.weight * (x - alpha * mean) / (var + module.eps).sqrt() + module.bias
 
-    With ``u = (x − mean) · rstd`` and the statistics taken over all ``n`` rows, one process's gradient is
-    ``dL/dx = rstd · (g − A/n − u · B/n)`` with ``A = Σ g``, ``B = Σ g·u`` over every row. A chunk has its
-    own rows' ``g``; the other chunks' ``A, B`` come from their latest backward (this step's for chunks
-    drained before, the previous step's otherwise), as the forward's sums do: at lr = 0, from the second
-    step, equal to one process's whenever ``g`` is. Dropping these terms (the statistics as constants)
-    loses BatchNorm's invariance to shifting and scaling its input, and training drifts apart
-    (docs/convergence.md).
+
+class _Shared(torch.autograd.Function):
+    """``own + others`` (a chunk's sums plus the other chunks' latest); its backward adds to the gradient
+    of ``own`` the other chunks' gradients with respect to the same sums.
+
+    In one process a graph-wide sum ``T`` feeds every row's output, so ``dL/dT`` collects all of them; a
+    chunk sees only its own outputs' part ``G_c``. The others' ``G`` come from their latest backward
+    (this step's for chunks drained before, the previous step's otherwise), as the forward's sums do:
+    ``dL/d own = G_c + Σ_{c' ≠ c} G_{c'}``. At lr = 0, from the second step, this is one process's
+    gradient whenever ``G`` is. Without it (the statistics as constants) BatchNorm loses its invariance
+    to shifts and rescalings of its input and training drifts apart (docs/convergence.md). One mechanism
+    for every norm computed from these sums (BatchNorm, GraphNorm).
     """
 
     @staticmethod
-    def forward(ctx, u, hist, site, chunk, rows, dims, shape, n):
-        ctx.hist, ctx.site, ctx.chunk, ctx.rows, ctx.dims, ctx.shape, ctx.n = hist, site, chunk, rows, dims, shape, n
-        ctx.save_for_backward(u)
-        return u.view_as(u)
+    def forward(ctx, own, others, hist, site, chunk):
+        ctx.hist, ctx.site, ctx.chunk = hist, site, chunk
+        return own + others
 
     @staticmethod
     def backward(ctx, g):
-        (u,) = ctx.saved_tensors
-        own_u, own_g = u.narrow(0, 0, ctx.rows), g.narrow(0, 0, ctx.rows)
-        own = torch.stack([own_g.sum(ctx.dims), (own_g * own_u).sum(ctx.dims)])
-        both = ctx.hist.combine_grad(ctx.site, ctx.chunk, own)
-        if ctx.hist.group is not None:
-            both = both.clone()
-            ctx.hist.comm.all_reduce(both, ctx.hist.group, "graph-wide statistics (backward)")
-        n = ctx.n
-        return (g - (both[0] / n).view(ctx.shape) - u * (both[1] / n).view(ctx.shape),
-                None, None, None, None, None, None, None)
+        hist = ctx.hist
+        buf, seen = hist._slot(hist.grad_sums, hist.grad_seen, ctx.site, g)
+        return g + hist._exchange(buf, seen, ctx.chunk, g), None, None, None, None
 
 
 def _gathered(module, original, stats: Statistics, x: Tensor, *args, **kwargs):

@@ -1,5 +1,5 @@
-"""BatchNorm with several chunks per way and ``per_chunk_statistics="history"``: the whole graph's statistics,
-other chunks' sums from their latest run (:mod:`pyg_pipe.engine.statistics`).
+"""BatchNorm and GraphNorm with several chunks per way and ``per_chunk_statistics="history"``: the whole
+graph's statistics, other chunks' sums from their latest run (:mod:`pyg_pipe.engine.statistics`).
 
 At lr = 0 every sum is of exact values: the exact pass that fills history fills the sums too, so from the
 first step every chunk normalises with the whole graph's mean and variance, as one process does. The
@@ -7,6 +7,8 @@ training forward, the running statistics and inference then equal plain PyG's (f
 with PyG's own models on a graph of several components, in one process (with and without recompute, whose
 replays must read what their fill read), in a pipeline of 2 stages and with 2 ways of 2 chunks (sums
 all-reduced among the ways). With per-chunk statistics (``True``) the same run differs: the check can fail.
+The gradient through the statistics equals PyG's at lr = 0 from the second step where nothing after the
+norm reads another chunk; the meter reports the sums' drift; what is still refused names the fix.
 """
 import copy
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch_geometric.nn import BatchNorm, EdgeConv, GraphNorm
+from torch_geometric.nn import BatchNorm, EdgeConv, GraphNorm, InstanceNorm
 from torch_geometric.nn.models import GCN, GIN
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
@@ -38,6 +40,7 @@ class BNNet(nn.Module):
 
 
 MODELS = {"GCN-batch_norm": lambda: GCN(8, 16, 3, 3, norm="batch_norm"),
+          "GCN-graph_norm": lambda: GCN(8, 16, 3, 3, norm="graph_norm"),  # PyG's GraphNorm, one graph
           "GIN": lambda: GIN(8, 16, 3, 3),  # its MLPs hold BatchNorm1d
           "BNNet": BNNet}
 
@@ -106,21 +109,21 @@ class ConvThenMLP(nn.Module):
     after the norm, so the gradient reaching it is exact, and with it (from the second step, when every
     chunk's backward sums exist) every parameter's gradient."""
 
-    def __init__(self):
+    def __init__(self, norm):
         super().__init__()
         self.conv = GCN(8, 16, 1, 16)
-        self.mlp = nn.Sequential(nn.ReLU(), nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+        self.mlp = nn.Sequential(nn.ReLU(), nn.Linear(16, 16), norm(16), nn.ReLU(), nn.Linear(16, 3))
 
     def forward(self, x, edge_index):
         return self.mlp(self.conv(x, edge_index))
 
 
-def _gradients(rank, world, ways):
+def _gradients(rank, world, ways, norm):
     torch.set_default_dtype(torch.float64)
     x, g, y, mask = zoo_graph()
     ei = g["edge_index"]
     torch.manual_seed(0)
-    model = ConvThenMLP()
+    model = ConvThenMLP(norm)
     ref = copy.deepcopy(model)
     engine = GNNPipeEngine(model, PipelineConfig(num_chunks=4, partition=ranges, streaming=False,
                                                  per_chunk_statistics="history"),
@@ -139,9 +142,10 @@ def _gradients(rank, world, ways):
     engine.uninstall()
 
 
-@pytest.mark.parametrize("ways", [1, 2])
-def test_gradient_through_the_statistics_equals_pyg_at_lr0(ways):
-    run_distributed(_gradients, ways, ways, timeout=240)
+@pytest.mark.parametrize("ways,norm", [(1, nn.BatchNorm1d), (2, nn.BatchNorm1d), (1, GraphNorm)],
+                         ids=["BatchNorm1d", "BatchNorm1d-2-ways", "GraphNorm"])
+def test_gradient_through_the_statistics_equals_pyg_at_lr0(ways, norm):
+    run_distributed(_gradients, ways, ways, norm, timeout=240)
 
 
 def _engine(model, **cfg):
@@ -153,16 +157,17 @@ def test_refusals_name_the_module_and_the_fix():
     x, g, y, mask = zoo_graph()
     ei = g["edge_index"]
 
-    class WithGraphNorm(nn.Module):
+    class WithInstanceNorm(nn.Module):
         def __init__(self):
             super().__init__()
-            self.gcn, self.norm = GCN(8, 16, 2, 3), GraphNorm(3)
+            self.gcn, self.norm = GCN(8, 16, 2, 3), InstanceNorm(3)
 
         def forward(self, x, edge_index):
             return self.norm(self.gcn(x, edge_index))
 
     for model, cfg, match in [
-        (WithGraphNorm(), dict(streaming=False), r"'norm' \(GraphNorm\).*BatchNorm only.*per_chunk_statistics=True"),
+        (WithInstanceNorm(), dict(streaming=False),
+         r"'norm' \(InstanceNorm\).*BatchNorm and GraphNorm.*per_chunk_statistics=True"),
         (GCN(8, 16, 2, 3, norm="batch_norm"), dict(streaming=True), "streaming=False"),
     ]:
         engine = _engine(model, per_chunk_statistics="history", **cfg)

@@ -180,8 +180,10 @@ def test_killed_build_recovers_and_builds_once(tmp_path):
     errs = [err for _, _, err in results]
     assert sum(e.count(_BUILDING) for e in errs) == 1, errs
     assert sum(e.count("left behind by a build") for e in errs) == 1, errs
-    # the build takes 30 s or more, the others reach the lock within seconds of the builder
-    assert any("waiting for process" in e for e in errs if _BUILDING not in e), errs
+    # the build takes 30 s or more, the others reach the lock within seconds of the builder; a waiter that
+    # reads the lock file between the builder's flock and its writing its pid names "another process"
+    # (seen once in CI), so either name counts
+    assert any("pyg_pipe: waiting for " in e for e in errs if _BUILDING not in e), errs
     assert not (build_dir / "lock").exists()
 
     start = time.monotonic()

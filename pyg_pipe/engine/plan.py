@@ -279,16 +279,16 @@ def refuse_statistics(module: torch.nn.Module, chunks_per_way: int, ways: int, h
         if history:
             raise UnsupportedModelError(
                 f"Module '{name}' ({type(m).__name__}) normalises with statistics over all vertices; "
-                f"per_chunk_statistics='history' covers BatchNorm and GraphNorm. Use per_chunk_statistics=True (each "
-                f"chunk's own rows, approximate), num_chunks={ways} (exact; one chunk per way) or a per-vertex "
+                f"per_chunk_statistics='history' covers BatchNorm and GraphNorm. Use per_chunk_statistics=True "
+                f"(each chunk's own rows, approximate), num_chunks={ways} (exact; one chunk per way) or a per-vertex "
                 f"norm (torch.nn.LayerNorm, torch_geometric.nn.LayerNorm(mode='node')).")
         raise UnsupportedModelError(
             f"Module '{name}' ({type(m).__name__}) normalises with statistics over all vertices, but with "
             f"{chunks_per_way} chunks per way the pipeline never holds all vertices at once. Use "
             f"num_chunks={ways} (exact; one chunk per way), opt into per-chunk statistics "
-            f"(per_chunk_statistics=True, approximate, as GPipe does for micro-batches; for BatchNorm "
-            f"per_chunk_statistics='history', the whole graph's with other chunks' sums from their latest run), "
-            f"or a per-vertex norm (torch.nn.LayerNorm, torch_geometric.nn.LayerNorm(mode='node')).")
+            f"(per_chunk_statistics=True, approximate, as GPipe does for micro-batches; for BatchNorm and "
+            f"GraphNorm per_chunk_statistics='history', the whole graph's with other chunks' sums from their latest "
+            f"run), or a per-vertex norm (torch.nn.LayerNorm, torch_geometric.nn.LayerNorm(mode='node')).")
 
 
 def graph_digest(graph: Tensor) -> int:

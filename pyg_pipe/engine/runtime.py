@@ -94,9 +94,11 @@ class Runtime:
         if self.config.per_chunk_statistics != "history" or self.plan.chunks_per_way == 1:
             return None
         if call not in self._statistics:
-            rows = [lg.rows for lg in self.chunked[0].chunks]
+            lgs, cpw = self.chunked[0].chunks, self.plan.chunks_per_way
+            mine = list(range(self.grid.way * cpw, (self.grid.way + 1) * cpw))  # this way's chunks, in row order
+            offsets = [lgs[k].start - lgs[mine[0]].start for k in mine] + [lgs[mine[-1]].end - lgs[mine[0]].start]
             group = self.grid.stage_group if self.grid.ways > 1 else None
-            self._statistics[call] = StatisticsHistory(rows, group, self.comm)
+            self._statistics[call] = StatisticsHistory([lg.rows for lg in lgs], mine, offsets, group, self.comm)
         return self._statistics[call]
 
     @property

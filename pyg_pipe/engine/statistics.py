@@ -41,12 +41,13 @@ first step. The backward goes through the whole graph's sums too: the loss's gra
 ``S`` and ``Q`` collects every chunk's outputs, so each chunk adds the other chunks' parts from their
 latest backward (:class:`_Shared`; without them training drifts apart, measured in
 docs/convergence.md). A replay (recompute in the drain) reads what its fill read. The running
-statistics move once per step, in the chunk that runs last in the way's order, whose sums are all from this step (one process's update
-whenever the model's inputs to the norm are exact, as at lr = 0). The variance is taken as
-``E[x²] − mean²``: fine for normalised activations, less accurate than the two-pass form where a
-feature's mean is far larger than its spread. Not covered: BatchNorm inside a layer's ``message``
-(statistics over edges), GraphNorm with a batch vector and the other graph-wide norms (refused), NGra
-streaming (refused); the sums are not checkpointed (after a resume the exact pass assembles the forward's again; the backward's start over).
+statistics move once per step, in the chunk that runs last in the way's order, whose sums are all from
+this step (one process's update whenever the model's inputs to the norm are exact, as at lr = 0). The
+variance is taken as ``E[x²] − mean²``: fine for normalised activations, less accurate than the
+two-pass form where a feature's mean is far larger than its spread. Not covered: BatchNorm inside a
+layer's ``message`` (statistics over edges), GraphNorm with a batch vector and the other graph-wide
+norms (refused), NGra streaming (refused); the sums are not checkpointed (after a resume the exact pass
+assembles the forward's again; the backward's start over).
 """
 from __future__ import annotations
 
@@ -77,11 +78,11 @@ class Statistics:
 
     def __init__(self, comm, group, way_rows: Optional[List[int]], rows: int, update_running: bool = True,
                  replay: bool = False, history: Optional["StatisticsHistory"] = None, chunk: int = -1,
-                 last: bool = False, prime: Optional[Tuple["StatisticsHistory", List[int], List[int]]] = None):
+                 last: bool = False, prime: Optional["StatisticsHistory"] = None):
         self.comm, self.group, self.way_rows, self.rows = comm, group, way_rows, rows
         self.update_running, self.replay = update_running, replay
         self.history, self.chunk, self.last = history, chunk, last  # historical statistics (module docstring)
-        self.prime = prime  # an exact pass fills the historical sums: (history, chunk ids, row offsets)
+        self.prime = prime  # an exact pass of the whole way fills these historical sums of every chunk
         self.calls: Dict[int, int] = {}
         self.inside_gather = False
 
@@ -102,10 +103,11 @@ class Statistics:
 class StatisticsHistory:
     """The latest sums ``(s_c, q_c)`` of every chunk of this way at every BatchNorm call site, and what each
     chunk's fill read (for its replay); see the module docstring. ``chunk_rows[c]``: rows of chunk ``c``
-    (global chunk ids; only this way's are used)."""
+    (global chunk ids; only this way's are used); ``way_chunks``: this way's chunks, in row order, and
+    ``offsets``: where each starts in the way's rows (and where the last ends)."""
 
-    def __init__(self, chunk_rows: List[int], group=None, comm=None):
-        self.chunk_rows = chunk_rows
+    def __init__(self, chunk_rows: List[int], way_chunks: List[int], offsets: List[int], group=None, comm=None):
+        self.chunk_rows, self.way_chunks, self.offsets = chunk_rows, way_chunks, offsets
         self.group, self.comm = group, comm
         self.sums: Dict[Tuple[int, int], Tensor] = {}       # site -> [C, 2, d], zeros where not seen
         self.seen: Dict[Tuple[int, int], List[bool]] = {}   # site -> [C] (host: no device read)
@@ -129,15 +131,14 @@ class StatisticsHistory:
         seen[chunk] = True
         return others
 
-    def record(self, site: Tuple[int, int], chunks: List[int], offsets: List[int], rows: Tensor, dims) -> None:
-        """An exact pass's rows of a whole way (chunk ``chunks[i]`` at ``offsets[i]:offsets[i + 1]``): every
-        chunk's sums, so the first training step starts from exact statistics, as history starts from
-        exact embeddings."""
+    def record(self, site: Tuple[int, int], rows: Tensor, dims) -> None:
+        """An exact pass's rows of the whole way: every chunk's sums, so the first training step starts from
+        exact statistics, as history starts from exact embeddings."""
         with torch.no_grad():
             own = [torch.stack([rows[a:b].sum(dims), (rows[a:b] * rows[a:b]).sum(dims)])
-                   for a, b in zip(offsets[:-1], offsets[1:])]
+                   for a, b in zip(self.offsets[:-1], self.offsets[1:])]
             buf, seen = self._slot(self.sums, self.seen, site, own[0])
-            for c, o in zip(chunks, own):
+            for c, o in zip(self.way_chunks, own):
                 self._exchange(buf, seen, c, o)
 
     def measure(self, meter, names: Dict[int, str]) -> None:
@@ -217,9 +218,8 @@ def _patched(module: torch.nn.Module, original: Callable):
                     f"BatchNorm or a per-row norm (torch.nn.LayerNorm) in the message MLP.")
             else:
                 if stats.prime is not None and isinstance(module, GraphNorm):  # exact pass: its sums, per chunk
-                    hist, chunks, offsets = stats.prime
                     x = args[0]
-                    hist.record(stats.site(module), chunks, offsets, x.narrow(0, 0, min(stats.rows, x.size(0))), [0])
+                    stats.prime.record(stats.site(module), x.narrow(0, 0, min(stats.rows, x.size(0))), [0])
                 out = _gathered(module, original, stats, *args, **kwargs)
         if ctx.observer is not None and inv is None:
             ctx.observer.returned(out, 0)
@@ -247,8 +247,7 @@ def _batch_norm(module, original, stats: Statistics, inv, x: Tensor) -> Tensor:
         n = float((sum(stats.way_rows) if stats.group is not None else rows.size(0)) * per_row)
         s = rows.sum(dims)
         if stats.prime is not None:
-            hist, chunks, offsets = stats.prime
-            hist.record(stats.site(module), chunks, offsets, rows, dims)
+            stats.prime.record(stats.site(module), rows, dims)
         if stats.group is not None:
             s = _AllReduce.apply(s, stats.comm, stats.group)
     else:  # edge rows: those into the chunk's vertices
@@ -285,18 +284,18 @@ def _batch_norm(module, original, stats: Statistics, inv, x: Tensor) -> Tensor:
     return y
 
 
-def _historical_sums(module, stats: Statistics, x: Tensor, dims, per_row: int) -> Tuple[Tensor, Tensor]:
-    """The whole graph's ``(Σ x, Σ x²)`` [2, d] per feature and the rows counted ``n``: this chunk's sums with
-    autograd, the other chunks' from their latest run (module docstring), summed over the ways."""
+def _historical_sums(module, stats: Statistics, x: Tensor, dims, per_row: int):
+    """The whole graph's ``(Σ x, Σ x²)`` [2, d] per feature and the rows counted ``n`` (a float; a device
+    scalar when summed over the ways): this chunk's sums with autograd, the other chunks' from their latest
+    run (module docstring)."""
     hist = stats.history
     rows = x.narrow(0, 0, min(stats.rows, x.size(0)))
     own = torch.stack([rows.sum(dims), (rows * rows).sum(dims)])
     site = stats.site(module)
     others, n = hist.others(site, stats.chunk, own.detach(), float(rows.size(0) * per_row), stats.replay, per_row)
     total = _Shared.apply(own, others, hist, site, stats.chunk)
-    n = total.new_tensor(n)
     if hist.group is not None:  # the ways' chunks at this clock, each with its way's history
-        both = _AllReduce.apply(torch.cat([total.reshape(-1), n.reshape(1)]), hist.comm, hist.group)
+        both = _AllReduce.apply(torch.cat([total.reshape(-1), total.new_tensor([n])]), hist.comm, hist.group)
         total, n = both[:-1].view_as(total), both[-1]
     return total, n
 
@@ -316,7 +315,8 @@ def _historical_batch_norm(module, stats: Statistics, x: Tensor, dims, shape, pe
             if momentum is None:
                 momentum = 1.0 / float(module.num_batches_tracked)
             module.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
-            module.running_var.mul_(1 - momentum).add_(var * n / (n - 1.0).clamp(min=1.0), alpha=momentum)
+            factor = n / (n - 1.0).clamp(min=1.0) if isinstance(n, Tensor) else n / max(n - 1.0, 1.0)
+            module.running_var.mul_(1 - momentum).add_(var * factor, alpha=momentum)
     return y
 
 

@@ -256,12 +256,7 @@ def run_chunk(rt: Runtime, run: HaloPass, localizer: Localizer, cgs: List[Chunke
     grid = rt.grid
     lg = cgs[0].chunks[c]
     replay = received is not None
-    prime = None
-    if statistics is not None and one_per_way:  # an exact pass fills the historical sums of every chunk
-        ids = rt.schedule.order(0, grid.way)
-        ids = sorted(ids)
-        starts = [rt.chunked[0].chunks[k].start for k in ids]
-        prime = (statistics, ids, [a - starts[0] for a in starts] + [sum(rt.chunked[0].chunks[k].rows for k in ids)])
+    prime = statistics if one_per_way else None  # an exact pass fills the historical sums of every chunk
     if statistics is not None and not one_per_way:
         stats = Statistics(rt.comm, None, None, lg.rows, update_running=not init, replay=replay, history=statistics,
                            chunk=c, last=last)

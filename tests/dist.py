@@ -17,8 +17,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, backend: str, fn, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(rank: int, world_size: int, port: int, backend: str, env: dict, fn, args) -> None:
+    os.environ.clear()  # the caller's environment, as a spawned child would have it (not the server's)
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -29,16 +30,25 @@ def _entry(rank: int, world_size: int, port: int, backend: str, fn, args) -> Non
         dist.destroy_process_group()
 
 
+# Children are forked from one server process that imported these once (``forkserver``), not started
+# afresh (``spawn``): a fresh interpreter importing torch and PyG costs 3 s a process on a loaded 2-core
+# machine, 13 s for a 4-process test, which was most of the suite's time. The server imports modules only
+# (no tensor work, so no thread pools exist when it forks), and every child still initialises its own
+# process group, as a spawned one would. NCCL runs keep ``spawn``: a process that touched CUDA must not fork.
+_PRELOAD = ["torch", "torch.distributed", "torch_geometric", "pyg_pipe", "tests.dist", "tests.harness"]
+mp.set_forkserver_preload(_PRELOAD)
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo") -> None:
-    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` new processes.
 
     The first process to fail makes the others terminate and its exception (with traceback) is
     raised here; if the processes have not all finished after ``timeout`` seconds they are killed
     and ``TimeoutError`` is raised, so a test can never hang. ``backend="nccl"`` puts rank ``r`` on
     CUDA device ``r`` (tests marked ``gpu``).
     """
-    ctx = mp.start_processes(_entry, args=(world_size, free_port(), backend, fn, args), nprocs=world_size, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(_entry, args=(world_size, free_port(), backend, dict(os.environ), fn, args),
+                             nprocs=world_size, join=False, start_method="spawn" if backend == "nccl" else "forkserver")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=0.5):
         if time.monotonic() > deadline:

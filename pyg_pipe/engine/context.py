@@ -14,9 +14,9 @@ not reach.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
@@ -24,6 +24,7 @@ from torch import Tensor
 from ..model.errors import UnsupportedModelError
 
 _STACK: List["ChunkContext"] = []
+_NOTHING = nullcontext()  # reusable: entering it does nothing
 
 
 def current() -> Optional["ChunkContext"]:
@@ -150,14 +151,9 @@ class ChunkContext:
         blocks), not run by the run's own forward (which may itself run inside a backward: a replay)."""
         return torch._C._current_graph_task_id() != self.task
 
-    @contextmanager
-    def engine_work(self) -> Iterator[None]:
+    def engine_work(self) -> ContextManager:
         """Marks the operations run inside as the engine's own (the observer does not judge them)."""
-        if self.observer is None:
-            yield
-            return
-        with self.observer.paused():
-            yield
+        return _NOTHING if self.observer is None else self.observer.paused()
 
     # ------------------------------------------------------------------ inputs, registered by the localiser
     def add_clean(self, local: Tensor, extend: Callable) -> None:

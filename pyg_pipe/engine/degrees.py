@@ -31,7 +31,7 @@ Outside the engine (no active chunk) the originals run unchanged.
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -129,9 +129,9 @@ def gcn_norm(edge_index, edge_weight: Optional[Tensor] = None, num_nodes: Option
         if key is not None:
             ctx.cache[key] = (edge_index, whole, out)
         return out
-    known = _known_degrees(ctx, inv, edge_index, edge_weight, add_self_loops, fill, dtype, num_nodes)
+    known = _known_degrees(ctx, inv, edge_index, edge_weight, num_nodes)
     if known is not None:  # a pure function of inputs that do not change: computed once per chunk
-        whole = None if edge_weight is None else ctx.edge_input(edge_weight)
+        whole = known[0]
         key = ("gcn_norm", id(edge_index), id(whole), None if whole is None else whole._version, fill,
                add_self_loops, flow, dtype, num_nodes)
         hit = ctx.cache.get(key)
@@ -149,27 +149,27 @@ def gcn_norm(edge_index, edge_weight: Optional[Tensor] = None, num_nodes: Option
         deg = _complete(ctx, inv, site, deg)
         dis = _inv_sqrt(deg)
         return edge_index, dis[row] * edge_weight * dis[col]
-    deg = torch.cat([deg[:inv.lg.rows], known.to(deg.dtype)])  # halo: the whole graph's degrees
+    halo = inv.cg.in_degree(whole, add_self_loops, fill, deg.dtype)[inv.lg.halo]  # the whole graph's degrees
+    deg = torch.cat([deg[:inv.lg.rows], halo])
     dis = _inv_sqrt(deg)
     out = (edge_index, dis[row] * edge_weight * dis[col])
     ctx.cache[key] = (graph, whole, out)
     return out
 
 
-def _known_degrees(ctx, inv, edge_index, edge_weight, add_self_loops: bool, fill: float, dtype, num_nodes):
-    """The halo vertices' degrees from the whole graph, when the layer normalises the local graph it was
-    handed with weights that are a forward argument (or none): no exchange needed. ``None`` otherwise
-    (weights computed in the model, an edge list the layer changed): the degrees are then exchanged."""
-    lg, cg = inv.lg, inv.cg
-    if edge_index is not inv.graph or num_nodes != _width(inv) or cg.repeated_loops:
+def _known_degrees(ctx, inv, edge_index, edge_weight, num_nodes) -> Optional[Tuple[Optional[Tensor]]]:
+    """``(whole,)`` when the halo vertices' degrees can be taken from the whole graph: the layer normalises
+    the local graph it was handed, with weights that are a forward argument (``whole``, cut from the
+    input's edge weights) or none, so no exchange is needed. ``None`` otherwise (weights computed in the
+    model, an edge list the layer changed): the degrees are then exchanged."""
+    if edge_index is not inv.graph or num_nodes != _width(inv) or inv.cg.repeated_loops:
         return None
     whole = None
     if edge_weight is not None:
         whole = ctx.edge_input(edge_weight)
         if whole is None:
             return None
-    dtype = edge_weight.dtype if edge_weight is not None else (dtype or torch.get_default_dtype())
-    return cg.in_degree(whole, add_self_loops, fill, dtype)[lg.halo]
+    return (whole,)
 
 
 def _complete(ctx, inv, site: str, deg: Tensor) -> Tensor:

@@ -266,7 +266,13 @@ class HaloPass:
         pending = self.history.take_grad(key, lg.start, lg.end) if self.history is not None else None
         g_rows = g_rows + pending.to(g_rows.dtype) if pending is not None else g_rows.clone()
         if r.own_pos is not None:
-            self.history.add_grad(key, r.own_ids, _scaled(g_halo.index_select(0, r.own_pos), r.own_scale))
+            own = g_halo.index_select(0, r.own_pos)
+            if isinstance(r.own_scale, float):  # T3's scale applied as the gradient is added (one call less)
+                self.history.add_grad(key, r.own_ids, own, alpha=r.own_scale)
+            else:
+                self.history.add_grad(key, r.own_ids, _scaled(own, r.own_scale))
+        if not r.sends and not r.recvs and r.ring is None:  # nothing crosses ways (one way, or no shared rows)
+            return g_rows
         ranks = self.exchange.ranks
         own = [(w, _scaled(g_halo.index_select(0, pos), scale)) for w, pos, scale in r.sends]
         if r.ring is not None:

@@ -168,15 +168,15 @@ class CallHistory:
         return rows
 
     # ------------------------------------------------------------------ gradients of fresh reads
-    def add_grad(self, key: str, ids: Tensor, grad: Tensor) -> None:
-        """Adds ``grad`` to the pending gradient of the rows ``ids`` (their owner's backward takes it)."""
+    def add_grad(self, key: str, ids: Tensor, grad: Tensor, alpha: float = 1.0) -> None:
+        """Adds ``alpha * grad`` to the pending gradient of the rows ``ids`` (their owner's backward takes it)."""
         g = self.grads.get(key)
         if g is None:
             if self.tiers.offload is None:  # on the device: lives through the drain only
                 g = self.grads[key] = grad.new_zeros((self.size, *grad.shape[1:]))
             else:  # offloaded: the same file every step
                 g = self.grads[key] = self._reused("grads", key, (self.size, *grad.shape[1:]), grad.dtype).zero_()
-        g.index_add_(0, self._at(ids, g), grad.to(g.device))
+        g.index_add_(0, self._at(ids, g), grad.to(g.device), alpha=alpha)
         self.tiers.release(g)
 
     def take_grad(self, key: str, start: int, end: int) -> Optional[Tensor]:

@@ -19,6 +19,9 @@ gradient scaling)::
     age0      the defaults and max_age=0 (history refreshed before every step: exact forwards)
     age1 / age2 / age5 / age11   the defaults and max_age=k (an exact refresh at least every k+1 steps)
     age2-noT2 / age1-noT3 / age1-noT1   max_age with one trick off (probes of the max_age result in docs)
+    age0-noT3      max_age=0 without T3 (a probe of the max_age=0 result in docs)
+    late      the defaults and late_gradients=True (stale reads' gradients reach their owners next step;
+              no T3 scaling then); late-noT1 the same without shuffling; age0-late with max_age=0
     smooth    the defaults and smoothing=0.5 (stale rows read as a moving average over steps, PipeGCN)
     smooth-none    smoothing=0.5 without T1-T3 (PipeGCN's setting)
     bn-chunk  the defaults and per_chunk_statistics=True (each chunk's own statistics)
@@ -57,6 +60,7 @@ MODES = {
     "t3": dict(shuffle_chunks=False, snapshot_period=None),
     "bound": dict(max_staleness=0.1),
     "age0": dict(max_age=0),
+    "age0-noT3": dict(max_age=0, unbiased_gradients=False),
     "age1": dict(max_age=1),
     "age2": dict(max_age=2),
     "age2-noT2": dict(max_age=2, snapshot_period=None),
@@ -64,6 +68,9 @@ MODES = {
     "age1-noT1": dict(max_age=1, shuffle_chunks=False),
     "age5": dict(max_age=5),
     "age11": dict(max_age=11),
+    "late": dict(late_gradients=True),
+    "late-noT1": dict(late_gradients=True, shuffle_chunks=False),
+    "age0-late": dict(max_age=0, late_gradients=True),
     "smooth": dict(smoothing=0.5),
     "smooth-none": dict(shuffle_chunks=False, snapshot_period=None, unbiased_gradients=False, smoothing=0.5),
     "bn-chunk": dict(per_chunk_statistics=True),

@@ -21,6 +21,10 @@ class PipelineConfig:
         snapshot_period: T2, history snapshotted every this many steps and restored in between
             (``None``: off).
         unbiased_gradients: T3, cross-chunk gradients of fresh reads scaled by 2, stale ones dropped.
+        late_gradients: the gradients of stale reads, dropped otherwise, reach their owners in the next
+            step's drain (PipeGCN's stale feature gradients); nothing is dropped, so T3's scaling is off.
+            Every read's gradient then arrives on average once (exactly once without T1, at lr = 0), at
+            the cost of one more buffer per call site. One way per stage (:mod:`.halo`).
         balance: ``"time"``, ``"layers"`` or layer groups per stage.
         partition: partitioner name or callable ``(edge_index, num_nodes, num_chunks) -> (perm, ptr)``.
         seed: seed of the partitioner and of the chunk order.
@@ -66,6 +70,7 @@ class PipelineConfig:
     shuffle_chunks: bool = True
     snapshot_period: Optional[int] = 23
     unbiased_gradients: bool = True
+    late_gradients: bool = False
     balance: Union[str, Sequence[int]] = "time"
     partition: Union[str, Callable] = "auto"
     seed: int = 0
@@ -140,6 +145,9 @@ class PipelineConfig:
                                            or not 0.0 <= self.smoothing < 1.0):
             raise ValueError(f"smoothing={self.smoothing!r} must be a momentum in [0, 1) (e.g. 0.5: stale rows read as "
                              f"the average of the steps' rows, halving each step) or None to read the last rows.")
+        if not isinstance(self.late_gradients, bool):
+            raise ValueError(f"late_gradients={self.late_gradients!r} must be True (stale reads' gradients reach their "
+                             f"owners one step late) or False (dropped; T3 scales the fresh ones).")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap={self.overlap!r} must be True (post the next chunk's receives before "
                              f"computing the current one) or False.")

@@ -18,7 +18,8 @@ ways, :mod:`.ring`); both deliver the same rows and the same gradient sums.
 
 Backward (:class:`_HaloJoin`): the gradient of every fresh halo row goes back to its owner, scaled
 by T3: to the site's gradient buffer ``G`` when the owner is an earlier chunk of this way, over the
-wire otherwise (``halo_backward`` bytes); stale reads are dropped. The chunk's own rows receive what
+wire otherwise (``halo_backward`` bytes); stale reads are dropped, or with ``late_gradients`` kept for
+their owners' backward in the next step (one way only: :class:`HaloExchange`). The chunk's own rows receive what
 other ways send for them and, from ``G``, what later chunks of this way read from them. Every send
 and receive of one call site is posted together (``batch_isend_irecv``). All routes of a step are
 computed before its first chunk runs, so the per-chunk loop has no host synchronisation.
@@ -92,11 +93,19 @@ class HaloExchange:
         comm: counted transport.
         schedule: chunk order and freshness.
         mode: ``halo_exchange``, ``"all_to_all"`` or ``"ring"`` (:mod:`.ring`).
+        late: ``late_gradients``: the gradients of stale reads reach their owners in the next step's drain.
     """
 
-    def __init__(self, grid: RankGrid, comm: Comm, schedule: Schedule, mode: str = "all_to_all"):
+    def __init__(self, grid: RankGrid, comm: Comm, schedule: Schedule, mode: str = "all_to_all",
+                 late: bool = False):
         if mode not in HALO_EXCHANGES:
             raise ValueError(f"halo_exchange={mode!r} must be 'all_to_all' or 'ring'.")
+        if late and grid.ways > 1 and schedule.cpw > 1:
+            raise ValueError(f"late_gradients=True is built for one way per stage; with {grid.ways} graph-parallel "
+                             f"ways and several chunks a way, the stale reads of other ways' rows would need their "
+                             f"gradients sent next step, which is not built. Use ways=1 (GNNPipeStrategy), or "
+                             f"late_gradients=False.")
+        self.late = late
         self.grid, self.comm, self.schedule = grid, comm, schedule
         self.ring = mode == "ring" and grid.ways > 1
         self.ranks = [grid.rank_of(grid.stage, w) for w in range(grid.ways)]
@@ -143,6 +152,7 @@ class HaloPass:
         self.grid, self.comm, self.schedule = exchange.grid, exchange.comm, exchange.schedule
         self.clock = clock
         self.read_history, self.write_history = read_history, write_history
+        self.late = exchange.late and read_history
         self._routes: Dict[Tuple[int, int], _Routes] = {}
         self.reads: Dict[str, List[Tuple[ChunkedGraph, LocalGraph]]] = {}  # site -> chunks that read history there
 
@@ -271,6 +281,8 @@ class HaloPass:
                 self.history.add_grad(key, r.own_ids, own, alpha=r.own_scale)
             else:
                 self.history.add_grad(key, r.own_ids, _scaled(own, r.own_scale))
+        if self.late and r.stale_pos is not None:  # late_gradients: the owners take these next step
+            self.history.add_grad(key, r.stale_ids, g_halo.index_select(0, r.stale_pos), late=True)
         if not r.sends and not r.recvs and r.ring is None:  # nothing crosses ways (one way, or no shared rows)
             return g_rows
         ranks = self.exchange.ranks

@@ -20,6 +20,10 @@ end in the way's rows: its own boundary rows and the rows it reads from other wa
 |V|-entry map turns vertex ids into buffer rows; a chunk's rows that nobody else reads are never
 written. Per-process history then falls with the ways, and with the locality of the chunks.
 
+With ``late_gradients`` the gradients of stale reads are kept too, in a second buffer per site, and
+the owners take them in the next step's drain, with that step's fresh ones (PipeGCN's stale feature
+gradients: nothing is dropped, so T3's scaling is off; :mod:`.schedule`).
+
 Snapshots (T2, ``period = R``): at the start of step ``t`` the buffers are copied to a snapshot
 when ``t % R == 0`` (or when a buffer has none yet) and restored from it otherwise, so historical
 rows are an anchor refreshed every R steps instead of whatever the last step left.
@@ -74,6 +78,8 @@ class CallHistory:
         self.snapshot: Dict[str, Tensor] = {}
         self.smooth: Dict[str, Tensor] = {}      # the moving average of the rows steps start with (smoothing)
         self.grads: Dict[str, Tensor] = {}
+        self.late: Dict[str, Tensor] = {}        # gradients of this step's stale reads (late_gradients) ...
+        self.late_in: Dict[str, Tensor] = {}     # ... and of the last step's, which the owners take now
         self.start: Dict[str, Tensor] = {}       # the rows at the start of the step (for replays)
         self._spare: Dict[str, Dict[str, Tensor]] = {}
         self.initialised = False
@@ -168,28 +174,36 @@ class CallHistory:
         return rows
 
     # ------------------------------------------------------------------ gradients of fresh reads
-    def add_grad(self, key: str, ids: Tensor, grad: Tensor, alpha: float = 1.0) -> None:
-        """Adds ``alpha * grad`` to the pending gradient of the rows ``ids`` (their owner's backward takes it)."""
-        g = self.grads.get(key)
+    def add_grad(self, key: str, ids: Tensor, grad: Tensor, alpha: float = 1.0, late: bool = False) -> None:
+        """Adds ``alpha * grad`` to the pending gradient of the rows ``ids``: their owner's backward takes it
+        this step, or, with ``late`` (the gradient of a stale read), in the next step's drain."""
+        store = self.late if late else self.grads
+        g = store.get(key)
         if g is None:
-            if self.tiers.offload is None:  # on the device: lives through the drain only
-                g = self.grads[key] = grad.new_zeros((self.size, *grad.shape[1:]))
-            else:  # offloaded: the same file every step
-                g = self.grads[key] = self._reused("grads", key, (self.size, *grad.shape[1:]), grad.dtype).zero_()
+            shape = (self.size, *grad.shape[1:])
+            if self.tiers.offload is None:  # on the device (pending ones live through the drain only)
+                g = store[key] = grad.new_zeros(shape)
+            else:  # offloaded: the same files every step (two for the late ones: this step's and the last)
+                role = f"late{self._step % 2}" if late else "grads"
+                g = store[key] = self._reused(role, key, shape, grad.dtype).zero_()
         g.index_add_(0, self._at(ids, g), grad.to(g.device), alpha=alpha)
         self.tiers.release(g)
 
     def take_grad(self, key: str, start: int, end: int) -> Optional[Tensor]:
-        """The accumulated gradient of rows ``start .. end-1`` (``None`` if nothing reached them)."""
-        g = self.grads.get(key)
-        if g is None:
-            return None
-        pos, at = self._span(start, end, g)
-        rows = self.tiers.to_device(g[at])
-        self.tiers.release(g)
-        if pos is None:
-            return rows
-        return rows.new_zeros((end - start, *rows.shape[1:])).index_copy_(0, pos, rows)
+        """The gradient of rows ``start .. end-1`` that reads by other chunks sent back: this step's fresh
+        reads, and the last step's stale ones with ``late_gradients`` (``None`` if nothing reached them)."""
+        rows = None
+        for store in (self.grads, self.late_in):
+            g = store.get(key)
+            if g is None:
+                continue
+            pos, at = self._span(start, end, g)
+            part = self.tiers.to_device(g[at])
+            self.tiers.release(g)
+            if pos is not None:
+                part = part.new_zeros((end - start, *part.shape[1:])).index_copy_(0, pos, part)
+            rows = part if rows is None else rows + part
+        return rows
 
     def clear_grads(self) -> None:
         self.grads = {}
@@ -202,6 +216,7 @@ class CallHistory:
         the rows as they are now stay readable through the step (:meth:`read_start`); with snapshots and
         no smoothing they are the snapshot itself, otherwise they cost a copy."""
         self.grads, self.start = {}, {}
+        self.late_in, self.late = self.late, {}  # the last step's stale-read gradients are taken this step
         self._step = step
         refilled = self.written is None
         if refilled:  # refilled before this step: computed with this step's weights

@@ -71,13 +71,14 @@ class Runtime:
         self.way_rows: List[int] = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         self.recompute = plan.chunks_per_way > 1 and config.recompute is not False  # (:mod:`.step`)
         self.recompute_pending = self.recompute and config.recompute == "auto"  # decided after the first step
-        self.schedule = Schedule(plan.num_chunks, W, config.shuffle_chunks, config.seed, config.unbiased_gradients)
+        self.schedule = Schedule(plan.num_chunks, W, config.shuffle_chunks, config.seed,
+                                 config.unbiased_gradients and not config.late_gradients)  # late: nothing dropped
         self.tiers = Tiers(dev, config.offload, config.offload_budget, config.offload_dir)
         held = boundary(self.chunked, *bounds[grid.way:grid.way + 2])
         self.history = HistoryStore(plan.num_nodes, dev, self.tiers, held if held.numel() < plan.num_nodes else None)
         self.stores: Dict[int, "Store"] = {}
         self._statistics: Dict[int, StatisticsHistory] = {}  # call -> historical BatchNorm sums (:mod:`.statistics`)
-        self.halo = HaloExchange(grid, comm, self.schedule, config.halo_exchange)
+        self.halo = HaloExchange(grid, comm, self.schedule, config.halo_exchange, config.late_gradients)
         self.link = StageLink(comm, grid.prev, grid.next)
         self.programs = Programs(module, fn, plan.sizes, config.split_points, grid.stage, grid.is_last)
         self.sites = CallSites(comm, grid.stage_group if W > 1 else None)

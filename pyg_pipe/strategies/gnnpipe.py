@@ -46,6 +46,9 @@ class GNNPipeStrategy(DDPStrategy):
         snapshot_period: historical embeddings are snapshotted every this many epochs and restored
             in between (T2); ``None`` turns snapshots off.
         unbiased_gradients: scale cross-chunk gradients by 2 and drop stale ones (T3).
+        late_gradients: keep the gradients of stale reads and hand them to their owners in the next
+            step (PipeGCN's stale feature gradients) instead of dropping them; T3's scaling is then
+            off. One more buffer per call site; one way per stage (not with ``HybridStrategy(ways>1)``).
         balance: ``"time"`` (measure each layer once and split stages by cost), ``"layers"`` (equal
             layer counts) or a list with the number of message-passing layers of every stage.
         partition: vertex partitioner for chunks: ``"auto"`` (METIS via ``pymetis`` when installed,
@@ -124,6 +127,7 @@ class GNNPipeStrategy(DDPStrategy):
         shuffle_chunks: bool = True,
         snapshot_period: Optional[int] = 23,
         unbiased_gradients: bool = True,
+        late_gradients: bool = False,
         balance: Union[str, Sequence[int]] = "time",
         partition: str = "auto",
         seed: int = 0,
@@ -161,6 +165,7 @@ class GNNPipeStrategy(DDPStrategy):
                          timeout=timeout, start_method=start_method)
         self.config = PipelineConfig(num_chunks=num_chunks, shuffle_chunks=shuffle_chunks,
                                      snapshot_period=snapshot_period, unbiased_gradients=unbiased_gradients,
+                                     late_gradients=late_gradients,
                                      balance=balance, partition=partition, seed=seed,
                                      per_chunk_statistics=per_chunk_statistics, split_points=split_points,
                                      recompute=recompute, offload=offload, offload_budget=offload_budget,

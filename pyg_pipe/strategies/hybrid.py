@@ -67,6 +67,12 @@ class HybridStrategy(GNNPipeStrategy):
                                  f"divisor of the device count.")
         if W is not None and self.config.num_chunks is not None:
             check_chunks_per_way(self.config.num_chunks, W)
+        if W is None and S is not None:
+            W = P // S
+        if self.config.late_gradients and W is not None and W > 1 and self.config.num_chunks != W:
+            raise ValueError(f"{type(self).__name__}(ways={W}): late_gradients=True is built for one way per stage "
+                             f"(the stale reads of other ways' rows would need their gradients sent next step). Use "
+                             f"GNNPipeStrategy, or late_gradients=False.")
         super()._configure_launcher()
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch_geometric.nn import GraphConv
+from torch_geometric.nn import GCN, GraphConv, GraphSAGE
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
 from tests.dist import run_distributed
@@ -39,8 +39,9 @@ class TwoLayers(nn.Module):
         return self.conv2(F.relu(self.conv1(x, edge_index)), edge_index)
 
 
-def reference_grads(model, x, edge_index, y, mask, perm, ptr, ways, pi, unbiased):
-    """Parameter gradients of one GNNPipe step at lr = 0 (see the module docstring)."""
+def reference_grads(model, x, edge_index, y, mask, perm, ptr, ways, pi, unbiased, late_pi=None):
+    """Parameter gradients of one GNNPipe step at lr = 0 (see the module docstring). ``late_pi``: the last
+    step's order under ``late_gradients`` (reads stale then send their gradient now; T3 is off)."""
     model = copy.deepcopy(model)
     N, C = x.size(0), ptr.numel() - 1
     cpw = C // ways
@@ -50,15 +51,24 @@ def reference_grads(model, x, edge_index, y, mask, perm, ptr, ways, pi, unbiased
     clock_of_index = torch.empty(cpw, dtype=torch.long)
     clock_of_index[torch.tensor(pi)] = torch.arange(cpw)
     clock = clock_of_index[torch.arange(C) % cpw]
+    before = None
+    if late_pi is not None:  # the clocks of the last step
+        before = torch.empty(cpw, dtype=torch.long)
+        before[torch.tensor(late_pi)] = torch.arange(cpw)
+        before = before[torch.arange(C) % cpw]
     h = F.relu(model.conv1(x, edge_index))
     out = torch.zeros(N, 3, dtype=x.dtype)
     for c in range(C):
         own = chunk == c
         fresh = clock[chunk] <= clock[c]
         always_same_clock = (chunk % cpw) == (c % cpw)
-        scale = torch.where(always_same_clock | (not unbiased), 1.0, 2.0).to(x.dtype).view(-1, 1)
+        scale = torch.where(always_same_clock | (not unbiased), 1.0, 2.0).to(x.dtype)
+        scale = torch.where(fresh, scale, 0.0)
+        if before is not None:  # late_gradients: + 1 for every read that was stale in the last step
+            scale = scale + (before[chunk] > before[c]).to(x.dtype)
+        scale = scale.view(-1, 1)
         scaled = h * scale - h.detach() * (scale - 1)           # value h, gradient times scale
-        z = torch.where(own.view(-1, 1), h, torch.where(fresh.view(-1, 1), scaled, h.detach()))
+        z = torch.where(own.view(-1, 1), h, scaled)
         out = torch.where(own.view(-1, 1), model.conv2(z, edge_index), out)
     F.cross_entropy(out[mask], y[mask]).backward()
     return {n: p.grad for n, p in model.named_parameters()}
@@ -76,13 +86,14 @@ def _worker(rank, world, stages, ways, chunks, unbiased, **cfg):
                            Comm(torch.device("cpu"), timeout=60), num_stages=stages, ways=ways)
     engine.install()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    for step in range(2 if cfg.get("max_age") is None else 4):
+    late = cfg.get("late_gradients", False)
+    for step in range(2 if cfg.get("max_age") is None and not late else 4):
         out = model(x, edge_index)
         opt.zero_grad()
         F.cross_entropy(out[mask], y[mask]).backward()
-        plan = engine.plan
-        want = reference_grads(reference, x, edge_index, y, mask, plan.perm, plan.ptr, ways,
-                               engine.runtime.schedule.local_order(step), unbiased)
+        plan, order = engine.plan, engine.runtime.schedule.local_order
+        want = reference_grads(reference, x, edge_index, y, mask, plan.perm, plan.ptr, ways, order(step),
+                               unbiased and not late, order(step - 1) if late and step else None)
         for name, p in model.named_parameters():
             if engine.owners[name] == engine.stage_index:
                 torch.testing.assert_close(p.grad, want[name], atol=1e-9, rtol=1e-7,
@@ -105,6 +116,15 @@ def test_gradients_after_a_refresh_follow_the_same_policy(max_age):
     run_distributed(functools.partial(_worker, streaming=False, max_age=max_age), 1, 1, 1, 4, True, timeout=240)
 
 
+@pytest.mark.parametrize("stages,shuffle", [(1, True), (2, True), (2, False)])
+def test_late_gradients_reach_their_owners_next_step(stages, shuffle):
+    """``late_gradients``: every stale read's gradient arrives in the next step, T3 off: at lr = 0 each
+    read's gradient is counted once if fresh now plus once if stale in the last step (so exactly once
+    from the second step without shuffling); 4 steps, one stage (not streamed) or two."""
+    run_distributed(functools.partial(_worker, late_gradients=True, shuffle_chunks=shuffle, streaming=False),
+                    stages, stages, 1, 4, True, timeout=240)
+
+
 def test_reference_tells_the_cases_apart():
     """The reference is not trivially the exact gradient: with stale reads and T3 it differs from both
     the exact gradient and the un-scaled one (so the tests above can fail)."""
@@ -124,3 +144,56 @@ def test_reference_tells_the_cases_apart():
         assert torch.allclose(scaled["conv2.lin_rel.weight"], plain["conv2.lin_rel.weight"])  # no cut below conv2
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("cls,offload", [(GCN, None), (GraphSAGE, None), (GCN, "disk")])
+def test_late_gradients_give_the_exact_gradient_at_lr0_without_shuffling(cls, offload):
+    """PyG's own model classes on a graph of several components, one process, 4 chunks read from history
+    (not streamed; their buffers in files with ``offload="disk"``), in order: from the second step every read's gradient arrives exactly once (this step's
+    fresh reads, the last step's stale ones), so the gradient is plain PyG's whole-graph gradient; without
+    ``late_gradients`` (T3) it is not."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        x, g, y, mask = zoo_graph(sizes=(16, 24, 24))
+        ei = g["edge_index"]
+        for late in (True, False):
+            torch.manual_seed(0)
+            model = cls(8, 16, 3, out_channels=3)
+            plain = copy.deepcopy(model)
+            F.cross_entropy(plain(x, ei)[mask], y[mask]).backward()
+            engine = GNNPipeEngine(model, PipelineConfig(num_chunks=4, partition=ranges, shuffle_chunks=False,
+                                                         streaming=False, balance="layers", late_gradients=late,
+                                                         offload=offload),
+                                   Comm(torch.device("cpu")), num_stages=1, ways=1)
+            engine.install()
+            try:
+                errs = []
+                for _ in range(3):
+                    model.zero_grad()
+                    F.cross_entropy(model(x, ei)[mask], y[mask]).backward()
+                    errs.append(max((p.grad - q.grad).abs().max().item()
+                                    for p, q in zip(model.parameters(), plain.parameters())))
+            finally:
+                engine.uninstall()
+            if late:
+                assert errs[0] > 1e-6, errs               # the first step has no late gradients yet
+                assert max(errs[1:]) < 1e-9, errs
+            else:
+                assert min(errs) > 1e-6, errs
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _late_with_ways(rank, world):
+    x, g, y, mask = zoo_graph(sizes=(16, 48))
+    engine = GNNPipeEngine(TwoLayers(), PipelineConfig(num_chunks=4, late_gradients=True),
+                           Comm(torch.device("cpu"), timeout=60), num_stages=1, ways=2)
+    engine.install()
+    with pytest.raises(ValueError, match="late_gradients=True is built for one way per stage"):
+        engine.module(x, g["edge_index"])
+    engine.uninstall()
+
+
+def test_late_gradients_with_several_ways_are_refused_on_every_rank():
+    """Engine users (no strategy to refuse it up front): every rank refuses at the plan, none waits."""
+    run_distributed(_late_with_ways, 2, timeout=120)

@@ -22,7 +22,7 @@ def test_the_defaults_are_valid():
     {"num_chunks": None}, {"num_chunks": 1}, {"num_chunks": 8},
     {"shuffle_chunks": False},
     {"snapshot_period": None}, {"snapshot_period": 1}, {"snapshot_period": 100},
-    {"unbiased_gradients": False},
+    {"unbiased_gradients": False}, {"late_gradients": True},
     {"balance": "time"}, {"balance": "layers"}, {"balance": [2, 1]}, {"balance": (1, 1, 1)},
     *({"partition": name} for name in PARTITION_METHODS),
     {"partition": my_partitioner}, {"partition": lambda e, n, c: None},
@@ -123,3 +123,9 @@ def test_max_staleness_needs_the_meter():
 def test_smoothing_must_be_a_momentum(bad):
     with pytest.raises(ValueError, match="smoothing="):
         PipelineConfig(smoothing=bad).validate()
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_late_gradients_must_be_a_bool(bad):
+    with pytest.raises(ValueError, match="late_gradients="):
+        PipelineConfig(late_gradients=bad).validate()

@@ -84,14 +84,17 @@ def test_the_timeline_and_the_staleness_meter_reach_the_logger_and_the_trace_fil
     """time/compute, time/wait, time/bubble and time/bubble_share reach Lightning's CSVLogger; with
     timeline_trace every rank's chunks of every step (fill and drain) are in one Chrome trace. The
     staleness meter's metrics reach it too (their values are checked in tests/engine/test_staleness.py):
-    the second step reads the snapshot the first took, one update old, from weights that moved."""
+    the second step reads the snapshot the first took, one update old, from weights that moved. The run has
+    ``late_gradients=True`` (the knob through Lightning; its gradients are checked in
+    tests/engine/test_backward.py)."""
     import json
 
     from lightning.pytorch.loggers import CSVLogger
     torch.manual_seed(0)
     lit = NodeClassifier(make_model("gcn"))
     trace = tmp_path / "trace" / "timeline.json"
-    strategy = GNNPipeStrategy(start_method="spawn", comm_timeout=60, num_chunks=4, timeline_trace=str(trace))
+    strategy = GNNPipeStrategy(start_method="spawn", comm_timeout=60, num_chunks=4, timeline_trace=str(trace),
+                               late_gradients=True)
     t = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=2, logger=CSVLogger(str(tmp_path)),
                    enable_progress_bar=False, enable_checkpointing=False)
     t.fit(lit, train_dataloaders=graph_loader(data), val_dataloaders=graph_loader(data))

@@ -284,13 +284,18 @@ class CallHistory:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        return {"buffers": {k: v.cpu() for k, v in self.buffers.items()},
-                "snapshot": {k: v.cpu() for k, v in self.snapshot.items()}, "initialised": self.initialised}
+        """The buffers, the snapshot, the smoothed rows and the last step's stale-read gradients (so a resumed
+        run continues as the saved one would have)."""
+        return {name: {k: v.cpu() for k, v in getattr(self, name).items()}
+                for name in ("buffers", "snapshot", "smooth", "late")} | {
+            "initialised": self.initialised, "written": self.written, "snapshot_written": self._snapshot_written}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores saved buffers and snapshot."""
-        self.buffers = {k: self.tiers.copy(v) for k, v in state["buffers"].items()}
-        self.snapshot = {k: self.tiers.copy(v) for k, v in state["snapshot"].items()}
+        """Restores saved buffers, snapshot, smoothed rows and late gradients (the last two may be absent)."""
+        for name in ("buffers", "snapshot", "smooth", "late"):
+            setattr(self, name, {k: self.tiers.copy(v) for k, v in (state.get(name) or {}).items()})
+        # the steps whose weights computed the rows (ages, smoothing); unknown in older states: as just refilled
+        self.written, self._snapshot_written = state.get("written"), state.get("snapshot_written")
         self.tiers.evict()
         self.initialised = bool(state.get("initialised", False)) and bool(self.buffers)
 

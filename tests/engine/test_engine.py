@@ -4,6 +4,7 @@ graph. One process, several chunks (history in play), so nothing here needs anot
 """
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -134,3 +135,40 @@ def test_a_plan_per_graph_and_the_training_graph_stays_primary():
         _step(engine.module, x, ei, y, mask)
     assert engine.runtime is primary and len(engine._runtimes) == 2   # planned once each, both kept
     engine.uninstall()
+
+
+@pytest.mark.parametrize("knobs", [{"late_gradients": True}, {"smoothing": 0.5, "snapshot_period": None}])
+def test_resume_keeps_the_late_gradients_and_the_smoothed_rows(knobs):
+    """The state carries what the next step reads beyond the buffers and the snapshot: the last step's
+    stale-read gradients (``late_gradients``) and the moving average (``smoothing``); the resumed step's
+    output and gradients equal the uninterrupted run's."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        x, g, y, mask = zoo_graph()
+        ei = g["edge_index"]
+        torch.manual_seed(0)
+        model = Net()
+        engine = _engine(model, partition="random", **knobs)
+        engine.install()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            _step(model, x, ei, y, mask, opt)
+        state = copy.deepcopy(engine.state_dict())
+        model.zero_grad()
+        want = _step(model, x, ei, y, mask)
+        want_grads = [p.grad.clone() for p in model.parameters()]
+        engine.uninstall()
+
+        resumed = copy.deepcopy(model)
+        resumed.zero_grad()
+        engine2 = _engine(resumed, partition="random", **knobs)
+        engine2.load_state_dict(state)
+        engine2.install()
+        engine2.step = 3
+        got = _step(resumed, x, ei, y, mask)
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+        for p, w in zip(resumed.parameters(), want_grads):
+            torch.testing.assert_close(p.grad, w, atol=1e-12, rtol=0)
+        engine2.uninstall()
+    finally:
+        torch.set_default_dtype(torch.float32)

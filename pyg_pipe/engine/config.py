@@ -24,7 +24,8 @@ class PipelineConfig:
         late_gradients: the gradients of stale reads, dropped otherwise, reach their owners in the next
             step's drain (PipeGCN's stale feature gradients); nothing is dropped, so T3's scaling is off.
             Every read's gradient then arrives on average once (exactly once without T1, at lr = 0), at
-            the cost of one more buffer per call site. One way per stage (:mod:`.halo`).
+            the cost of one more buffer per call site. One way per stage (:mod:`.halo`). Experimental:
+            training diverged with it in docs/convergence.md's study (a share of the gradient lags).
         balance: ``"time"``, ``"layers"`` or layer groups per stage.
         partition: partitioner name or callable ``(edge_index, num_nodes, num_chunks) -> (perm, ptr)``.
         seed: seed of the partitioner and of the chunk order.

@@ -49,6 +49,7 @@ class GNNPipeStrategy(DDPStrategy):
         late_gradients: keep the gradients of stale reads and hand them to their owners in the next
             step (PipeGCN's stale feature gradients) instead of dropping them; T3's scaling is then
             off. One more buffer per call site; one way per stage (not with ``HybridStrategy(ways>1)``).
+            Experimental: training diverged with it in docs/convergence.md's study.
         balance: ``"time"`` (measure each layer once and split stages by cost), ``"layers"`` (equal
             layer counts) or a list with the number of message-passing layers of every stage.
         partition: vertex partitioner for chunks: ``"auto"`` (METIS via ``pymetis`` when installed,

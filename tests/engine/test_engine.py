@@ -90,31 +90,41 @@ def test_outside_training_steps_calls_are_exact_passes_once_asked():
     engine.uninstall()
 
 
-def test_state_round_trips_and_resumes_without_a_new_history_pass():
+@pytest.mark.parametrize("knobs", [{"snapshot_period": None}, {"late_gradients": True},
+                                   {"smoothing": 0.5, "snapshot_period": None}])
+def test_state_round_trips_and_resumes_without_a_new_history_pass(knobs):
+    """The state carries the plan, the history and what the next step reads beyond it: the last step's
+    stale-read gradients (``late_gradients``) and the moving average (``smoothing``); the resumed step's
+    output and gradients equal the uninterrupted run's."""
     torch.set_default_dtype(torch.float64)
     try:
         x, g, y, mask = zoo_graph()
         ei = g["edge_index"]
         torch.manual_seed(0)
         model = Net()
-        engine = _engine(model, partition="random", snapshot_period=None)
+        engine = _engine(model, partition="random", **knobs)
         engine.install()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(3):
             _step(model, x, ei, y, mask, opt)
         state = copy.deepcopy(engine.state_dict())  # like module.state_dict(): live tensors, not copies
+        model.zero_grad()
         want = _step(model, x, ei, y, mask)                   # the step after, with the history as it is now
+        want_grads = [p.grad.clone() for p in model.parameters()]
         engine.uninstall()
         assert state["rank"]["history"]["calls"][0]["initialised"]
 
         resumed = copy.deepcopy(model)
-        engine2 = _engine(resumed, partition="contiguous", snapshot_period=None)  # the saved plan wins
+        resumed.zero_grad()
+        engine2 = _engine(resumed, partition="contiguous", **knobs)  # the saved plan wins
         engine2.load_state_dict(state)
         engine2.install()
         engine2.step = 3
         got = _step(resumed, x, ei, y, mask)
         assert torch.equal(engine2.plan.perm, engine.plan.perm)
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+        for p, w in zip(resumed.parameters(), want_grads):
+            torch.testing.assert_close(p.grad, w, atol=1e-12, rtol=0)
         engine2.uninstall()
     finally:
         torch.set_default_dtype(torch.float32)
@@ -135,40 +145,3 @@ def test_a_plan_per_graph_and_the_training_graph_stays_primary():
         _step(engine.module, x, ei, y, mask)
     assert engine.runtime is primary and len(engine._runtimes) == 2   # planned once each, both kept
     engine.uninstall()
-
-
-@pytest.mark.parametrize("knobs", [{"late_gradients": True}, {"smoothing": 0.5, "snapshot_period": None}])
-def test_resume_keeps_the_late_gradients_and_the_smoothed_rows(knobs):
-    """The state carries what the next step reads beyond the buffers and the snapshot: the last step's
-    stale-read gradients (``late_gradients``) and the moving average (``smoothing``); the resumed step's
-    output and gradients equal the uninterrupted run's."""
-    torch.set_default_dtype(torch.float64)
-    try:
-        x, g, y, mask = zoo_graph()
-        ei = g["edge_index"]
-        torch.manual_seed(0)
-        model = Net()
-        engine = _engine(model, partition="random", **knobs)
-        engine.install()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for _ in range(3):
-            _step(model, x, ei, y, mask, opt)
-        state = copy.deepcopy(engine.state_dict())
-        model.zero_grad()
-        want = _step(model, x, ei, y, mask)
-        want_grads = [p.grad.clone() for p in model.parameters()]
-        engine.uninstall()
-
-        resumed = copy.deepcopy(model)
-        resumed.zero_grad()
-        engine2 = _engine(resumed, partition="random", **knobs)
-        engine2.load_state_dict(state)
-        engine2.install()
-        engine2.step = 3
-        got = _step(resumed, x, ei, y, mask)
-        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
-        for p, w in zip(resumed.parameters(), want_grads):
-            torch.testing.assert_close(p.grad, w, atol=1e-12, rtol=0)
-        engine2.uninstall()
-    finally:
-        torch.set_default_dtype(torch.float32)

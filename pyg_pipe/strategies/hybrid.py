@@ -69,7 +69,9 @@ class HybridStrategy(GNNPipeStrategy):
             check_chunks_per_way(self.config.num_chunks, W)
         if W is None and S is not None:
             W = P // S
-        if self.config.late_gradients and W is not None and W > 1 and self.config.num_chunks != W:
+        chunks = self.config.num_chunks
+        several = chunks > W if chunks is not None and W is not None else S is not None and S > 1  # default: 4·S a way
+        if self.config.late_gradients and W is not None and W > 1 and several:
             raise ValueError(f"{type(self).__name__}(ways={W}): late_gradients=True is built for one way per stage "
                              f"(the stale reads of other ways' rows would need their gradients sent next step). Use "
                              f"GNNPipeStrategy, or late_gradients=False.")

@@ -276,11 +276,11 @@ class HaloPass:
         pending = self.history.take_grad(key, lg.start, lg.end) if self.history is not None else None
         g_rows = g_rows + pending.to(g_rows.dtype) if pending is not None else g_rows.clone()
         if r.own_pos is not None:
-            own = g_halo.index_select(0, r.own_pos)
+            fresh = g_halo.index_select(0, r.own_pos)
             if isinstance(r.own_scale, float):  # T3's scale applied as the gradient is added (one call less)
-                self.history.add_grad(key, r.own_ids, own, alpha=r.own_scale)
+                self.history.add_grad(key, r.own_ids, fresh, alpha=r.own_scale)
             else:
-                self.history.add_grad(key, r.own_ids, _scaled(own, r.own_scale))
+                self.history.add_grad(key, r.own_ids, _scaled(fresh, r.own_scale))
         if self.late and r.stale_pos is not None:  # late_gradients: the owners take these next step
             self.history.add_grad(key, r.stale_ids, g_halo.index_select(0, r.stale_pos), late=True)
         if not r.sends and not r.recvs and r.ring is None:  # nothing crosses ways (one way, or no shared rows)

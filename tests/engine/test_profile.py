@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch_geometric.nn import GCNConv
 
-from pyg_pipe.engine.profile import layer_costs
+from pyg_pipe.engine.profile import layer_costs, pooled, step_signature
 from pyg_pipe.model.inputs import CallInputs
 from pyg_pipe.model.split import stage_groups
 from pyg_pipe.model.trace import forward_function, trace
@@ -37,3 +37,41 @@ def test_one_cost_per_layer_group_and_the_pass_changes_nothing():
     assert all(p.grad is None for p in model.parameters())
     for k, v in model.state_dict().items():          # running statistics untouched as well
         assert torch.equal(v, before[k]), k
+
+
+class Deep(nn.Module):
+    """Four layers of the same computation between an input and an output layer of other widths, the
+    middle ones alternating between two graphs."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList([GCNConv(8, 12)] + [GCNConv(12, 12) for _ in range(4)] + [GCNConv(12, 3)])
+
+    def forward(self, x, edge_index, edge_index2):
+        x = self.convs[0](x, edge_index).relu()
+        for i, conv in enumerate(self.convs[1:-1]):
+            x = conv(x, edge_index if i % 2 == 0 else edge_index2).relu()
+        return self.convs[-1](x, edge_index)
+
+
+def test_the_same_computation_gets_the_same_cost():
+    """Steps of the same structure are pooled (their times' median), so noise cannot tell equal layers apart;
+    other widths, or another graph argument, keep their own cost."""
+    x, g, _, _ = zoo_graph()
+    model = Deep()
+    ei = g["edge_index"]
+    inputs = CallInputs((x, ei, ei.flip(0)), {})
+    program = trace(model, inputs.args, inputs.kwargs)
+    groups, _ = stage_groups(program)
+    costs = layer_costs(model, forward_function(model), program, groups, inputs, torch.device("cpu"))
+    assert len(costs) == 6 and all(c > 0 for c in costs)
+    assert costs[1] == costs[3] and costs[2] == costs[4]       # the same layer on the same graph: one cost
+    units = [n for grp in groups for n in grp if n.op == "call_module" and "convs" in str(n.target)]
+    sig = [step_signature(program, n, ((1,), torch.float32)) for n in units]
+    assert sig[1] == sig[3] and sig[1] != sig[2]                 # edge_index against edge_index2
+    assert sig[0] != sig[1] and sig[-1] != sig[1]                # other parameter shapes
+
+
+def test_pooled_takes_the_median_over_every_time_of_a_signature():
+    noisy = [[1.0, 9.0, 1.0], [1.0, 1.0, 1.2], [5.0, 5.0, 5.0]]
+    assert pooled(noisy, ["a", "a", "b"]) == [1.0, 1.0, 5.0]     # one outlier among six times: not a dearer layer

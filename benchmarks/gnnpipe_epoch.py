@@ -145,6 +145,7 @@ def run_pipe(args) -> None:
 
     class Timer(pl.Callback):
         times, losses, hwm = [], [], []  # hwm: the process's peak so far after setup and after each step
+        sizes = None                      # layer groups per stage (the plan's split)
 
         def on_train_start(self, trainer, *a):
             self.hwm.append(peak_mb())
@@ -156,6 +157,9 @@ def run_pipe(args) -> None:
             self.times.append(now() - self.t0)
             self.losses.append(float(outputs["loss"]))
             self.hwm.append(peak_mb())
+            engine = getattr(trainer.strategy, "engine", None)
+            if self.sizes is None and engine is not None and engine.plan is not None and engine.plan.sizes:
+                self.sizes = list(engine.plan.sizes)
 
     memory = dict(recompute={"on": True, "off": False}.get(args.recompute, "auto"),
                   offload=None if args.offload == "none" else args.offload,
@@ -175,7 +179,7 @@ def run_pipe(args) -> None:
                          enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer])
     trainer.fit(Module(), datamodule=pyg_pipe.FullGraphDataModule(data))
     rank = trainer.global_rank
-    out = {"rank": rank, "times": timer.times, "losses": timer.losses, "hwm_mb": timer.hwm, "peak_mb": peak_mb(),
+    out = {"rank": rank, "times": timer.times, "sizes": timer.sizes, "losses": timer.losses, "hwm_mb": timer.hwm, "peak_mb": peak_mb(),
            "base_mb": base,
            "comm": strategy.comm_history[-1] if strategy.comm_history else {},
            "timeline": {k: float(trainer.callback_metrics[f"time/{k}"]) for k in ("compute", "wait", "bubble",

@@ -25,7 +25,9 @@ jobs="${JOBS:-gcnii:community:8:32:0 gcn:community:8:32:0 resgcn:community:8:32:
     gcnii:community:4:16:0 gcn:community:4:16:0 resgcn:community:4:16:0 gcnii:random:4:16:0 \
     gcnii:community:4:16:1e8 resgcn:community:4:16:1e8 gcnii:community:2:8:0}"
 # shellcheck disable=SC2086
-python benchmarks/speed_sweep.py --out "$out" --budget "${BUDGET:-330}" --jobs $jobs 2>&1 | tee "$out/sweep.txt"
+# each job's own files stay outside $OUT; $OUT gets all.json (results, outputs, each rank's timeline)
+python benchmarks/speed_sweep.py --out "$out" --work "$(mktemp -d)" --trace --budget "${BUDGET:-330}" \
+    --jobs $jobs 2>&1 | tee "$out/sweep.txt"
 left=$(( ${LIMIT:-560} - ($(date +%s) - start) ))
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" && [ "$left" -gt 60 ]; then
     timeout "$left" python -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tail -30 | tee "$out/gpu_tests.txt"

@@ -9,12 +9,13 @@ graph_parallel, one process with as many threads as the setting has processes, a
 one after the other in fresh processes); settings running at the same time share the memory bandwidth
 and the last-level cache, so compare ratios within a setting, not times across settings.
 
-    python benchmarks/speed_sweep.py --out docs/results/sweep --budget 420 \\
+    python benchmarks/speed_sweep.py --out docs/results/sweep --budget 420 --trace \\
         --jobs gcnii:community:4:16:0 gcnii:community:8:32:0 gcn:community:4:16:0 ...
 
 A job is ``model:graph:procs:chunks:bandwidth`` (bandwidth in bytes/s for the simulated link, 0: none).
 Jobs start largest first while cores are free; none starts after ``--budget`` seconds, and the summary
-lists what ran. Linux only (CPU affinity, ``/sys`` topology).
+lists what ran. ``OUT/all.json`` holds every job's results and output, and with ``--trace`` each rank's
+compute, wait and bubble per step (the strategies log only the largest over the ranks). Linux only (CPU affinity, ``/sys`` topology).
 """
 from __future__ import annotations
 
@@ -50,14 +51,20 @@ def job_name(job: str) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--jobs", nargs="+", required=True, help="model:graph:procs:chunks:bandwidth")
-    p.add_argument("--out", required=True, help="folder for each job's JSON and output")
+    p.add_argument("--out", required=True, help="folder for the summary and all.json (every job's results)")
+    p.add_argument("--work", default=None, help="folder for each job's own files (default: OUT/jobs); on a lent "
+                   "machine put it outside OUT, so that only OUT's few files travel back")
+    p.add_argument("--trace", action="store_true", help="gnnpipe runs write a Chrome trace; all.json gets each "
+                   "rank's compute / wait / bubble per step from it")
     p.add_argument("--budget", type=float, default=420.0, help="seconds after which no job starts")
     p.add_argument("--nodes", type=int, default=20000)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--spare", type=int, default=0, help="physical cores left free (for other work)")
     args = p.parse_args()
+    work = args.work or os.path.join(args.out, "jobs")
     os.makedirs(args.out, exist_ok=True)
+    os.makedirs(work, exist_ok=True)
     cpus = physical_cpus()
     free = cpus[args.spare:]
     print(f"{len(cpus)} physical cores; {len(free)} for the jobs", flush=True)
@@ -87,8 +94,10 @@ def main():
                    "--model", model, "--graph", graph, "--procs", procs, "--chunks", chunks,
                    "--threads-single", procs, "--bandwidth", bw, "--nodes", str(args.nodes),
                    "--layers", str(args.layers), "--epochs", str(args.epochs),
-                   "--out", os.path.join(args.out, f"{name}.json")]
-            log = open(os.path.join(args.out, f"{name}.txt"), "w")
+                   "--out", os.path.join(work, f"{name}.json")]
+            if args.trace:
+                cmd += ["--trace", os.path.join(work, f"{name}.trace.json")]
+            log = open(os.path.join(work, f"{name}.txt"), "w")
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                     preexec_fn=lambda cores=tuple(cores): os.sched_setaffinity(0, cores))
             running.append((proc, cores, fit, log))
@@ -96,22 +105,51 @@ def main():
         if jobs and time.time() - t0 >= args.budget and not running:
             skipped, jobs = jobs, []
         time.sleep(0.5)
-    summary(args.out, done, skipped)
-    bundle(args.out)
+    summary(work, done, skipped)
+    bundle(work, [job for job, _, _ in done], os.path.join(args.out, "all.json"))
 
 
-def bundle(folder: str) -> None:
-    """Every job's JSON in one file, ``all.json`` (fewer files to bring back from a lent machine)."""
+def bundle(work: str, jobs: list, path: str) -> None:
+    """Every job's results, output and (with traces) per-rank timeline in one file (few files to bring back
+    from a lent machine)."""
     everything = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".json") and name != "all.json":
-            with open(os.path.join(folder, name)) as f:
-                everything[name[:-5]] = json.load(f)
-    with open(os.path.join(folder, "all.json"), "w") as f:
+    for job in jobs:
+        name = job_name(job)
+        entry = {}
+        for key, file in (("result", f"{name}.json"), ("output", f"{name}.txt"), ("ranks", f"{name}.trace.json")):
+            full = os.path.join(work, file)
+            if not os.path.exists(full):
+                continue
+            with open(full) as f:
+                entry[key] = per_rank(json.load(f)) if key == "ranks" else json.load(f) if key == "result" \
+                    else f.read()
+        everything[job] = entry
+    with open(path, "w") as f:
         json.dump(everything, f)
 
 
+def per_rank(trace: dict) -> dict:
+    """Seconds per step on each rank, from a ``timeline_trace``: ``compute`` (the chunks' spans less their
+    waits), ``wait``, ``bubble``, and the bubble at the end of the fill (``output``: waiting for the last
+    stage's output), the averages over the traced steps."""
+    ranks: dict = {}
+    for e in trace.get("traceEvents", []):
+        r = ranks.setdefault(e["pid"], {"compute": 0.0, "wait": 0.0, "bubble": 0.0, "output": 0.0, "steps": set()})
+        r["steps"].add(e["args"]["step"])
+        seconds = e["dur"] / 1e6
+        if e["tid"] == 1:
+            r[e["name"]] += seconds
+            r["compute"] -= seconds
+            if e["args"]["chunk"] == -1:
+                r["output"] += seconds
+        else:
+            r["compute"] += seconds
+    return {str(rank): {k: v / max(len(r["steps"]), 1) for k, v in r.items() if k != "steps"}
+            for rank, r in sorted(ranks.items())}
+
+
 def summary(folder: str, done: list, skipped: list) -> None:
+    """The table of ratios (printed), from each job's JSON in ``folder``."""
     from pyg_pipe.engine.timeline import bubble_share
     print("\nmodel    graph      P  C   link   gnnpipe s  gp s    ÷gp   ÷1proc ÷1proc+k  net÷1proc net÷gp  bubble(formula)")
     for job, rc, _ in done:

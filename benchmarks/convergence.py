@@ -22,6 +22,7 @@ gradient scaling)::
     age0-noT3      max_age=0 without T3 (a probe of the max_age=0 result in docs)
     late      the defaults and late_gradients=True (stale reads' gradients reach their owners next step;
               no T3 scaling then); late-noT1 the same without shuffling; age0-late with max_age=0
+    period5 / period11   the defaults with snapshot_period=5 / 11 (T2's anchor renewed more often than 23)
     smooth    the defaults and smoothing=0.5 (stale rows read as a moving average over steps, PipeGCN)
     smooth-none    smoothing=0.5 without T1-T3 (PipeGCN's setting)
     bn-chunk  the defaults and per_chunk_statistics=True (each chunk's own statistics)
@@ -73,6 +74,8 @@ MODES = {
     "age0-late": dict(max_age=0, late_gradients=True),
     "smooth": dict(smoothing=0.5),
     "smooth-none": dict(shuffle_chunks=False, snapshot_period=None, unbiased_gradients=False, smoothing=0.5),
+    "period5": dict(snapshot_period=5),
+    "period11": dict(snapshot_period=11),
     "bn-chunk": dict(per_chunk_statistics=True),
     "bn-history": dict(per_chunk_statistics="history"),
 }

@@ -15,7 +15,8 @@ and the last-level cache, so compare ratios within a setting, not times across s
 A job is ``model:graph:procs:chunks:bandwidth`` (bandwidth in bytes/s for the simulated link, 0: none).
 Jobs start largest first while cores are free; none starts after ``--budget`` seconds, and the summary
 lists what ran. ``OUT/all.json`` holds every job's results and output, and with ``--trace`` each rank's
-compute, wait and bubble per step (the strategies log only the largest over the ranks). Linux only (CPU affinity, ``/sys`` topology).
+compute, wait and bubble per step (the strategies log only the largest over the ranks). Linux only
+(CPU affinity, ``/sys`` topology).
 """
 from __future__ import annotations
 

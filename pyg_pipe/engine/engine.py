@@ -267,8 +267,8 @@ class GNNPipeEngine:
         shape, grid = self._shape, self.grid
         saved = self._saved or {}
         plan = make_plan(self.module, self.config, shape, inputs, comm, grid.rank_of(0, 0), sizes=self._sizes,
-                         costs=lambda: layer_costs(self.module, self._fn, shape.program, shape.groups, inputs,
-                                                   comm.device),
+                         costs=lambda perm, ptr: layer_costs(self.module, self._fn, shape.program, shape.groups,
+                                                             inputs, comm.device, chunking=(perm, ptr)),
                          saved=saved.get("plan"), notes=self.notes)
         self._sizes = plan.sizes
         if self._grads is None:

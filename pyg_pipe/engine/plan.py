@@ -147,7 +147,7 @@ def decide_shape(module: torch.nn.Module, inputs: CallInputs, world_size: int, s
 
 
 def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inputs: CallInputs, comm, root: int,
-              sizes: Optional[Sequence[int]] = None, costs: Optional[Callable[[], List[float]]] = None,
+              sizes: Optional[Sequence[int]] = None, costs: Optional[Callable[[Tensor, Tensor], List[float]]] = None,
               saved: Optional[dict] = None, notes: Optional[List[str]] = None) -> Plan:
     """The plan for ``inputs`` on the grid ``shape``.
 
@@ -156,7 +156,8 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
         root: the rank that partitions and measures.
         sizes: the stage split, when already decided (by an earlier plan: it is a property of the
             model, made once); else decided here.
-        costs: per layer group, seconds of one pass (called on ``root`` for ``balance="time"``).
+        costs: per layer group, seconds of one pass over a chunk of the chunking ``(perm, ptr)`` it is given
+            (called on ``root`` for ``balance="time"``).
         saved: a checkpoint's :meth:`Plan.state` to resume from (checked against this run).
         notes: where decisions pyg_pipe made on its own are told (also logged).
     """
@@ -186,7 +187,8 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
                     f"stages.")
             sizes = [1] * S
         elif sizes is None:
-            sizes = choose_sizes(config, shape.groups, S, costs, comm, root)
+            sizes = choose_sizes(config, shape.groups, S, None if costs is None else lambda: costs(perm, ptr), comm,
+                                 root)
         stage_sizes = tuple(int(s) for s in sizes)
         owners = parameter_stages(module, split(shape.program, shape.groups, stage_sizes))
     else:

@@ -1,18 +1,26 @@
-"""The cost model of ``balance="time"``: seconds each layer group takes in one pass over the whole graph.
+"""The cost model of ``balance="time"``: seconds each layer group takes in one pass over a chunk.
 
-Measured once per model, on one rank, in no-grad passes of the traced program with the whole graph
-as one chunk (no halo). The planner (:func:`pyg_pipe.engine.plan.choose_sizes`) broadcasts the result
-and splits the stages by it, and the split is saved with the plan, never measured again. The passes
-change nothing: the module's buffers (running statistics) are put back and the random number
-generators are forked, so the ranks' random streams stay as they were.
+Measured once per model, on one rank, in no-grad passes of the traced program over the first chunk of
+the plan's chunking, run as the pipeline runs a chunk: the layer hooks cut the inputs to the chunk, a
+layer reading the model's inputs computes the chunk's rows and their halo, every other layer the
+chunk's rows, its sources joined to halo rows (zeros here: the pass times the layers, not their
+values). What a chunk costs in the pipeline is what balances its stages: the first layer of PyG's
+``GCN`` (it reads the input features, so it computes the halo rows too) took 2.3 - 2.45 x a mean
+layer of a 32-layer GCN on a chunk of a 20,000-vertex graph cut in 32, against 1.04 - 1.25 x over the
+whole graph, and the 8-stage split became ``[3, 4, 4, 4, 4, 4, 4, 5]`` instead of ``[4] * 8``. The
+planner (:func:`pyg_pipe.engine.plan.choose_sizes`) broadcasts the result and splits the stages by
+it, and the split is saved with the plan, never measured again. The passes change nothing: the
+module's buffers (running statistics) are put back and the random number generators are forked, so
+the ranks' random streams stay as they were.
 
 One group's time in one pass is noisy: a 32-layer GCNII on a 20,000-vertex graph, measured four
-times on a quiet 2-core machine with two passes each (the smaller time kept), was split into 8
-stages as ``[4, 4, 3, 6, 6, 3, 2, 4]`` once and ``[3, 4, 5, 5, 4, 4, 4, 3]`` another time, although
-30 of its 32 groups are the same computation: a stage given 6 such groups sets the pace of the
-whole pipeline at 1.5 x a balanced one. So the model is made robust twice over:
+times on a quiet 2-core machine over the whole graph with two passes each (the smaller time kept),
+as this model did before, was split into 8 stages as ``[4, 4, 3, 6, 6, 3, 2, 4]`` once and
+``[3, 4, 5, 5, 4, 4, 4, 3]`` another time, although 30 of its 32 groups are the same computation: a
+stage given 6 such groups sets the pace of the whole pipeline at 1.5 x a balanced one. So the model
+is made robust twice over:
 
-* every step of the program is timed, ``PASSES`` passes over the graph (work done once and cached,
+* every step of the program is timed, ``PASSES`` passes over the chunk (work done once and cached,
   such as a layer's graph normalisation or the allocator's first requests, falls in the first);
 * steps that compute the same thing (:func:`step_signature`: the module's class and the shapes of
   its parameters and buffers, or the function or method called; which forward arguments it reads;
@@ -21,16 +29,17 @@ whole pipeline at 1.5 x a balanced one. So the model is made robust twice over:
   is the sum of its steps', so the groups at the ends, which hold one layer like the others plus
   the model's input and output steps, are as steady as the rest.
 
-The same split measured as above came out ``[4, 4, 4, 4, 4, 4, 4, 4]`` four times in four.
+The same split measured as above came out ``[4, 4, 4, 4, 4, 4, 4, 4]`` four times in four (over the
+whole graph and, three times in three, over a chunk).
 """
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch import fx
+from torch import Tensor, fx
 
 from ..model.inputs import CallInputs, Localizer
 from ..model.split import Stage
@@ -42,18 +51,27 @@ from .statistics import Statistics
 
 
 def layer_costs(module: torch.nn.Module, fn: Callable, program: Program, groups: list, inputs: CallInputs,
-                device, passes: int = None) -> List[float]:
+                device, passes: int = None, chunking: Optional[Tuple[Tensor, Tensor]] = None) -> List[float]:
     """Seconds per layer group of ``program`` (cut into ``groups``) for the call ``inputs``: the sum of its
     steps' costs, each the median over ``passes`` passes (default :data:`PASSES`) of every step with its
-    signature (module docstring)."""
+    signature (module docstring). ``chunking``: the plan's ``(perm, ptr)``; the passes then run its first
+    chunk as the pipeline runs a chunk (else the whole graph as one chunk)."""
     passes = PASSES if passes is None else passes
     cuda = torch.device(device).type == "cuda"
     N = inputs.num_nodes
-    whole = chunk_graphs(inputs.graphs, N, torch.arange(N), torch.tensor([0, N]), 1, device)
-    localizer = Localizer(inputs, whole)
-    lg = whole[0].chunks[0]
-    ctx = ChunkContext(whole[0], lg, None, localizer.resolver(0, lambda cg, kind: cg), Statistics(None, None, None, N,
-                                                                                                  False), {})
+    perm, ptr = chunking if chunking is not None else (torch.arange(N), torch.tensor([0, N]))
+    cgs = chunk_graphs(inputs.graphs, N, perm, ptr, 1, device)
+    localizer = Localizer(inputs, cgs)
+    lg = cgs[0].chunks[0]
+    derived: Dict[tuple, object] = {}
+
+    def derive(cg, kind: str):  # transposes of the input graphs, as the runtime derives them
+        if (id(cg), kind) not in derived:
+            derived[(id(cg), kind)] = cg.flipped()
+        return derived[(id(cg), kind)]
+
+    halo = _Fillers() if lg.halo.numel() else None
+    cache: Dict = {}  # one chunk, pass after pass: what its layers cache (normalisations) is cached once
     steps = [n for g in groups for n in g]
     runner = StageProgram(program, Stage(0, steps, [], [program.output.args[0].name], None), fn, True)
     times: Dict[str, List[float]] = {n.name: [] for n in steps}
@@ -61,21 +79,12 @@ def layer_costs(module: torch.nn.Module, fn: Callable, program: Program, groups:
     buffers = {name: b.clone() for name, b in module.named_buffers()}
     devices = [device] if cuda else []
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), ctx:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
             for _ in range(passes):
-                args, kwargs = localizer.localize(0, ctx)
-                env = runner.bind(args, kwargs)
-                for node in steps:
-                    if cuda:  # a GPU's host clock times launches: wait for the kernels before and after
-                        torch.cuda.synchronize(device)
-                    t0 = time.perf_counter()
-                    env[node.name] = runner.step(node, env)
-                    if cuda:
-                        torch.cuda.synchronize(device)
-                    times[node.name].append(time.perf_counter() - t0)
-                    shapes.setdefault(node.name, _shapes(env[node.name]))
-                    for value in runner.release_after(node):  # no grad: values die after their last use
-                        env.pop(value, None)
+                ctx = ChunkContext(cgs[0], lg, halo, localizer.resolver(0, derive),
+                                   Statistics(None, None, None, lg.rows, False), cache)
+                with ctx:
+                    _timed_pass(runner, steps, localizer.localize(0, ctx), times, shapes, device if cuda else None)
     finally:
         with torch.no_grad():
             for name, b in module.named_buffers():
@@ -84,6 +93,36 @@ def layer_costs(module: torch.nn.Module, fn: Callable, program: Program, groups:
     cost = pooled([times[n.name] for n in steps], [step_signature(program, n, shapes[n.name]) for n in steps])
     each = dict(zip((n.name for n in steps), cost))
     return [sum(each[n.name] for n in g) for g in groups]
+
+
+def _timed_pass(runner: StageProgram, steps: list, inputs: tuple, times: Dict[str, List[float]],
+                shapes: Dict[str, tuple], cuda_device) -> None:
+    """One no-grad pass over ``steps``, each step's seconds appended to ``times`` (on a GPU after a device
+    synchronise before and after: its host clock times launches), the shapes it returns kept once."""
+    env = runner.bind(*inputs)
+    for node in steps:
+        if cuda_device is not None:
+            torch.cuda.synchronize(cuda_device)
+        t0 = time.perf_counter()
+        env[node.name] = runner.step(node, env)
+        if cuda_device is not None:
+            torch.cuda.synchronize(cuda_device)
+        times[node.name].append(time.perf_counter() - t0)
+        shapes.setdefault(node.name, _shapes(env[node.name]))
+        for value in runner.release_after(node):  # no grad: values die after their last use
+            env.pop(value, None)
+
+
+class _Fillers:
+    """The halo rows of a profiling pass: zeros. The pass times the layers as the pipeline runs them on a
+    chunk (a layer reading the model's inputs computes its halo rows too, the others the chunk's rows with
+    their sources joined to halo rows), not their values."""
+
+    def join(self, key: str, cg, lg, t: Tensor, vdim: int) -> Tensor:
+        rows = t.narrow(vdim, 0, lg.rows)
+        shape = list(rows.shape)
+        shape[vdim] = lg.num_local - lg.rows
+        return torch.cat([rows, rows.new_zeros(shape)], dim=vdim)
 
 
 #: passes of the cost model (the first one pays for what is cached: the median keeps it out)

@@ -5,7 +5,9 @@ import torch
 from torch import nn
 from torch_geometric.nn import GCNConv
 
+from pyg_pipe.engine.layers import LayerHooks
 from pyg_pipe.engine.profile import layer_costs, pooled, step_signature
+from pyg_pipe.graph.partition import make_chunks
 from pyg_pipe.model.inputs import CallInputs
 from pyg_pipe.model.split import stage_groups
 from pyg_pipe.model.trace import forward_function, trace
@@ -75,3 +77,37 @@ def test_the_same_computation_gets_the_same_cost():
 def test_pooled_takes_the_median_over_every_time_of_a_signature():
     noisy = [[1.0, 9.0, 1.0], [1.0, 1.0, 1.2], [5.0, 5.0, 5.0]]
     assert pooled(noisy, ["a", "a", "b"]) == [1.0, 1.0, 5.0]     # one outlier among six times: not a dearer layer
+
+
+def test_with_the_plans_chunking_a_pass_runs_a_chunk_as_the_pipeline_does():
+    """Given the chunking, the cost model times the layers on one chunk as the pipeline runs them: a layer
+    reading the model's inputs on the chunk's rows and their halo, the others on the chunk's rows only (so
+    the first layer of a PyG GCN, dearer per chunk, can get a stage with fewer layers)."""
+    x, g, _, _ = zoo_graph()
+    ei = g["edge_index"]
+    model = Deep()
+    inputs = CallInputs((x, ei, ei.flip(0)), {})
+    program = trace(model, inputs.args, inputs.kwargs)
+    groups, _ = stage_groups(program)
+    perm, ptr = make_chunks(ei, x.size(0), 4)
+    seen = {}
+
+    def rows_seen(i):
+        def hook(module, args):
+            seen.setdefault(i, args[0].size(0))
+        return hook
+
+    hooks = LayerHooks(model)
+    hooks.install()  # (as the engine does before it plans), then hooks that see what the layers are given
+    handles = [conv.register_forward_pre_hook(rows_seen(i)) for i, conv in enumerate(model.convs)]
+    try:
+        costs = layer_costs(model, forward_function(model), program, groups, inputs, torch.device("cpu"),
+                            chunking=(perm, ptr))
+    finally:
+        hooks.remove()
+        for h in handles:
+            h.remove()
+    rows = int(ptr[1] - ptr[0])
+    assert len(costs) == 6 and all(c > 0 for c in costs) and costs[1] == costs[3]
+    assert seen[0] > rows                                   # the input layer: the chunk's rows and their halo
+    assert all(seen[i] == rows for i in range(1, 6))        # the others: the chunk's rows

@@ -61,7 +61,10 @@ class CommLogger(Callback):
 class TimelineLogger(Callback):
     """Logs where the stages' time went in each training epoch (:mod:`pyg_pipe.engine.timeline`):
     ``time/compute``, ``time/wait`` and ``time/bubble`` in seconds per step, and ``time/bubble_share``
-    (bubble ÷ all three), each the largest over the ranks. Recorded on CPU devices only."""
+    (bubble ÷ all three), each the largest over the ranks; per stage ``time/compute/stage<s>`` (the
+    largest over its ways), and ``time/stage_imbalance``, the slowest stage's compute ÷ the stages' mean
+    (1.0: balanced; a stage above it sets the pipeline's pace, and ``balance`` or ``split_points`` move
+    layers off it). Recorded on CPU devices only."""
 
     def __init__(self, strategy):
         self.strategy = strategy
@@ -83,8 +86,18 @@ class TimelineLogger(Callback):
         per_step = {k: sum(s[k] for s in self._steps) / n for k in ("compute", "wait", "bubble")}
         total = sum(per_step.values())
         per_step["bubble_share"] = per_step["bubble"] / total if total > 0 else 0.0
+        comm, grid = self.strategy.comm, engine.grid
+        if comm is not None and comm.distributed and grid is not None:  # every rank's stage and compute, once
+            stages: Dict[int, float] = {}
+            for stage, compute in comm.all_gather_objects((grid.stage, per_step["compute"]),
+                                                          "gathering the timeline"):
+                stages[stage] = max(stages.get(stage, 0.0), compute)
+            for stage, compute in sorted(stages.items()):
+                per_step[f"compute/stage{stage}"] = compute
+            mean = sum(stages.values()) / len(stages)
+            per_step["stage_imbalance"] = max(stages.values()) / mean if mean > 0 else 1.0
         log = dict(on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
-        for k, v in per_step.items():
+        for k, v in per_step.items():  # the per-stage values are the same on every rank (gathered above)
             pl_module.log(f"time/{k}", _metric(v, pl_module), **log)
 
 

@@ -81,7 +81,8 @@ def test_fit_matches_single_process_and_logs_bytes(data, devices, clip, tmp_path
 
 
 def test_the_timeline_and_the_staleness_meter_reach_the_logger_and_the_trace_file(data, tmp_path):
-    """time/compute, time/wait, time/bubble and time/bubble_share reach Lightning's CSVLogger; with
+    """time/compute, time/wait, time/bubble and time/bubble_share reach Lightning's CSVLogger, and each
+    stage's compute with the stages' imbalance; with
     timeline_trace every rank's chunks of every step (fill and drain) are in one Chrome trace. The
     staleness meter's metrics reach it too (their values are checked in tests/engine/test_staleness.py):
     the second step reads the snapshot the first took, one update old, from weights that moved. The run has
@@ -104,6 +105,8 @@ def test_the_timeline_and_the_staleness_meter_reach_the_logger_and_the_trace_fil
     (csv,) = tmp_path.glob("lightning_logs/*/metrics.csv")   # written by rank 0 (a spawned worker)
     header = csv.read_text().splitlines()[0]
     assert "time/compute" in header and "time/bubble_share" in header
+    assert "time/compute/stage0" in header and "time/compute/stage1" in header   # 2 processes: 2 stages
+    assert float(t.callback_metrics["time/stage_imbalance"]) >= 1.0
     for key in ("max_drift", "stale_share", "mean_age"):
         assert f"staleness/{key}" in header, key
     assert "staleness/drift/" in header

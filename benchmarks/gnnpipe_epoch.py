@@ -182,9 +182,7 @@ def run_pipe(args) -> None:
     out = {"rank": rank, "times": timer.times, "sizes": timer.sizes, "losses": timer.losses, "hwm_mb": timer.hwm, "peak_mb": peak_mb(),
            "base_mb": base,
            "comm": strategy.comm_history[-1] if strategy.comm_history else {},
-           "timeline": {k: float(trainer.callback_metrics[f"time/{k}"]) for k in ("compute", "wait", "bubble",
-                                                                               "bubble_share")
-                        if f"time/{k}" in trainer.callback_metrics}}
+           "timeline": {k[5:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("time/")}}
     with open(f"{args.json}.rank{rank}", "w") as f:
         json.dump(out, f)
 

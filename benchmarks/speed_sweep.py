@@ -152,7 +152,8 @@ def per_rank(trace: dict) -> dict:
 def summary(folder: str, done: list, skipped: list) -> None:
     """The table of ratios (printed), from each job's JSON in ``folder``."""
     from pyg_pipe.engine.timeline import bubble_share
-    print("\nmodel    graph      P  C   link   gnnpipe s  gp s    ÷gp   ÷1proc ÷1proc+k  net÷1proc net÷gp  bubble(formula)")
+    print("\nmodel    graph      P  C   link   gnnpipe s  gp s    ÷gp   ÷1proc ÷1proc+k  net÷1proc net÷gp  bubble(formula)"
+          "  imbalance  split")
     for job, rc, _ in done:
         path = os.path.join(folder, f"{job_name(job)}.json")
         if rc != 0 or not os.path.exists(path):
@@ -168,7 +169,7 @@ def summary(folder: str, done: list, skipped: list) -> None:
               f"{row['epoch_s'] / gp['epoch_s']:6.2f} {row['time_ratio']:7.2f} {row['time_ratio_single_kernels']:8.2f} "
               f"{row['net_ratio']:9.2f} {row['net_mb'] / max(gp['net_mb'], 1e-9):7.2f}  "
               f"{tl.get('bubble_share', float('nan')):.3f} ({bubble_share(int(procs), int(chunks)):.3f})  "
-              f"split {r[f'gnnpipe_c{chunks}'][0].get('sizes')}")
+              f"{tl.get('stage_imbalance', float('nan')):9.2f}  {r[f'gnnpipe_c{chunks}'][0].get('sizes')}")
     if skipped:
         print(f"not started (budget): {' '.join(skipped)}")
 

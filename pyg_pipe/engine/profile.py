@@ -5,8 +5,8 @@ the plan's chunking, run as the pipeline runs a chunk: the layer hooks cut the i
 layer reading the model's inputs computes the chunk's rows and their halo, every other layer the
 chunk's rows, its sources joined to halo rows (zeros here: the pass times the layers, not their
 values). What a chunk costs in the pipeline is what balances its stages: the first layer of PyG's
-``GCN`` (it reads the input features, so it computes the halo rows too) took 2.3 - 2.45 x a mean
-layer of a 32-layer GCN on a chunk of a 20,000-vertex graph cut in 32, against 1.04 - 1.25 x over the
+``GCN`` (it reads the input features, so it computes the halo rows too) took 2.1 - 2.3 x a mean
+layer of a 32-layer GCN on a chunk of a 20,000-vertex graph cut in 32, against 0.9 - 1.25 x over the
 whole graph, and the 8-stage split became ``[3, 4, 4, 4, 4, 4, 4, 5]`` instead of ``[4] * 8``. The
 planner (:func:`pyg_pipe.engine.plan.choose_sizes`) broadcasts the result and splits the stages by
 it, and the split is saved with the plan, never measured again. The passes change nothing: the
@@ -20,21 +20,22 @@ as this model did before, was split into 8 stages as ``[4, 4, 3, 6, 6, 3, 2, 4]`
 stage given 6 such groups sets the pace of the whole pipeline at 1.5 x a balanced one. So the model
 is made robust twice over:
 
-* every step of the program is timed, ``PASSES`` passes over the chunk (work done once and cached,
-  such as a layer's graph normalisation or the allocator's first requests, falls in the first);
+* every step of the program is timed, ``PASSES`` passes over the chunk, and its cost is the smallest
+  of its times: other work on the machine only ever adds time (a step of a millisecond descheduled
+  once takes ten), and so does work done once and cached in the first pass (a layer's graph
+  normalisation, the allocator's first requests); a median of five still let three slowed samples
+  make PyG's GCN's first layer look 5 x dearer than it is on a loaded machine;
 * steps that compute the same thing (:func:`step_signature`: the module's class and the shapes of
   its parameters and buffers, or the function or method called; which forward arguments it reads;
-  the shapes of what it returns) get one cost, the median of all their times: the structure says
-  they cost the same, and the median of many times is steadier than that of a few. A group's cost
-  is the sum of its steps', so the groups at the ends, which hold one layer like the others plus
-  the model's input and output steps, are as steady as the rest.
+  the shapes of what it returns) get one cost, over all their times: the structure says they cost
+  the same. A group's cost is the sum of its steps', so the groups at the ends, which hold one layer
+  like the others plus the model's input and output steps, are as steady as the rest.
 
-The same split measured as above came out ``[4, 4, 4, 4, 4, 4, 4, 4]`` four times in four (over the
-whole graph and, three times in three, over a chunk).
+The same split measured as above came out ``[4, 4, 4, 4, 4, 4, 4, 4]`` every time (four times over
+the whole graph, six over a chunk, some of them while other work ran).
 """
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -53,8 +54,8 @@ from .statistics import Statistics
 def layer_costs(module: torch.nn.Module, fn: Callable, program: Program, groups: list, inputs: CallInputs,
                 device, passes: int = None, chunking: Optional[Tuple[Tensor, Tensor]] = None) -> List[float]:
     """Seconds per layer group of ``program`` (cut into ``groups``) for the call ``inputs``: the sum of its
-    steps' costs, each the median over ``passes`` passes (default :data:`PASSES`) of every step with its
-    signature (module docstring). ``chunking``: the plan's ``(perm, ptr)``; the passes then run its first
+    steps' costs, each the smallest time over ``passes`` passes (default :data:`PASSES`) of every step with
+    its signature (module docstring). ``chunking``: the plan's ``(perm, ptr)``; the passes then run its first
     chunk as the pipeline runs a chunk (else the whole graph as one chunk)."""
     passes = PASSES if passes is None else passes
     cuda = torch.device(device).type == "cuda"
@@ -125,16 +126,16 @@ class _Fillers:
         return torch.cat([rows, rows.new_zeros(shape)], dim=vdim)
 
 
-#: passes of the cost model (the first one pays for what is cached: the median keeps it out)
+#: passes of the cost model (the first one pays for what is cached: the smallest time leaves it out)
 PASSES = 5
 
 
 def pooled(times: List[List[float]], signatures: List[tuple]) -> List[float]:
-    """Each item's cost: the median of the times of every item with its signature."""
-    by_signature: Dict[tuple, List[float]] = {}
+    """Each item's cost: the smallest of the times of every item with its signature."""
+    by_signature: Dict[tuple, float] = {}
     for t, sig in zip(times, signatures):
-        by_signature.setdefault(sig, []).extend(t)
-    return [statistics.median(by_signature[sig]) for sig in signatures]
+        by_signature[sig] = min([by_signature.get(sig, float("inf"))] + list(t))
+    return [by_signature[sig] for sig in signatures]
 
 
 def step_signature(program: Program, node: fx.Node, returned: tuple) -> Tuple:

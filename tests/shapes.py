@@ -222,6 +222,53 @@ class ZeroInit(nn.Module):
         return self.out(x)
 
 
+class TwoGraphConv(gnn.MessagePassing):
+    """One layer given two graphs, each with its own edge weights and GCN normalisation (a multiplex layer;
+    the second graph is directed, so its halo differs from the first's)."""
+
+    def __init__(self, c_in: int, c_out: int):
+        super().__init__(aggr="add")
+        self.lin_a, self.lin_b = nn.Linear(c_in, c_out), nn.Linear(c_in, c_out, bias=False)
+
+    def forward(self, x, edge_index_a, weight_a, edge_index_b, weight_b):
+        ei_a, w_a = gnn.conv.gcn_conv.gcn_norm(edge_index_a, weight_a, x.size(0))
+        ei_b, w_b = gnn.conv.gcn_conv.gcn_norm(edge_index_b, weight_b, x.size(0), add_self_loops=False)
+        return self.propagate(ei_a, x=self.lin_a(x), w=w_a) + self.propagate(ei_b, x=self.lin_b(x), w=w_b)
+
+    def message(self, x_j, w):
+        return w.view(-1, 1) * x_j
+
+
+class TwoGraphs(nn.Module):
+    def __init__(self, conv=TwoGraphConv):
+        super().__init__()
+        self.convs = nn.ModuleList([conv(8, H), conv(H, H), conv(H, 3)])
+
+    def forward(self, x, edge_index, edge_weight, edge_index_b, edge_weight_b):
+        for i, conv in enumerate(self.convs):
+            x = conv(x, edge_index, edge_weight, edge_index_b, edge_weight_b)
+            x = x.relu() if i < 2 else x
+        return x
+
+
+def _signed(g):
+    """A signed graph: the zoo graph's edges split at random into positive and negative ones."""
+    x, e, _, _ = g
+    ei = e["edge_index"]
+    positive = torch.rand(ei.size(1), generator=torch.Generator().manual_seed(5)) < 0.6
+    return dict(x=x, pos_edge_index=ei[:, positive], neg_edge_index=ei[:, ~positive])
+
+
+def _two_graphs(g):
+    """The zoo graph and, as a second graph, a directed half of its edges reversed, each with weights."""
+    x, e, _, _ = g
+    ei = e["edge_index"]
+    gen = torch.Generator().manual_seed(6)
+    half = ei[:, torch.rand(ei.size(1), generator=gen) < 0.5].flip(0)
+    return dict(x=x, edge_index=ei, edge_weight=e["edge_weight"], edge_index_b=half,
+                edge_weight_b=torch.rand(half.size(1), generator=gen) + 0.5)
+
+
 def _gcnii():
     layers = [(nn.Linear(8, H), "x -> x"), nn.ReLU(), (lambda x: (x, x), "x -> x, x0")]
     for i in range(4):
@@ -270,4 +317,7 @@ SHAPES = {
                                                         (nn.Linear(H, 3), "x -> x"),
                                                         (gnn.APPNP(K=4, alpha=0.1), "x, edge_index -> x")]), _plain),
     "GraphUNet": (lambda: gnn.GraphUNet(8, H, 3, depth=2), _plain),
+    # several graphs in one forward and one layer, each with a halo of its own
+    "SignedGCN": (lambda: gnn.SignedGCN(8, H, num_layers=3, lamb=5), _signed),
+    "two-graphs-weighted": (TwoGraphs, _two_graphs),
 }

@@ -62,6 +62,11 @@ class Invocation:
     ``rows_only``: the layer computes the chunk's rows only, on the row graph (its sources get their halo
     rows at each propagate); otherwise its node tensors carry ``[rows | halo]`` (:mod:`.layers`).
 
+    ``graphs`` maps each graph the call was handed (local ``edge_index`` / ``adj_t``, or row graph) and each
+    graph derived from one of them (:meth:`derive`) to its chunking ``(cg, lg)``: a layer may be given
+    several graphs (``SignedConv``'s positive and negative edges, a graph and its transpose), each with a
+    halo of its own. ``cg, lg`` are the first graph's.
+
     ``in_edges`` is set while the layer computes per-edge values (its ``message`` / ``edge_update``),
     whose rows follow ``edge_graph``, the graph of the propagate call (:meth:`destinations`), so
     graph-wide statistics computed there count the chunk's own edges (:mod:`.statistics`).
@@ -73,7 +78,7 @@ class Invocation:
     lg: Any
     clean: bool
     parent: Optional["Invocation"] = None
-    graph: Any = None
+    graphs: Dict[int, Tuple[Any, Any, Any, bool]] = field(default_factory=dict)
     calls: int = 0
     norms: int = 0
     propagated: bool = False
@@ -81,6 +86,38 @@ class Invocation:
     in_edges: bool = False
     rows_only: bool = False
     restore: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def several(self) -> bool:
+        """Whether the call was handed graphs of more than one chunking (each with its own halo)."""
+        return len({id(h[1]) for h in self.graphs.values()}) > 1
+
+    def handed(self, graph) -> bool:
+        """Whether ``graph`` is one of the graphs the call was handed (not one derived in the layer)."""
+        hit = self.graphs.get(id(graph))
+        return hit is not None and hit[0] is graph and hit[3]
+
+    def chunking(self, graph, what: str = "propagate") -> Tuple[Any, Any]:
+        """``(cg, lg)`` of a graph the layer uses: one it was handed or one derived from those; any other
+        graph is taken for the call's only chunking, and refused where it was handed several graphs of a
+        chunking that cuts the graph (a structural decision: the same for every chunk of the pass)."""
+        hit = self.graphs.get(id(graph))
+        if hit is not None and hit[0] is graph:
+            return hit[1], hit[2]
+        if self.several and self.cg.num_chunks > 1:
+            raise UnsupportedModelError(
+                f"Layer '{self.name}' was given several graphs and calls {what} with a graph it built from one "
+                f"of them inside the layer (self loops added or removed, edges filtered), so pyg_pipe cannot tell "
+                f"whose halo it reads. Build that graph in the data pipeline and pass it to the layer, or give "
+                f"each graph a layer of its own.")
+        return self.cg, self.lg
+
+    def derive(self, graph, source) -> None:
+        """``graph``, built in the layer from ``source`` (PyG's normalisers add self loops), has the same
+        chunking."""
+        if graph is not source and isinstance(graph, Tensor):
+            cg, lg = self.chunking(source, "a normaliser")
+            self.graphs[id(graph)] = (graph, cg, lg, False)
 
     def destinations(self) -> Tensor:
         """The destination (local vertex id) of every per-edge row of the current propagate call, in
@@ -134,7 +171,7 @@ class ChunkContext:
         self.observer = observer
         self.sites: List[Site] = []
         self.clean: Dict[int, Tuple[Tensor, int, Callable]] = {}
-        self.edge_inputs: Dict[int, Tuple[Tensor, int, Tensor]] = {}
+        self.edge_inputs: Dict[int, Tuple[Tensor, int, Tensor, Any]] = {}
         self.stack: List[Invocation] = []
         self.counts: Dict[str, int] = {}
         self.clean_calls: Dict[Tuple[str, int], bool] = {}
@@ -160,9 +197,10 @@ class ChunkContext:
         """``local`` is an input's chunk rows; ``extend(cg, lg)`` gives its rows beyond them."""
         self.clean[id(local)] = (local, local._version, extend)
 
-    def add_edge_input(self, local: Tensor, whole: Tensor) -> None:
-        """``local`` holds the chunk's local edges of the edge input ``whole``."""
-        self.edge_inputs[id(local)] = (local, local._version, whole)
+    def add_edge_input(self, local: Tensor, whole: Tensor, cg=None) -> None:
+        """``local`` holds the chunk's local edges of the edge input ``whole``, cut with the chunked graph
+        ``cg`` (``None``: the primary graph's)."""
+        self.edge_inputs[id(local)] = (local, local._version, whole, self.cg if cg is None else cg)
 
     def is_clean(self, t: Tensor) -> bool:
         hit = self.clean.get(id(t))
@@ -183,3 +221,8 @@ class ChunkContext:
         """The whole-graph edge input ``t`` was cut from, or ``None`` (computed in the model)."""
         hit = self.edge_inputs.get(id(t))
         return hit[2] if hit is not None and hit[0] is t and hit[1] == t._version else None
+
+    def edge_chunking(self, t: Tensor):
+        """The chunked graph whose local edges the edge input ``t`` holds, or ``None`` (computed in the model)."""
+        hit = self.edge_inputs.get(id(t))
+        return hit[3] if hit is not None and hit[0] is t and hit[1] == t._version else None

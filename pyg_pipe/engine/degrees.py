@@ -104,14 +104,16 @@ def gcn_norm(edge_index, edge_weight: Optional[Tensor] = None, num_nodes: Option
     from torch_geometric.utils.sparse import set_sparse_value
     ctx, inv, site = hit
     fill = 2.0 if improved else 1.0
+    cg, lg = inv.chunking(edge_index, "gcn_norm")
     if is_torch_sparse_tensor(edge_index):
-        whole = ctx.edge_input(edge_index) if edge_index is inv.graph and num_nodes in (None, _width(inv)) \
+        whole = ctx.edge_input(edge_index) if inv.handed(edge_index) and num_nodes in (None, _width(inv)) \
             else None
         key = None
         if whole is not None:  # the input adjacency, unchanged: a pure function of it, computed once per chunk
             key = ("gcn_norm", id(edge_index), id(whole), whole._version, fill, add_self_loops, dtype, num_nodes)
             hit = ctx.cache.get(key)
             if hit is not None and hit[0] is edge_index and hit[1] is whole:
+                inv.derive(hit[2][0], edge_index)
                 return hit[2]
         adj_t = edge_index
         if add_self_loops:
@@ -120,49 +122,53 @@ def gcn_norm(edge_index, edge_weight: Optional[Tensor] = None, num_nodes: Option
         col, row = index[0], index[1]
         deg = scatter(value, col, 0, dim_size=adj_t.size(0) if num_nodes is None else num_nodes, reduce="sum")
         if whole is None:  # values computed in the model: exchanged
-            deg = _complete(ctx, inv, site, deg)
+            deg = _complete(ctx, inv, site, deg, cg, lg)
         else:  # the halo's degrees are the whole graph's (self loops added to every vertex)
-            known = inv.cg.in_degree(whole, False, 0.0, value.dtype)[inv.lg.halo]
-            deg = torch.cat([deg[:inv.lg.rows], known + (fill if add_self_loops else 0.0)])
+            known = cg.in_degree(whole, False, 0.0, value.dtype)[lg.halo]
+            deg = torch.cat([deg[:lg.rows], known + (fill if add_self_loops else 0.0)])
         dis = _inv_sqrt(deg)
         out = (set_sparse_value(adj_t, dis[row] * value * dis[col]), None)
         if key is not None:
             ctx.cache[key] = (edge_index, whole, out)
+        inv.derive(out[0], edge_index)
         return out
-    known = _known_degrees(ctx, inv, edge_index, edge_weight, num_nodes)
+    known = _known_degrees(ctx, inv, cg, edge_index, edge_weight, num_nodes)
     if known is not None:  # a pure function of inputs that do not change: computed once per chunk
         whole = known[0]
         key = ("gcn_norm", id(edge_index), id(whole), None if whole is None else whole._version, fill,
                add_self_loops, flow, dtype, num_nodes)
         hit = ctx.cache.get(key)
         if hit is not None and hit[0] is edge_index and hit[1] is whole:
+            inv.derive(hit[2][0], edge_index)
             return hit[2]
         graph = edge_index
+    source = edge_index
     if add_self_loops:
         edge_index, edge_weight = add_remaining_self_loops(edge_index, edge_weight, fill, num_nodes)
+    inv.derive(edge_index, source)
     if edge_weight is None:
         edge_weight = torch.ones((edge_index.size(1),), dtype=dtype, device=edge_index.device)
     row, col = edge_index[0], edge_index[1]
     idx = col if flow == "source_to_target" else row
     deg = scatter(edge_weight, idx, dim=0, dim_size=num_nodes, reduce="sum")
     if known is None:
-        deg = _complete(ctx, inv, site, deg)
+        deg = _complete(ctx, inv, site, deg, cg, lg)
         dis = _inv_sqrt(deg)
         return edge_index, dis[row] * edge_weight * dis[col]
-    halo = inv.cg.in_degree(whole, add_self_loops, fill, deg.dtype)[inv.lg.halo]  # the whole graph's degrees
-    deg = torch.cat([deg[:inv.lg.rows], halo])
+    halo = cg.in_degree(whole, add_self_loops, fill, deg.dtype)[lg.halo]  # the whole graph's degrees
+    deg = torch.cat([deg[:lg.rows], halo])
     dis = _inv_sqrt(deg)
     out = (edge_index, dis[row] * edge_weight * dis[col])
     ctx.cache[key] = (graph, whole, out)
     return out
 
 
-def _known_degrees(ctx, inv, edge_index, edge_weight, num_nodes) -> Optional[Tuple[Optional[Tensor]]]:
+def _known_degrees(ctx, inv, cg, edge_index, edge_weight, num_nodes) -> Optional[Tuple[Optional[Tensor]]]:
     """``(whole,)`` when the halo vertices' degrees can be taken from the whole graph: the layer normalises
     the local graph it was handed, with weights that are a forward argument (``whole``, cut from the
     input's edge weights) or none, so no exchange is needed. ``None`` otherwise (weights computed in the
     model, an edge list the layer changed): the degrees are then exchanged."""
-    if edge_index is not inv.graph or num_nodes != _width(inv) or inv.cg.repeated_loops:
+    if not inv.handed(edge_index) or num_nodes != _width(inv) or cg.repeated_loops:
         return None
     whole = None
     if edge_weight is not None:
@@ -172,10 +178,10 @@ def _known_degrees(ctx, inv, edge_index, edge_weight, num_nodes) -> Optional[Tup
     return (whole,)
 
 
-def _complete(ctx, inv, site: str, deg: Tensor) -> Tensor:
+def _complete(ctx, inv, site: str, deg: Tensor, cg, lg) -> Tensor:
     if ctx.halo is None or deg.size(0) != _width(inv):
         return deg
-    return ctx.halo.join(f"{site}:deg", inv.cg, inv.lg, deg.unsqueeze(-1), 0).squeeze(-1)
+    return ctx.halo.join(f"{site}:deg", cg, lg, deg.unsqueeze(-1), 0).squeeze(-1)
 
 
 def _inv_sqrt(deg: Tensor) -> Tensor:
@@ -202,14 +208,15 @@ def get_laplacian(edge_index: Tensor, edge_weight: Optional[Tensor] = None, norm
                 f"out-degrees of a chunk's vertices need the weights of edges in other chunks, which pyg_pipe knows "
                 f"only for weights given as forward arguments. Pass the weights to forward, or use num_chunks=1 on "
                 f"one device.")
+    cg, lg = inv.chunking(edge_index, "get_laplacian")
+    source = edge_index
     edge_index, edge_weight = remove_self_loops(edge_index, edge_weight)
     if edge_weight is None:
         edge_weight = torch.ones(edge_index.size(1), dtype=dtype, device=edge_index.device)
-    lg = inv.lg
     if num_nodes is None or num_nodes != _width(inv):
         raise UnsupportedModelError(f"Layer '{inv.name}' asked for a Laplacian of {num_nodes} vertices on a chunk of "
                                     f"{_width(inv)} vertices; pyg_pipe cannot complete its degrees.")
-    deg = inv.cg.out_degree(whole, edge_weight.dtype)[lg.nodes]   # every local vertex (sources of the edges)
+    deg = cg.out_degree(whole, edge_weight.dtype)[lg.nodes]   # every local vertex (sources of the edges)
     row, col = edge_index[0], edge_index[1]
     if normalization is None:
         edge_index, _ = add_self_loops(edge_index, num_nodes=num_nodes)
@@ -223,4 +230,5 @@ def get_laplacian(edge_index: Tensor, edge_weight: Optional[Tensor] = None, norm
         deg_inv = deg_inv.masked_fill(deg_inv == float("inf"), 0)
         edge_weight = deg_inv[row] * edge_weight
         edge_index, edge_weight = add_self_loops(edge_index, -edge_weight, fill_value=1., num_nodes=num_nodes)
+    inv.derive(edge_index, source)
     return edge_index, edge_weight

@@ -132,7 +132,7 @@ def _entry(name: str):
         if ctx.stack:  # a layer called inside another layer: already on the local graph
             parent = ctx.stack[-1]
             ctx.stack.append(Invocation(name, index, parent.cg, parent.lg, parent.clean and not parent.propagated,
-                                        parent=parent, graph=parent.graph, rows_only=parent.rows_only))
+                                        parent=parent, graphs=parent.graphs, rows_only=parent.rows_only))
             return None
         with ctx.engine_work():
             return _enter(ctx, name, index, module, args, kwargs)
@@ -147,6 +147,7 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
             f"and use the default flow.")
     args, kwargs = list(args), dict(kwargs)
     cg, lg, graphs = _resolve_graph(ctx, name, module, args, kwargs)
+    several = len({id(h[0]) for h in graphs.values()}) > 1   # graphs with halos of their own
     node_args: List[Tuple[Tensor, int]] = []
     edge_args: Dict[int, Tensor] = {}
     names = _parameter_names(module, len(args))
@@ -157,8 +158,9 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
             return value
         kind, vdim = _kind(ctx, module, value, param)
         if kind == "edge":
-            value = _relocalise_edges(ctx, name, cg, lg, value)
-            edge_args[id(value)] = value
+            ecg, elg = _edge_chunking(ctx, name, graphs, value) if several else (cg, lg)
+            value = _relocalise_edges(ctx, name, ecg, elg, value)
+            edge_args[id(value)] = (value, elg)
         if kind == "node":
             node_args.append((value, vdim))
         return value
@@ -170,17 +172,22 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
     else:
         clean = all(ctx.is_clean(t) for t, _ in node_args)
         ctx.clean_calls[(name, index)] = clean
-    rows_only = not clean and not _whole_local_graph(module)
+    if several and _whole_local_graph(module):
+        raise UnsupportedModelError(
+            f"Layer '{name}' ({type(module).__name__}) is given several graphs and reads vertex rows outside "
+            f"propagate; pyg_pipe runs such a layer on one local graph only. Give it one graph.")
+    # several graphs: each propagate joins its own graph's halo to the chunk's rows
+    rows_only = (not clean or several) and not _whole_local_graph(module)
     if not rows_only:  # the whole local graph: true halo rows (clean), or fillers the propagate replaces
         swap = {id(t): _extend(ctx, cg, lg, t, vdim, clean) for t, vdim in node_args}
         used = {i: local for i, (_, _, local) in graphs.items()}
     else:  # the chunk's rows only: the row graph, and edge tensors cut to its edges
         swap = {}
-        for i, t in edge_args.items():
-            swap[i] = t.narrow(0, 0, lg.row_edges)
+        for i, (t, elg) in edge_args.items():
+            swap[i] = t.narrow(0, 0, elg.row_edges)
             whole = ctx.edge_input(t)
             if whole is not None:  # still the input's edges (degrees, transposes re-cut them from it)
-                ctx.add_edge_input(swap[i], whole)
+                ctx.add_edge_input(swap[i], whole, ctx.edge_chunking(t))
         used = {i: _row_graph(ctx, cg2, lg2, local) for i, (cg2, lg2, local) in graphs.items()}
     node_args.clear()
     edge_args.clear()
@@ -195,7 +202,9 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
 
     args = [_each(a, replace) for a in args]
     kwargs = {k: _each(v, replace) for k, v in kwargs.items()}
-    inv = Invocation(name, index, cg, lg, clean, graph=used[next(iter(graphs))], rows_only=rows_only)
+    inv = Invocation(name, index, cg, lg, clean, rows_only=rows_only,
+                     graphs={id(g): (g, cg2, lg2, True) for g, (cg2, lg2, _) in
+                             ((used[i], graphs[i]) for i in graphs)})
     _swap_cache(ctx, inv, module)
     ctx.stack.append(inv)
     return tuple(args), kwargs
@@ -216,7 +225,7 @@ def _row_graph(ctx: ChunkContext, cg: ChunkedGraph, lg: LocalGraph, local):
     rows = ctx.graphs.row_graph(cg, lg, local)
     whole = ctx.edge_input(local) if isinstance(local, Tensor) and local.layout != torch.strided else None
     if whole is not None and ctx.edge_input(rows) is None:
-        ctx.add_edge_input(rows, whole)
+        ctx.add_edge_input(rows, whole, cg)
     return rows
 
 
@@ -282,6 +291,7 @@ def _sources(name: str, args_attr: str, stats: bool):
         edge_index, size, kwargs = inputs
         inv = ctx.stack[-1]
         inv.edge_graph = edge_index
+        cg, lg = inv.chunking(edge_index)
         site = f"{inv.name}#{inv.index}.{inv.calls}"
         inv.calls += 1
         clean = inv.clean and not inv.propagated
@@ -292,7 +302,6 @@ def _sources(name: str, args_attr: str, stats: bool):
             names = sorted({a[:-2] for a in getattr(module, args_attr) if a.endswith("_j") and a[:-2] in kwargs})
         kwargs = dict(kwargs)
         sources = []
-        lg = inv.lg
         width = lg.rows if inv.rows_only else lg.num_local   # rows of a source before its halo is joined
         for arg in names:
             value = kwargs[arg]
@@ -311,9 +320,12 @@ def _sources(name: str, args_attr: str, stats: bool):
                     f"input) cannot be split into chunks; pass per-vertex features as a forward argument instead, "
                     f"or train on one device.")
             sources.append(arg)
-            if clean or ctx.halo is None:
+            if inv.rows_only and clean and _clean_input(ctx, t):  # the model's input: its true halo rows
+                joined = _extend(ctx, cg, lg, t, vdim, True)
+            elif ctx.halo is None or (clean and not inv.rows_only):  # no halo, or true halo rows already
                 continue
-            joined = ctx.halo.join(f"{site}:{arg}", inv.cg, lg, t, vdim)
+            else:
+                joined = ctx.halo.join(f"{site}:{arg}", cg, lg, t, vdim)
             if isinstance(value, (tuple, list)):
                 kwargs[arg] = type(value)((joined, *value[1:]))
             elif inv.rows_only and not fused:  # sources [rows | halo], destinations [rows]
@@ -403,17 +415,44 @@ def _resolve_graph(ctx: ChunkContext, name: str, module: MessagePassing, args: l
     return cg, lg, found
 
 
+def _edge_chunking(ctx: ChunkContext, name: str, graphs: Dict, value: Tensor):
+    """``(cg, lg)`` of the graph an edge tensor of a layer given several graphs belongs to: the graph whose
+    chunking cut it (an input), else the only one with as many local edges."""
+    cut = ctx.edge_chunking(value)
+    hits = [(cg, lg) for cg, lg, _ in graphs.values() if (cut is cg if cut is not None else lg.num_edges ==
+                                                         value.size(0))]
+    if len({id(cg) for cg, _ in hits}) != 1:
+        raise UnsupportedModelError(
+            f"Layer '{name}' is given several graphs and an edge tensor of shape {tuple(value.shape)} that "
+            f"pyg_pipe cannot assign to one of them. Pass per-edge inputs of each graph as forward arguments "
+            f"(they are cut with their graph), or give each graph a layer of its own.")
+    return hits[0]
+
+
+def _clean_input(ctx: ChunkContext, t: Tensor) -> bool:
+    """``t`` is an input handed out for the chunk, unchanged (or a recomputation's detached copy of one)."""
+    if ctx.is_clean(t):
+        return True
+    return ctx.recomputing() and any(h[0].data_ptr() == t.data_ptr() and h[0].shape == t.shape
+                                     and h[1] == h[0]._version for h in ctx.clean.values())
+
+
 def _relocalise_edges(ctx: ChunkContext, name: str, cg: ChunkedGraph, lg: LocalGraph, value: Tensor):
-    """Edge tensors are handed out for the primary graph; a layer on another graph (a transpose)
-    gets the input edge tensors re-cut for it. Computed edge tensors cannot be re-cut."""
-    if cg is ctx.cg or value.size(0) != ctx.lg.num_edges:
+    """Edge inputs are handed out cut for the graph whose edge count they have (the primary graph's when
+    several have it); a layer on another graph with as many edges (a transpose) gets them re-cut for it.
+    Computed edge tensors cannot be re-cut."""
+    cut = ctx.edge_chunking(value)
+    if cut is cg or (cut is None and (cg is ctx.cg or value.size(0) != ctx.lg.num_edges)):
         return value
     whole = ctx.edge_input(value)
-    if whole is None:
+    if whole is None or whole.size(0) != cg.num_edges:
         raise UnsupportedModelError(
-            f"Layer '{name}' runs on a transposed graph with an edge tensor computed inside forward "
-            f"({tuple(value.shape)}); pyg_pipe can re-cut only edge tensors given as forward arguments.")
-    return cg.local_edges(lg, whole)
+            f"Layer '{name}' runs on another graph than the one its edge tensor {tuple(value.shape)} was cut for "
+            f"(a transpose, or a second graph); pyg_pipe can re-cut only edge tensors given as forward arguments "
+            f"with as many rows as that graph has edges.")
+    out = cg.local_edges(lg, whole)
+    ctx.add_edge_input(out, whole, cg)
+    return out
 
 
 def _extend(ctx: ChunkContext, cg: ChunkedGraph, lg: LocalGraph, t: Tensor, vdim: int, clean: bool) -> Tensor:

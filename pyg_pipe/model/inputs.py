@@ -96,8 +96,9 @@ class CallInputs:
             raise UnsupportedModelError(self._no_graph())
         self.primary = self.graphs[0]
         self.num_nodes = self._num_nodes()
-        src, _, _ = graph_edges(self.primary)
-        self.num_edges = src.numel()
+        #: every graph's edge count (an edge tensor is cut with the first graph of its length)
+        self.edge_counts = [graph_edges(g)[0].numel() for g in self.graphs]
+        self.num_edges = self.edge_counts[0]
 
     def _scan(self, value) -> None:
         from torch_geometric.data import Data
@@ -152,7 +153,7 @@ class CallInputs:
         from torch_geometric.data import Data
         if isinstance(v, Tensor) and v.layout != torch.strided:
             out.append(graph_edges(v)[2])
-        elif isinstance(v, Tensor) and v.dim() > 0 and not is_graph_tensor(v) and v.size(0) == self.num_edges \
+        elif isinstance(v, Tensor) and v.dim() > 0 and not is_graph_tensor(v) and v.size(0) in self.edge_counts \
                 and v.size(0) != self.num_nodes:
             out.append(v)
         elif isinstance(v, Data):
@@ -203,7 +204,8 @@ class Localizer:
         if is_graph_tensor(value):
             if isinstance(value, Tensor) and value.layout != torch.strided:
                 _, _, out, values = self._local_adjacency(value, lg)
-                ctx.add_edge_input(out, values)  # its values are an edge input (degrees from the whole graph)
+                # its values are an edge input (degrees from the whole graph)
+                ctx.add_edge_input(out, values, self.chunked[self._graph_index(value)])
             else:
                 out = self.local_graph(value, lg)
         elif isinstance(value, Data):
@@ -220,15 +222,23 @@ class Localizer:
             if kind == "node":
                 out = value.index_select(0, _rows_index(self.cg, lg))
                 ctx.add_clean(out, _extender(value))
-            elif kind == "edge":
-                out = self.cg.local_edges(lg, value)
-                ctx.add_edge_input(out, value)
+            elif kind == "edge" and value.size(0) in self.inputs.edge_counts:
+                cg = self._edge_chunking(value)
+                out = cg.local_edges(cg.chunks[lg.index], value)
+                ctx.add_edge_input(out, value, cg)
         memo[id(value)] = out
         return out
 
+    def _edge_chunking(self, value: Tensor) -> ChunkedGraph:
+        """The chunked graph an edge tensor is cut with: the first input graph with as many edges."""
+        return self.chunked[self.inputs.edge_counts.index(value.size(0))]
+
+    def _graph_index(self, graph: Tensor) -> int:
+        return next(i for i, g in enumerate(self.inputs.graphs) if g is graph)
+
     def _kind(self, value: Tensor, name: str) -> str:
-        n, e, N = value.size(0), self.inputs.num_edges, self.inputs.num_nodes
-        if n == e and (n != N or name in EDGE_NAMES or name.startswith("edge_")):
+        n, N = value.size(0), self.inputs.num_nodes
+        if n in self.inputs.edge_counts and (n != N or name in EDGE_NAMES or name.startswith("edge_")):
             return "edge"
         if n == N:
             return "node"
@@ -242,16 +252,14 @@ class Localizer:
     def local_graph(self, graph: Tensor, lg_primary: LocalGraph):
         """The local form of one of the input graphs for the chunk of ``lg_primary``."""
         if graph.layout == torch.strided:
-            i = next(i for i, g in enumerate(self.inputs.graphs) if g is graph)
-            return self.chunked[i].chunks[lg_primary.index].edge_index
+            return self.chunked[self._graph_index(graph)].chunks[lg_primary.index].edge_index
         return self._local_adjacency(graph, lg_primary)[2]
 
     def _local_adjacency(self, graph: Tensor, lg_primary: LocalGraph) -> tuple:
         """``(graph, version, local adj_t, values)`` of a sparse input graph for the chunk of
         ``lg_primary``: the values in its chunked graph's edge order (the local adjacency's are cut
         from them). Kept across calls, cut again when the values change."""
-        i = next(i for i, g in enumerate(self.inputs.graphs) if g is graph)
-        cg = self.chunked[i]
+        cg = self.chunked[self._graph_index(graph)]
         lg = cg.chunks[lg_primary.index]
         key = (id(cg), lg.index)
         hit = self._adjacency.get(key)

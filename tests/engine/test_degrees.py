@@ -32,7 +32,7 @@ def chunk():
     ctx = ChunkContext(cg, lg, None, None, None, {})
     local_w = cg.local_edges(lg, w)
     ctx.add_edge_input(local_w, w)
-    ctx.stack.append(Invocation("conv", 0, cg, lg, True, graph=lg.edge_index))
+    ctx.stack.append(Invocation("conv", 0, cg, lg, True, graphs={id(lg.edge_index): (lg.edge_index, cg, lg, True)}))
     yield ei, w, cg, lg, ctx, local_w
     torch.set_default_dtype(torch.float32)
 

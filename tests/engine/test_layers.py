@@ -1,6 +1,7 @@
 """The hooks around PyG's layers: inert outside the engine; on a chunk, node tensors extended to the local
 graph and edge tensors left per edge, decided by what they are, also when a chunk has exactly as many
-local edges as rows (a directed cycle); layers PyG runs with another flow refused by name.
+local edges as rows (a directed cycle); layers PyG runs with another flow refused by name; a layer given
+several graphs that propagates a graph it built from one of them refused by name when the graph is cut.
 """
 import copy
 
@@ -13,6 +14,7 @@ from pyg_pipe import UnsupportedModelError
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
 from pyg_pipe.engine.layers import LayerHooks, _parameter_names
 from tests.harness import ranges
+from tests.shapes import TwoGraphConv, TwoGraphs, _two_graphs
 from tests.zoo import zoo_graph
 
 
@@ -91,5 +93,36 @@ def test_another_flow_is_refused_by_name():
     try:
         with pytest.raises(UnsupportedModelError, match=r"Layer 'conv' \(GraphConv\) uses flow='target_to_source'"):
             engine.module(x, g["edge_index"])
+    finally:
+        engine.uninstall()
+
+
+class TwoGraphLoopsConv(TwoGraphConv):
+    """A layer given two graphs that adds self loops to one of them itself before propagating it."""
+
+    def forward(self, x, edge_index_a, weight_a, edge_index_b, weight_b):
+        from torch_geometric.utils import add_self_loops
+        ei_b, _ = add_self_loops(edge_index_b, num_nodes=x.size(0))
+        return self.propagate(edge_index_a, x=self.lin_a(x), w=weight_a) + self.propagate(
+            ei_b, x=self.lin_b(x), w=torch.ones(ei_b.size(1), dtype=x.dtype))
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_a_graph_built_in_a_layer_given_several_graphs_is_refused_when_the_graph_is_cut(chunks):
+    """Whose halo a graph built inside the layer reads cannot be told; with one chunk there is no halo."""
+    torch.manual_seed(0)
+    model = TwoGraphs(TwoGraphLoopsConv)
+    plain = copy.deepcopy(model)
+    inputs = _two_graphs(zoo_graph())
+    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, partition=ranges, shuffle_chunks=False),
+                           Comm(torch.device("cpu")), num_stages=1)
+    engine.install()
+    try:
+        if chunks > 1:
+            with pytest.raises(UnsupportedModelError, match=r"Layer 'convs.0' was given several graphs and calls "
+                                                            r"propagate with a graph it built"):
+                model(**inputs)
+        else:
+            torch.testing.assert_close(model(**inputs), plain(**inputs))
     finally:
         engine.uninstall()

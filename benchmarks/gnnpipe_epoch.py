@@ -299,7 +299,7 @@ def main():
                          comm.get("total", 0), want["total"], t / t_single_k))
             tl = ranks[0].get("timeline", {})
             if tl:
-                from pyg_pipe.engine.timeline import bubble_share
+                from pyg_pipe.engine.runtime.timeline import bubble_share
                 results[f"timeline_c{c}"] = tl
                 print(f"gnnpipe, {c} chunks, per step (the largest over the ranks): compute {tl['compute']:.3f} s, "
                       f"wait {tl['wait']:.3f} s, bubble {tl['bubble']:.3f} s; bubble share {tl['bubble_share']:.3f} "

@@ -9,7 +9,7 @@ engine's weights before the optimizer moves them)::
 together with the training loss the engine saw against the exact loss, and validation / test accuracy.
 It runs in one process with one stage and ``streaming=False``, so the chunks of one way read history as on
 a pipeline: whether a read is fresh depends on the chunks' clocks only, not on which stage runs the layer
-(:mod:`pyg_pipe.engine.schedule`). Graphs, models and modes are those of ``convergence.py``; dropout follows
+(:mod:`pyg_pipe.engine.plan.schedule`). Graphs, models and modes are those of ``convergence.py``; dropout follows
 ``PYG_PIPE_BENCH_DROPOUT`` (default 0 here, so the exact gradient is deterministic).
 
     python benchmarks/gradient_fidelity.py --model resgcn --modes t1-t3 age0 age1 age11 \\

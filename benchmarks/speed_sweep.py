@@ -151,7 +151,7 @@ def per_rank(trace: dict) -> dict:
 
 def summary(folder: str, done: list, skipped: list) -> None:
     """The table of ratios (printed), from each job's JSON in ``folder``."""
-    from pyg_pipe.engine.timeline import bubble_share
+    from pyg_pipe.engine.runtime.timeline import bubble_share
     print("\nmodel    graph      P  C   link   gnnpipe s  gp s    ÷gp   ÷1proc ÷1proc+k  net÷1proc net÷gp  bubble(formula)"
           "  imbalance  split")
     for job, rc, _ in done:

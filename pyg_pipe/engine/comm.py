@@ -92,7 +92,7 @@ class Comm:
         self.counting = False
         self.boundary_dtype: Optional[torch.dtype] = None   # set by the engine around training passes only
         self.simulated_bandwidth = float(os.environ.get("PYG_PIPE_SIMULATED_BANDWIDTH", 0) or 0)  # bytes/s
-        self.waited = 0.0                                   # host seconds blocked in waits (:mod:`.timeline`)
+        self.waited = 0.0                                   # host seconds blocked in waits (:mod:`.runtime.timeline`)
         self.bytes: Dict[str, int] = defaultdict(int)
         self._pending: List[Tuple[object, Tensor]] = []
         self._remote_error: Optional[str] = None

@@ -24,7 +24,7 @@ class PipelineConfig:
         late_gradients: the gradients of stale reads, dropped otherwise, reach their owners in the next
             step's drain (PipeGCN's stale feature gradients); nothing is dropped, so T3's scaling is off.
             Every read's gradient then arrives on average once (exactly once without T1, at lr = 0), at
-            the cost of one more buffer per call site. One way per stage (:mod:`.halo`). Experimental:
+            the cost of one more buffer per call site. One way per stage (:mod:`.runtime.halo`). Experimental:
             training diverged with it in docs/convergence.md's study (a share of the gradient lags).
         balance: ``"time"``, ``"layers"`` or layer groups per stage.
         partition: partitioner name or callable ``(edge_index, num_nodes, num_chunks) -> (perm, ptr)``.
@@ -32,7 +32,7 @@ class PipelineConfig:
         per_chunk_statistics: how graph-wide statistics (BatchNorm) run when a way has several chunks:
             ``False`` refuses them, ``True`` takes each chunk's own rows (approximate, GPipe's choice),
             ``"history"`` the whole graph's, other chunks' sums from their latest run (approximate;
-            :mod:`.statistics`).
+            :mod:`.runtime.statistics`).
         split_points: ``{"module.name": SplitPoint.BEGINNING | END}``.
         recompute: a stage keeps only each chunk's inputs during the fill and recomputes the chunk's
             activations in the drain (``"auto"``: when a way runs several chunks and keeping all of their
@@ -43,28 +43,28 @@ class PipelineConfig:
             ``offload`` set; ``"auto"``: half the free memory).
         offload_dir: directory of the ``"disk"`` tier's files (``None``: a temporary directory).
         streaming: on one device, run the model layer group by layer group over all chunks (NGra chunk
-            streaming, :mod:`.stream`): exact, with the vertex data of every group boundary in the
+            streaming, :mod:`.step.stream`): exact, with the vertex data of every group boundary in the
             memory tiers (``"auto"``: on one device with several chunks or an offload tier).
         overlap: post the receives of the next chunk's values (fill) and gradients (drain) before
-            computing the current chunk, so transfers between stages run during compute (:mod:`.link`);
+            computing the current chunk, so transfers between stages run during compute (:mod:`.runtime.link`);
             results are the same either way.
         boundary_dtype: a narrower floating-point dtype (``torch.bfloat16`` or ``torch.float16``) for the
             activations and gradients crossing stage cuts and halos in training passes (half the bytes;
             approximate); the exact pass and inference keep the values' own dtype. ``None``: as computed.
         timeline_trace: a path: every rank's chunk spans (compute, wait, bubble) written there as one
-            Chrome trace when training ends (:mod:`.timeline`).
+            Chrome trace when training ends (:mod:`.runtime.timeline`).
         staleness_meter: measure, each training step, how far the historical rows read were from the
-            fresh ones, per call site (:mod:`.staleness`; a few index-selects after each fill).
+            fresh ones, per call site (:mod:`.runtime.staleness`; a few index-selects after each fill).
         max_age: refresh the history with an exact pass before a step whose stale reads would be more
             than this many optimizer updates old (``0``: every step, an exact training forward; ``None``:
             no bound but T2's).
         max_staleness: refresh the history with an exact pass before the next step when the largest
             per-site drift the meter measured in a step (over all ranks) exceeds this (``None``: no bound).
         smoothing: ``γ`` in [0, 1): stale rows are read as a moving average over steps,
-            ``s ← γ·s + (1-γ)·h`` (PipeGCN's smoothing of stale features; :mod:`.history`); ``None``: off.
+            ``s ← γ·s + (1-γ)·h`` (PipeGCN's smoothing of stale features; :mod:`.runtime.history`); ``None``: off.
         halo_exchange: how the ways of a stage exchange halo rows and their gradients: ``"all_to_all"``
             (every way sends every other way what it reads, one grouped exchange) or ``"ring"`` (hop by hop
-            between neighbouring ways, :mod:`.ring`; the same values, at least as many bytes, 2 peers).
+            between neighbouring ways, :mod:`.runtime.ring`; the same values, at least as many bytes, 2 peers).
     """
 
     num_chunks: Optional[int] = None

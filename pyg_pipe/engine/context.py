@@ -3,8 +3,8 @@ and the layer calls in progress.
 
 The engine enters a :class:`ChunkContext` around every run of the user's forward on one chunk (and
 around that chunk's backward, where checkpointed layers run again). The hooks on PyG's layers
-(:mod:`.layers`), the degree completion (:mod:`.degrees`) and the graph-wide statistics
-(:mod:`.statistics`) read it with :func:`current`; outside the engine :func:`current` is ``None`` and
+(:mod:`.step.layers`), the degree completion (:mod:`.step.degrees`) and the graph-wide statistics
+(:mod:`.runtime.statistics`) read it with :func:`current`; outside the engine :func:`current` is ``None`` and
 every hook leaves the model alone.
 
 This is the engine's ground floor: it imports nothing of the engine. The context is a process-wide
@@ -38,14 +38,14 @@ def in_backward() -> bool:
 
 
 class HaloSource(Protocol):
-    """Where a call site's halo rows come from in this pass (:class:`pyg_pipe.engine.halo.HaloPass`)."""
+    """Where a call site's halo rows come from in this pass (:class:`.runtime.halo.HaloPass`)."""
 
     def join(self, key: str, cg, lg, t: Tensor, vdim: int) -> Tensor:
         """``t`` (``lg.num_local`` rows along ``vdim``) with its halo rows replaced by the true ones."""
 
 
 class Observer(Protocol):
-    """Watches the user's operations on one chunk (:class:`pyg_pipe.engine.rows.RowCheck`)."""
+    """Watches the user's operations on one chunk (:class:`.rows.RowCheck`)."""
 
     def returned(self, value: Any, vdim: Optional[int]) -> None:
         """``value`` (a tensor or nested tuples of them), returned by a layer or a graph-wide module, has
@@ -60,7 +60,7 @@ class Invocation:
     """One call of one ``MessagePassing`` module on the current chunk.
 
     ``rows_only``: the layer computes the chunk's rows only, on the row graph (its sources get their halo
-    rows at each propagate); otherwise its node tensors carry ``[rows | halo]`` (:mod:`.layers`).
+    rows at each propagate); otherwise its node tensors carry ``[rows | halo]`` (:mod:`.step.layers`).
 
     ``graphs`` maps each graph the call was handed (local ``edge_index`` / ``adj_t``, or row graph) and each
     graph derived from one of them (:meth:`derive`) to its chunking ``(cg, lg)``: a layer may be given
@@ -69,7 +69,7 @@ class Invocation:
 
     ``in_edges`` is set while the layer computes per-edge values (its ``message`` / ``edge_update``),
     whose rows follow ``edge_graph``, the graph of the propagate call (:meth:`destinations`), so
-    graph-wide statistics computed there count the chunk's own edges (:mod:`.statistics`).
+    graph-wide statistics computed there count the chunk's own edges (:mod:`.runtime.statistics`).
     """
 
     name: str
@@ -155,9 +155,9 @@ class ChunkContext:
         lg: the chunk's local view of it.
         halo: where halo rows come from (``None`` when the chunk is the whole graph: no halo).
         graphs: resolves graph arguments: ``graphs.resolve(tensor) -> (cg, lg, local graph) or None``.
-        statistics: graph-wide statistics for this run (:class:`pyg_pipe.engine.statistics.Statistics`).
+        statistics: graph-wide statistics for this run (:class:`.statistics.Statistics`).
         cache: per-chunk store for ``cached=True`` layers and normalisations of unchanged inputs.
-        observer: the row check on a plan's first pass (:mod:`pyg_pipe.engine.rows`), else ``None``.
+        observer: the row check on a plan's first pass (:mod:`.rows`), else ``None``.
         replay: the run recomputes a chunk's fill in its drain (halo rows are read as the fill read them).
     """
 

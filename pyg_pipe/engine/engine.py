@@ -1,22 +1,22 @@
 """The engine facade: what the Lightning strategies call. It replaces ``model.forward`` while installed.
 
-Every rank runs its part of the rank grid (:mod:`.grid`): stage ``s`` of the model for way ``w``.
+Every rank runs its part of the rank grid (:mod:`.plan.grid`): stage ``s`` of the model for way ``w``.
 A call of the model is
 
 * **training** (grad enabled, and inside a training step when the strategy says where steps are): a
-  fill (:func:`.step.fill`) in the forward pass and its drain (:func:`.step.drain`) in the backward
+  fill (:func:`.step.pipeline.fill`) in the forward pass and its drain (:func:`.step.pipeline.drain`) in the backward
   pass, one autograd Function around both, since Lightning zeroes gradients between
   ``training_step`` and ``backward``. Each call of the model in a step is numbered and has its own
   history, so a model run twice in one step (contrastive methods) is computed as twice on one
   device; at the end of the backward pass the weight gradients are summed once over the ranks that
-  computed parts of them (:mod:`.weights`), and the step ends.
-* **anything else** (validation, test, predict): an exact pass (:func:`.step.exact`).
+  computed parts of them (:mod:`.runtime.weights`), and the step ends.
+* **anything else** (validation, test, predict): an exact pass (:func:`.step.pipeline.exact`).
 
 On one device with several chunks (or an offload tier) the model is **streamed** instead
-(:mod:`.stream`, NGra): every layer group over all chunks in turn, exact, with the values between
+(:mod:`.step.stream`, NGra): every layer group over all chunks in turn, exact, with the values between
 groups in the memory tiers; the same autograd Function carries its forward and backward.
 
-The first call with a graph makes a plan (:mod:`.plan`) and its runtime (:mod:`.runtime`); later
+The first call with a graph makes a plan (:mod:`.plan.plan`) and its runtime (:mod:`.runtime.runtime`); later
 calls with the same graph reuse them. Every rank returns the whole output, so the user's loss and
 metrics run unchanged and identically everywhere. The model object is not wrapped: an instance
 attribute ``forward`` is set while installed and removed after.
@@ -32,20 +32,20 @@ from torch import Tensor
 
 from ..model.inputs import CallInputs
 from ..model.trace import forward_function
-from . import step as steps
-from . import stream
+from .step import pipeline as steps
+from .step import stream
 from .comm import Comm
-from .staleness import StalenessMeter
-from .timeline import Timeline
+from .runtime.staleness import StalenessMeter
+from .runtime.timeline import Timeline
 from .config import PipelineConfig
-from .grid import RankGrid
-from .layers import LayerHooks
+from .plan.grid import RankGrid
+from .step.layers import LayerHooks
 from .reroute import Rerouted
-from .plan import Plan, Shape, decide_shape, make_plan
+from .plan.plan import Plan, Shape, decide_shape, make_plan
 from .profile import layer_costs
-from .runtime import Runtime
-from .statistics import StatisticsHooks
-from .weights import GradientSum
+from .runtime.runtime import Runtime
+from .step.norms import StatisticsHooks
+from .runtime.weights import GradientSum
 
 #: plans (and their runtimes) kept for recent graphs: a model may be called on several (an augmented copy of
 #: the graph in the same step, another graph for validation); the primary one, trained on, is always kept
@@ -78,8 +78,8 @@ class GNNPipeEngine:
 
     Args:
         module: the user's model (its ``forward`` is routed through the engine while installed).
-        config: the knobs (:class:`~pyg_pipe.engine.config.PipelineConfig`).
-        comm: this rank's :class:`~pyg_pipe.engine.comm.Comm`.
+        config: the knobs (:class:`~.config.PipelineConfig`).
+        comm: this rank's :class:`~.comm.Comm`.
         num_stages: pipeline stages S (``None``: from the devices and ``ways``; with both ``None``, one
             stage per device, or fewer stages with graph-parallel ways when the model has fewer layers).
         ways: graph-parallel ways W per stage (``None``: devices / S).

@@ -8,7 +8,7 @@ values). What a chunk costs in the pipeline is what balances its stages: the fir
 ``GCN`` (it reads the input features, so it computes the halo rows too) took 2.1 - 2.3 x a mean
 layer of a 32-layer GCN on a chunk of a 20,000-vertex graph cut in 32, against 0.9 - 1.25 x over the
 whole graph, and the 8-stage split became ``[3, 4, 4, 4, 4, 4, 4, 5]`` instead of ``[4] * 8``. The
-planner (:func:`pyg_pipe.engine.plan.choose_sizes`) broadcasts the result and splits the stages by
+planner (:func:`.plan.choose_sizes`) broadcasts the result and splits the stages by
 it, and the split is saved with the plan, never measured again. The passes change nothing: the
 module's buffers (running statistics) are put back and the random number generators are forked, so
 the ranks' random streams stay as they were.
@@ -46,9 +46,9 @@ from ..model.inputs import CallInputs, Localizer
 from ..model.split import Stage
 from ..model.trace import Program
 from .context import ChunkContext
-from .program import StageProgram
-from .runtime import chunk_graphs
-from .statistics import Statistics
+from .runtime.program import StageProgram
+from .runtime.runtime import chunk_graphs
+from .runtime.statistics import Statistics
 
 
 def layer_costs(module: torch.nn.Module, fn: Callable, program: Program, groups: list, inputs: CallInputs,

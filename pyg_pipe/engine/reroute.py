@@ -1,7 +1,7 @@
 """A module's ``forward`` routed elsewhere while the engine is installed, without wrapping the module.
 
 The engine routes the user's model through itself (:mod:`.engine`) and graph-wide modules through the
-statistics (:mod:`.statistics`) by setting an instance attribute ``forward``, removed at uninstall, so
+statistics (:mod:`.runtime.statistics`) by setting an instance attribute ``forward``, removed at uninstall, so
 the model object, its class and its ``state_dict`` stay the user's.
 """
 from __future__ import annotations

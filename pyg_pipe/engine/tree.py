@@ -4,7 +4,7 @@ Tuples keep their class (a namedtuple, ``torch.return_types.max``, ``torch.Size`
 their order.
 
 The stage link sends a value crossing a pipeline cut as its leaf tensors, with the structure told
-once (:mod:`.link`); checkpoints move the pipeline state tensor by tensor
+once (:mod:`.runtime.link`); checkpoints move the pipeline state tensor by tensor
 (:mod:`pyg_pipe.strategies.checkpoint`). The structure is small, picklable and comparable.
 """
 from __future__ import annotations

@@ -15,10 +15,10 @@ A layer that computes only the chunk's rows takes the *row graph*: the first ``r
 
 The **halo** is every vertex outside the chunk with an edge into it. A layer's output at a chunk
 row depends on its in-edges and on what the layer reads at their sources, so with the true halo rows
-(:mod:`pyg_pipe.engine.halo`) the chunk's rows equal the full graph's. Two things a chunk cannot see
+(:mod:`pyg_pipe.engine.runtime.halo`) the chunk's rows equal the full graph's. Two things a chunk cannot see
 locally are the degrees of its halo vertices (their other in-edges live in other chunks) and the
 out-degrees of its vertices (their out-edges into other chunks): layers that normalise by them are
-completed by :mod:`pyg_pipe.engine.degrees`, which is why halo self loops are kept (so the halo
+completed by :mod:`pyg_pipe.engine.step.degrees`, which is why halo self loops are kept (so the halo
 vertices' self-loop handling matches the full graph's).
 
 Everything here is vectorised over all chunks at once (sorting and counting, no per-chunk pass over

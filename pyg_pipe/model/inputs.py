@@ -11,7 +11,7 @@ other      anything else (``None``, numbers, other tensors)       -> unchanged
 
 A ``Data`` argument (``forward(self, data)``) is cut attribute by attribute, with PyG's own notion of
 node and edge attributes. Node inputs handed to the model are *clean*: a layer that receives one
-unchanged gets its true halo rows from the whole input, with no exchange (:mod:`pyg_pipe.engine.layers`).
+unchanged gets its true halo rows from the whole input, with no exchange (:mod:`pyg_pipe.engine.step.layers`).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 BatchNorm (mean and variance over the rows), InstanceNorm, GraphNorm, PairNorm, PyG's ``LayerNorm``
 in graph mode, ... A chunk holds only its own rows, so the engine computes these statistics itself
-(:mod:`pyg_pipe.engine.statistics`), and the tracer keeps each such module whole
+(:mod:`pyg_pipe.engine.runtime.statistics`), and the tracer keeps each such module whole
 (:mod:`pyg_pipe.model.trace`).
 """
 from __future__ import annotations

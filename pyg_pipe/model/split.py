@@ -8,7 +8,7 @@ or cuts where the user marked ``pipe_split()``.
 What crosses a cut is every value defined before it and used after it, except values any stage can
 compute from the inputs itself (parameter-free and not random: ``data.x``, ``x.size(0)``,
 ``edge_index.flip(0)``), which each stage recomputes. Values crossing a cut travel per chunk
-(:mod:`pyg_pipe.engine.link`), whatever their shape: node tensors, edge tensors (an edge encoder's
+(:mod:`pyg_pipe.engine.runtime.link`), whatever their shape: node tensors, edge tensors (an edge encoder's
 output), tuples of them. A parameter used by several stages (a module reused at two depths) is
 *shared*: its gradient is summed over the stages that use it.
 """

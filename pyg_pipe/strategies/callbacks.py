@@ -59,7 +59,7 @@ class CommLogger(Callback):
 
 
 class TimelineLogger(Callback):
-    """Logs where the stages' time went in each training epoch (:mod:`pyg_pipe.engine.timeline`):
+    """Logs where the stages' time went in each training epoch (:mod:`pyg_pipe.engine.runtime.timeline`):
     ``time/compute``, ``time/wait`` and ``time/bubble`` in seconds per step, and ``time/bubble_share``
     (bubble ÷ all three), each the largest over the ranks; per stage ``time/compute/stage<s>`` (the
     largest over its ways), and ``time/stage_imbalance``, the slowest stage's compute ÷ the stages' mean
@@ -102,7 +102,7 @@ class TimelineLogger(Callback):
 
 
 class StalenessLogger(Callback):
-    """Logs how stale the historical rows read in each training epoch were (:mod:`pyg_pipe.engine.staleness`):
+    """Logs how stale the historical rows read in each training epoch were (:mod:`pyg_pipe.engine.runtime.staleness`):
     ``staleness/max_drift`` (the largest per-site relative drift), ``staleness/drift/<site>``,
     ``staleness/stale_share`` (stale halo reads ÷ all halo reads), ``staleness/mean_age`` (optimizer
     updates) and ``staleness/refreshes`` (exact refills the bounds ``max_age`` / ``max_staleness`` asked
@@ -128,7 +128,7 @@ class StalenessLogger(Callback):
         engine, comm = self.strategy.engine, self.strategy.comm
         if engine is None or not engine.meter.on:  # the same on every rank
             return
-        from ..engine.staleness import summarize
+        from ..engine.runtime.staleness import summarize
         steps = self._steps
         if comm is not None and comm.distributed:
             steps = [s for rank in comm.all_gather_objects(steps, "gathering the staleness meter") for s in rank]

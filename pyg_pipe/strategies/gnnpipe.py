@@ -10,7 +10,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 
 from ..engine import Comm, GNNPipeEngine, PipelineConfig, refuse_graph_builders, sync_module_state
-from ..engine.timeline import write_trace
+from ..engine.runtime.timeline import write_trace
 from ..memory import PeakMemory
 from ..model import UnsupportedModelError
 from ..model.find import count_layers, pipelined_module
@@ -90,7 +90,7 @@ class GNNPipeStrategy(DDPStrategy):
             current chunk, so stage-to-stage transfers run during compute (same results, bit for bit).
         staleness_meter: measure how far the historical rows each training step read were from the fresh
             ones and log it per epoch: ``staleness/max_drift``, ``staleness/drift/<site>``,
-            ``staleness/stale_share``, ``staleness/mean_age`` (:mod:`pyg_pipe.engine.staleness`).
+            ``staleness/stale_share``, ``staleness/mean_age`` (:mod:`pyg_pipe.engine.runtime.staleness`).
         max_age: refresh the historical embeddings with an exact pass (one forward of the whole model,
             no gradients) before a step whose stale reads would be more than this many optimizer updates
             old; ``0`` makes every training forward exact. ``None``: T2's period is the only bound.

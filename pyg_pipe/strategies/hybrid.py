@@ -1,7 +1,7 @@
 """``strategy="graph_parallel"`` and ``strategy="gnnpipe_hybrid"``: partition-parallel and hybrid
 (pipeline stages x graph-parallel ways) full-graph training (see docs/graph_parallel.md).
 
-Both run on the engine's rank grid (:mod:`pyg_pipe.engine.grid`): ``S`` stages x ``W`` ways, rank
+Both run on the engine's rank grid (:mod:`pyg_pipe.engine.plan.grid`): ``S`` stages x ``W`` ways, rank
 ``s·W + w``. Graph parallelism is one stage (``S = 1``, ``W = P``) with one chunk per way: every
 process owns one partition of the vertices, exchanges the rows of its boundary vertices with the
 other partitions at every layer, forward and backward, and all-reduces weight gradients once per
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..engine.grid import check_chunks_per_way
+from ..engine.plan.grid import check_chunks_per_way
 from .gnnpipe import GNNPipeStrategy
 
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch_geometric.nn import GCN2Conv, GCNConv
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig, sync_module_state
-from pyg_pipe.engine.halo import HaloPass
+from pyg_pipe.engine.runtime.halo import HaloPass
 from tests.dist import run_distributed
 from tests.harness import ranges
 from tests.shapes import ZeroInit

@@ -9,7 +9,7 @@ import torch
 from torch_geometric.utils import to_edge_index
 
 from pyg_pipe.engine.context import ChunkContext, Invocation, current, in_backward
-from pyg_pipe.engine.rows import RowCheck
+from pyg_pipe.engine.step.rows import RowCheck
 
 
 def _ctx(observer=None):

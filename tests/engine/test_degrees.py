@@ -7,7 +7,7 @@ import torch
 from torch_geometric.nn.conv.gcn_conv import gcn_norm as pyg_gcn_norm
 from torch_geometric.utils import get_laplacian as pyg_get_laplacian
 
-from pyg_pipe.engine import degrees
+from pyg_pipe.engine.step import degrees
 from pyg_pipe.engine.context import ChunkContext, Invocation
 from pyg_pipe.graph import ChunkedGraph
 from tests.harness import ranges

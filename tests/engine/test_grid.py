@@ -7,7 +7,7 @@ refused shape names the fix. Runs without ``torch.distributed``: no process grou
 import pytest
 import torch.distributed as dist
 
-from pyg_pipe.engine.grid import RankGrid, check_chunks_per_way, grid_shape, ways_for_layers
+from pyg_pipe.engine.plan.grid import RankGrid, check_chunks_per_way, grid_shape, ways_for_layers
 
 
 # ---------------------------------------------------------------------------------------------- RankGrid

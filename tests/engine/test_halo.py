@@ -1,4 +1,4 @@
-"""Halo rows at a call site (:mod:`pyg_pipe.engine.halo`): a chunk's ``[rows | halo]`` holds the true rows of
+"""Halo rows at a call site (:mod:`pyg_pipe.engine.runtime.halo`): a chunk's ``[rows | halo]`` holds the true rows of
 its halo vertices, and the gradients of those rows reach their owners.
 
 * 2 ways, one chunk each (real gloo processes): the halo comes from the other way, equal to the whole-graph
@@ -12,10 +12,10 @@ its halo vertices, and the gradients of those rows reach their owners.
 import torch
 
 from pyg_pipe.engine import Comm
-from pyg_pipe.engine.grid import RankGrid
-from pyg_pipe.engine.halo import HaloExchange
-from pyg_pipe.engine.history import CallHistory
-from pyg_pipe.engine.schedule import Schedule
+from pyg_pipe.engine.plan.grid import RankGrid
+from pyg_pipe.engine.runtime.halo import HaloExchange
+from pyg_pipe.engine.runtime.history import CallHistory
+from pyg_pipe.engine.plan.schedule import Schedule
 from pyg_pipe.graph import ChunkedGraph
 from tests.dist import run_distributed
 

@@ -10,7 +10,7 @@ import io
 
 import torch
 
-from pyg_pipe.engine.history import CallHistory, HistoryStore
+from pyg_pipe.engine.runtime.history import CallHistory, HistoryStore
 
 CPU = torch.device("cpu")
 KEY = "conv#0.0:x"

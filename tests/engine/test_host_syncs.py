@@ -6,7 +6,7 @@ reading a tensor's value on the host (``aten._local_scalar_dense``: ``.item()``,
 ``.tolist()``) or ``aten.nonzero`` would stall a GPU stream and is counted. After the first step
 (planning: shapes are learned once with small headers) the count must be zero, in a hybrid grid that
 exercises everything: 2 stages x 2 ways, 4 chunks per way, degrees, history, cross-way gradients, and
-the drain's replays of chunks (``recompute=True``). The ring halo exchange (:mod:`pyg_pipe.engine.ring`) is
+the drain's replays of chunks (``recompute=True``). The ring halo exchange (:mod:`pyg_pipe.engine.runtime.ring`) is
 checked on 1 stage x 4 ways, 2 chunks per way: rings of 4 with rows forwarded and gradients summed on the way.
 """
 import torch
@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch_geometric.nn import GCNConv, GraphConv
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
-from pyg_pipe.engine import step
+from pyg_pipe.engine.step import pipeline as step
 from tests.dist import run_distributed
 from tests.zoo import zoo_graph
 

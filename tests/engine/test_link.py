@@ -1,4 +1,4 @@
-"""The stage link (:class:`pyg_pipe.engine.link.StageLink`): values crossing a pipeline cut arrive per chunk
+"""The stage link (:class:`pyg_pipe.engine.runtime.link.StageLink`): values crossing a pipeline cut arrive per chunk
 with their structure (a tensor, a tuple with ``None`` in it, a list, an LSTM-like ``(1, rows, d)`` state),
 the structure and shapes are told once (later steps send raw tensors only), a value that changes shape or is
 not a tensor is refused naming it, and gradients come back only for the tensors the receiving stage
@@ -12,7 +12,7 @@ from torch import nn
 
 from pyg_pipe import UnsupportedModelError
 from pyg_pipe.engine import Comm
-from pyg_pipe.engine.link import StageLink
+from pyg_pipe.engine.runtime.link import StageLink
 from tests.dist import run_distributed
 
 ROWS = {0: 5, 1: 3}           # rows per chunk

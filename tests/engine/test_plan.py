@@ -12,7 +12,7 @@ from torch_geometric.nn import GCN, GCNConv, TopKPooling
 
 from pyg_pipe import UnsupportedModelError
 from pyg_pipe.engine import Comm, PipelineConfig
-from pyg_pipe.engine.plan import (chunk_count, check_resume, decide_shape, graph_digest, make_plan,
+from pyg_pipe.engine.plan.plan import (chunk_count, check_resume, decide_shape, graph_digest, make_plan,
                                   refuse_graph_builders, refuse_statistics)
 from pyg_pipe.model.inputs import CallInputs
 from tests.harness import ranges

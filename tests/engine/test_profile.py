@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch_geometric.nn import GCNConv
 
-from pyg_pipe.engine.layers import LayerHooks
+from pyg_pipe.engine.step.layers import LayerHooks
 from pyg_pipe.engine.profile import layer_costs, pooled, step_signature
 from pyg_pipe.graph.partition import make_chunks
 from pyg_pipe.model.inputs import CallInputs

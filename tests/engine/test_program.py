@@ -8,7 +8,7 @@ from torch import nn
 from torch_geometric.nn import GCNConv, SAGEConv
 
 from pyg_pipe import UnsupportedModelError
-from pyg_pipe.engine.program import Programs, StageProgram, WholeForward, signature
+from pyg_pipe.engine.runtime.program import Programs, StageProgram, WholeForward, signature
 from pyg_pipe.model.inputs import CallInputs
 from pyg_pipe.model.trace import forward_function, trace
 from tests.zoo import zoo_graph

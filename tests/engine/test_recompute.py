@@ -134,7 +134,7 @@ def test_recompute_is_off_with_one_chunk_per_way():
 def test_auto_recomputes_when_every_chunk_would_not_fit_a_quarter_of_free_memory(free, expected, monkeypatch):
     """``recompute="auto"``: the first step recomputes and measures what its last chunk keeps; the decision for
     the later steps follows the device's free memory (the results are the same either way, tested above)."""
-    from pyg_pipe.engine import tiers
+    from pyg_pipe.engine.runtime import tiers
     monkeypatch.setattr(tiers, "free_memory", lambda device: free)
     x, g, y, mask = zoo_graph()
     model = GCN(8, 12, 2, 3)

@@ -1,4 +1,5 @@
-"""The ring halo exchange (``halo_exchange="ring"``, :mod:`pyg_pipe.engine.ring`) computes what the all-to-all does.
+"""The ring halo exchange (``halo_exchange="ring"``, :mod:`pyg_pipe.engine.runtime.ring`) computes what the
+all-to-all does.
 
 Real gloo processes, real PyG layers, float64, on a graph of three components with self loops and isolated
 vertices (:func:`tests.zoo.zoo_graph`); every case of a world size runs in one process launch:

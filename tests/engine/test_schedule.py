@@ -10,7 +10,7 @@ written by hand.
 import pytest
 import torch
 
-from pyg_pipe.engine.schedule import Schedule
+from pyg_pipe.engine.plan.schedule import Schedule
 
 
 # ---------------------------------------------------------------------------------------------- order and clocks

@@ -11,7 +11,7 @@ import torch
 from pyg_pipe import UnsupportedModelError
 from pyg_pipe.engine import Comm
 from pyg_pipe.engine.context import Site
-from pyg_pipe.engine.sites import CallSites, kind_of, same_as_first_chunk, site_keys
+from pyg_pipe.engine.runtime.sites import CallSites, kind_of, same_as_first_chunk, site_keys
 
 SIG = (True, ("tensor", "tensor"), ())
 

@@ -16,7 +16,7 @@ rows it keeps a |V|-row history ``H``:
   earlier in the step or at the same position on another way, the snapshot's otherwise);
 * the first layer reads the input features, which are always true.
 
-The staleness meter (:mod:`pyg_pipe.engine.staleness`) is checked against the same reference: per
+The staleness meter (:mod:`pyg_pipe.engine.runtime.staleness`) is checked against the same reference: per
 step and per layer that reads history, the relative drift of the stale rows read (rows whose owner
 chunk runs later in the order: ``‖H_end − H_read‖ / ‖H_end‖`` over them, a row read by two chunks
 counted twice), the share of halo reads that were stale and their age in optimizer updates.
@@ -151,7 +151,7 @@ def _worker(rank, world, stages, ways, chunks, **cfg):
 
 def _check_meter(engine, want, step):
     """The meter's step, summed over the ranks, against the reference's."""
-    from pyg_pipe.engine.staleness import summarize
+    from pyg_pipe.engine.runtime.staleness import summarize
     entries = engine.meter.take()
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()
@@ -196,7 +196,7 @@ def _bounded(rank, world, stages, ways, chunks, bound):
     """The bounds refresh history with an exact pass: right after a refresh the training forward equals the
     plain model with the current weights (lr > 0), the ages never pass ``max_age``, a drift above
     ``max_staleness`` is followed by a refresh, and every rank refreshes at the same steps."""
-    from pyg_pipe.engine.staleness import summarize
+    from pyg_pipe.engine.runtime.staleness import summarize
     x, ei, y, mask, model, engine = _setup(stages, ways, chunks, **bound)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     refreshes, exact_steps, last_drift = 0, [], 0.0

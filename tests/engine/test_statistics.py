@@ -1,4 +1,4 @@
-"""Graph-wide statistics on a cut graph (:mod:`pyg_pipe.engine.statistics`): with 2 graph-parallel ways, each
+"""Graph-wide statistics on a cut graph (:mod:`pyg_pipe.engine.runtime.statistics`): with 2 graph-parallel ways, each
 holding half of the vertices, BatchNorm between PyG layers, BatchNorm inside a layer's message MLP
 (statistics over the edges into each way's vertices) and GraphNorm (rows gathered from every way) compute
 what one process computes: training outputs, gradients, and BatchNorm's running statistics after 2 steps;

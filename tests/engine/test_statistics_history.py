@@ -1,5 +1,5 @@
 """BatchNorm and GraphNorm with several chunks per way and ``per_chunk_statistics="history"``: the whole
-graph's statistics, other chunks' sums from their latest run (:mod:`pyg_pipe.engine.statistics`).
+graph's statistics, other chunks' sums from their latest run (:mod:`pyg_pipe.engine.runtime.statistics`).
 
 At lr = 0 every sum is of exact values: the exact pass that fills history fills the sums too, so from the
 first step every chunk normalises with the whole graph's mean and variance, as one process does. The
@@ -202,7 +202,7 @@ def test_refusals_name_the_module_and_the_fix():
 def test_meter_reports_the_statistics_drift():
     """The staleness meter gets a site per BatchNorm: none at lr = 0 (every sum read is this step's value),
     some once the weights move."""
-    from pyg_pipe.engine.staleness import summarize
+    from pyg_pipe.engine.runtime.staleness import summarize
     torch.set_default_dtype(torch.float64)
     try:
         x, g, y, mask = zoo_graph()

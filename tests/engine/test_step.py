@@ -10,12 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch_geometric.nn import GCNConv, GraphConv
 
-from pyg_pipe.engine import Comm, PipelineConfig, step
-from pyg_pipe.engine.grid import RankGrid
-from pyg_pipe.engine.layers import LayerHooks
-from pyg_pipe.engine.plan import decide_shape, make_plan
-from pyg_pipe.engine.runtime import Runtime
-from pyg_pipe.engine.statistics import StatisticsHooks
+from pyg_pipe.engine import Comm, PipelineConfig
+from pyg_pipe.engine.step import pipeline as step
+from pyg_pipe.engine.plan.grid import RankGrid
+from pyg_pipe.engine.step.layers import LayerHooks
+from pyg_pipe.engine.plan.plan import decide_shape, make_plan
+from pyg_pipe.engine.runtime.runtime import Runtime
+from pyg_pipe.engine.step.norms import StatisticsHooks
 from pyg_pipe.model.inputs import CallInputs
 from pyg_pipe.model.trace import forward_function
 from tests.harness import ranges
@@ -123,6 +124,6 @@ def test_a_new_tensor_at_a_freed_tensors_address_is_not_the_same_object():
 
 def test_the_output_has_to_be_one_row_per_vertex():
     with pytest.raises(Exception, match="must return one tensor with a row per vertex"):
-        step._check_output((torch.zeros(3), torch.zeros(3)), 3)
+        step.check_output((torch.zeros(3), torch.zeros(3)), 3)
     with pytest.raises(Exception, match=r"shape \(4, 2\) for a chunk of 5 vertices"):
-        step._check_output(torch.zeros(4, 2), 5)
+        step.check_output(torch.zeros(4, 2), 5)

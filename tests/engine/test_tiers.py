@@ -1,4 +1,4 @@
-"""Memory tiers of the history (:mod:`pyg_pipe.engine.tiers`): buffers on the device, in host memory or in
+"""Memory tiers of the history (:mod:`pyg_pipe.engine.runtime.tiers`): buffers on the device, in host memory or in
 memory-mapped files, within a byte budget. Training with history in any tier equals training with it on
 the device, bit for bit (a PyG ``GCN2Conv`` stack with dropout on a graph of several components, 2
 stages x 4 chunks, with and without snapshots, recompute on and off), and a run holds its buffers where
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig, sync_module_state
-from pyg_pipe.engine.tiers import Tiers
+from pyg_pipe.engine.runtime.tiers import Tiers
 from tests.dist import run_distributed
 from tests.models import GCNIIStack as GCNII
 from tests.zoo import zoo_graph

@@ -3,7 +3,7 @@ rest is compute; the GPipe bubble formula; Chrome trace events per rank. (The st
 trace file: ``tests/strategies/test_gnnpipe.py``.)"""
 import pytest
 
-from pyg_pipe.engine.timeline import Timeline, bubble_share
+from pyg_pipe.engine.runtime.timeline import Timeline, bubble_share
 
 
 class _Waits:

@@ -1,4 +1,4 @@
-"""Weight gradients across ranks (:mod:`pyg_pipe.engine.weights`): what the drains produce inside
+"""Weight gradients across ranks (:mod:`pyg_pipe.engine.runtime.weights`): what the drains produce inside
 :meth:`GradientSum.collecting` is summed over the ranks that computed parts of it, once per backward pass,
 while what the same backward accumulates outside (a regulariser computed alike on every rank) is not; and
 :func:`sync_module_state` gives every rank the owner stage's copy of every parameter and buffer.
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from pyg_pipe.engine import Comm
-from pyg_pipe.engine.grid import RankGrid
-from pyg_pipe.engine.weights import GradientSum, sync_module_state
+from pyg_pipe.engine.plan.grid import RankGrid
+from pyg_pipe.engine.runtime.weights import GradientSum, sync_module_state
 from tests.dist import run_distributed
 
 CPU = torch.device("cpu")

@@ -2,7 +2,7 @@
 
 Exact where the algorithm is (graph parallelism; hybrid with one chunk per way): the parameters in
 the user's model after ``fit`` and the validation metric equal single-process PyG, and the logged
-bytes equal the formulas of :mod:`pyg_pipe.engine.formulas` for the partition actually used, halo
+bytes equal the formulas of :mod:`pyg_pipe.engine.plan.formulas` for the partition actually used, halo
 rows counted exactly; also with ``halo_exchange="ring"`` (its own halo formula).
 """
 import lightning.pytorch as pl

@@ -3,7 +3,7 @@
 A chunk (or a graph-parallel way) runs the user's forward on its own rows only. Inside
 ``MessagePassing`` layers the engine completes what a layer reads (halo rows, degrees:
 :mod:`.layers`, :mod:`.degrees`), and graph-wide modules (BatchNorm, GraphNorm, ...) get the
-statistics of all rows (:mod:`.statistics`). An operation written anywhere else that combines the
+statistics of all rows (:mod:`.norms`). An operation written anywhere else that combines the
 rows of different vertices would see part of the graph and differ from one device, silently:
 
 =================== ======================================================================
@@ -40,8 +40,8 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from ..model.errors import UnsupportedModelError
-from .context import current
+from ...model.errors import UnsupportedModelError
+from ..context import current
 
 #: reductions and scans over a dimension: name -> (position of the ``dim`` argument, default dim;
 #: ``None``: all dimensions)
@@ -154,7 +154,7 @@ class RowCheck(TorchFunctionMode):
     def _describe(self, frame, name: str, what: str, v: int) -> str:
         """Where the model called the operation: its module and line (or the traced step), found by
         walking up from the operation to the engine's runner of the forward."""
-        from .program import RUNNER_CODES, STEP_CODE
+        from ..runtime.program import RUNNER_CODES, STEP_CODE
         where, module = "", None
         while frame is not None and frame.f_code not in RUNNER_CODES:
             obj = frame.f_locals.get("self")

@@ -5,7 +5,7 @@ Which gradients are partial: a stage's own parameters over the ways of the stage
 the part of its vertices), and a parameter used by several stages (a module reused at two depths)
 over all ranks (ranks that do not use it add zeros).
 
-**Once per backward pass.** The drain of every call of the model (:mod:`.step`) runs inside
+**Once per backward pass.** The drain of every call of the model (:mod:`..step.pipeline`) runs inside
 :meth:`GradientSum.collecting`: the gradients it produces for those parameters are set aside,
 apart from whatever else the same backward accumulates into them (a regulariser on the weights,
 computed alike on every rank, must not be summed over ranks). At the end of the backward pass
@@ -21,8 +21,8 @@ from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Set
 import torch
 from torch import Tensor
 
-from .comm import Comm
-from .grid import RankGrid
+from ..comm import Comm
+from ..plan.grid import RankGrid
 
 
 class GradientSum:

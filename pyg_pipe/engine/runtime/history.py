@@ -10,7 +10,7 @@ copy, as contrastive methods do) keeps one :class:`CallHistory` per call, so eac
 rows its own earlier chunks and steps wrote, never another call's.
 
 Within a step the buffer of a site holds, for every vertex, the row last written: rows of chunks
-already run this step are fresh, the others historical (:mod:`pyg_pipe.engine.schedule`). The
+already run this step are fresh, the others historical (:mod:`..schedule`). The
 drain accumulates, per site, the gradients of fresh cross-chunk reads (``G``), added to the
 owner chunk's rows when its backward runs.
 
@@ -22,7 +22,7 @@ written. Per-process history then falls with the ways, and with the locality of 
 
 With ``late_gradients`` the gradients of stale reads are kept too, in a second buffer per site, and
 the owners take them in the next step's drain, with that step's fresh ones (PipeGCN's stale feature
-gradients: nothing is dropped, so T3's scaling is off; :mod:`.schedule`).
+gradients: nothing is dropped, so T3's scaling is off; :mod:`..plan.schedule`).
 
 Snapshots (T2, ``period = R``): at the start of step ``t`` the buffers are copied to a snapshot
 when ``t % R == 0`` (or when a buffer has none yet) and restored from it otherwise, so historical
@@ -59,7 +59,7 @@ class CallHistory:
     Attributes:
         initialised: whether the buffers were filled by an exact pass (or restored from a checkpoint).
         edge_inputs: the identity of the per-edge inputs the buffers were computed with (new values on
-            the same graph refill them; :mod:`.step`).
+            the same graph refill them; :mod:`..step.pipeline`).
     """
 
     def __init__(self, num_nodes: int, device: torch.device, tiers: Optional[Tiers] = None,
@@ -90,7 +90,7 @@ class CallHistory:
         self._snapshot_written: Optional[int] = None
         self._start_written: Optional[int] = None
         self._step = 0
-        self.refresh_due = False  # a bound asked for an exact refill before the next step (:mod:`.step`)
+        self.refresh_due = False  # a bound asked for an exact refill before the next step (:mod:`..step.pipeline`)
 
     # ------------------------------------------------------------------ rows
     def buffer(self, key: str, like: Tensor) -> Tensor:

@@ -17,10 +17,10 @@ The user's forward runs as ordinary Python on a chunk's rows (tensors with one r
      the *row graph* (the local edges into the chunk's rows, a ``[rows, num_local]`` adjacency), and edge
      tensors are cut to those edges. Nothing is computed for halo vertices.
 
-   Degrees the layer computes are completed by :mod:`pyg_pipe.engine.degrees`.
+   Degrees the layer computes are completed by :mod:`..degrees`.
 2. **each propagate / edge_updater call** (pre-hook): the arguments the layer reads at edge sources
    (``x`` for ``x_j``; the matrix of ``message_and_aggregate`` for sparse adjacencies) get their
-   true halo rows (:mod:`pyg_pipe.engine.halo`): ``[rows | halo]``. In a rows-only call a source read
+   true halo rows (:mod:`..halo`): ``[rows | halo]``. In a rows-only call a source read
    at both ends (``x_i`` and ``x_j``) is passed as the pair ``(rows | halo, rows)`` with
    ``size=(num_local, rows)``, as PyG passes bipartite inputs, so messages and aggregation produce the
    chunk's rows. That call is a *call site*, named ``module#invocation.call``; K-hop layers have K sites.
@@ -37,29 +37,28 @@ clean and no propagate of that call has returned yet. Clean sources need no exch
 (the first layer of a model reads the input features). Everything else is exchanged.
 
 Layers holding graph-wide statistics (a BatchNorm in a message MLP) also get hooks around ``message`` /
-``edge_update`` (:mod:`.statistics`).
+``edge_update`` (:mod:`.norms`). What each argument of a call is, and what it becomes, is :mod:`.arguments`.
 """
 from __future__ import annotations
 
-import inspect
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from torch import Tensor
 from torch_geometric.nn import MessagePassing
 
-from ..graph.chunks import ChunkedGraph, LocalGraph
-from ..model.errors import UnsupportedModelError
-from ..model.inputs import is_graph_tensor
-from ..model.norms import needs_statistics
+from ...model.errors import UnsupportedModelError
+from ...model.norms import needs_statistics
+from ..context import ChunkContext, Invocation, Site, current
 from . import degrees
-from .context import ChunkContext, Invocation, Site, current
+from .arguments import (argument_kind, clean_input, each, edge_chunking, extend, is_sparse, narrow, parameter_names,
+                        relocalise_edges, resolve_graphs, row_graph, vertex_dim)
 
 
 class LayerHooks:
     """Installs the hooks on every ``MessagePassing`` module of ``model`` (and removes them).
 
-    Outside the engine (no current :class:`~pyg_pipe.engine.context.ChunkContext`) the hooks do
+    Outside the engine (no current :class:`~..context.ChunkContext`) the hooks do
     nothing, so the model keeps working as a plain single-device model.
     """
 
@@ -146,27 +145,27 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
             f"destination vertex and supports flow='source_to_target' only. Reverse edge_index in the data "
             f"and use the default flow.")
     args, kwargs = list(args), dict(kwargs)
-    cg, lg, graphs = _resolve_graph(ctx, name, module, args, kwargs)
+    cg, lg, graphs = resolve_graphs(ctx, name, module, args, kwargs)
     several = len({id(h[0]) for h in graphs.values()}) > 1   # graphs with halos of their own
     node_args: List[Tuple[Tensor, int]] = []
     edge_args: Dict[int, Tensor] = {}
-    names = _parameter_names(module, len(args))
+    names = parameter_names(module, len(args))
 
     def visit(value, param: str):
         """Classifies one tensor argument (edge tensors re-cut for a transposed graph)."""
         if not isinstance(value, Tensor) or value.dim() == 0 or value.layout != torch.strided:
             return value
-        kind, vdim = _kind(ctx, module, value, param)
+        kind, vdim = argument_kind(ctx, module, value, param)
         if kind == "edge":
-            ecg, elg = _edge_chunking(ctx, name, graphs, value) if several else (cg, lg)
-            value = _relocalise_edges(ctx, name, ecg, elg, value)
+            ecg, elg = edge_chunking(ctx, name, graphs, value) if several else (cg, lg)
+            value = relocalise_edges(ctx, name, ecg, elg, value)
             edge_args[id(value)] = (value, elg)
         if kind == "node":
             node_args.append((value, vdim))
         return value
 
-    args = [_each(a, visit, n) for a, n in zip(args, names)]
-    kwargs = {k: _each(v, visit, k) for k, v in kwargs.items()}
+    args = [each(a, visit, n) for a, n in zip(args, names)]
+    kwargs = {k: each(v, visit, k) for k, v in kwargs.items()}
     if ctx.recomputing():  # a recomputation decides as the forward did (its arguments are detached copies)
         clean = ctx.clean_calls.get((name, index), False)
     else:
@@ -179,7 +178,7 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
     # several graphs: each propagate joins its own graph's halo to the chunk's rows
     rows_only = (not clean or several) and not _whole_local_graph(module)
     if not rows_only:  # the whole local graph: true halo rows (clean), or fillers the propagate replaces
-        swap = {id(t): _extend(ctx, cg, lg, t, vdim, clean) for t, vdim in node_args}
+        swap = {id(t): extend(ctx, cg, lg, t, vdim, clean) for t, vdim in node_args}
         used = {i: local for i, (_, _, local) in graphs.items()}
     else:  # the chunk's rows only: the row graph, and edge tensors cut to its edges
         swap = {}
@@ -188,7 +187,7 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
             whole = ctx.edge_input(t)
             if whole is not None:  # still the input's edges (degrees, transposes re-cut them from it)
                 ctx.add_edge_input(swap[i], whole, ctx.edge_chunking(t))
-        used = {i: _row_graph(ctx, cg2, lg2, local) for i, (cg2, lg2, local) in graphs.items()}
+        used = {i: row_graph(ctx, cg2, lg2, local) for i, (cg2, lg2, local) in graphs.items()}
     node_args.clear()
     edge_args.clear()
 
@@ -200,8 +199,8 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
             return hit
         return swap.get(id(value), value)
 
-    args = [_each(a, replace) for a in args]
-    kwargs = {k: _each(v, replace) for k, v in kwargs.items()}
+    args = [each(a, replace) for a in args]
+    kwargs = {k: each(v, replace) for k, v in kwargs.items()}
     inv = Invocation(name, index, cg, lg, clean, rows_only=rows_only,
                      graphs={id(g): (g, cg2, lg2, True) for g, (cg2, lg2, _) in
                              ((used[i], graphs[i]) for i in graphs)})
@@ -220,39 +219,6 @@ def _whole_local_graph(module: MessagePassing) -> bool:
     return any(cls.__name__ in WHOLE_LOCAL_GRAPH for cls in type(module).__mro__)
 
 
-def _row_graph(ctx: ChunkContext, cg: ChunkedGraph, lg: LocalGraph, local):
-    """The row graph of ``local`` (registered as an edge input when ``local`` carries the input's values)."""
-    rows = ctx.graphs.row_graph(cg, lg, local)
-    whole = ctx.edge_input(local) if isinstance(local, Tensor) and local.layout != torch.strided else None
-    if whole is not None and ctx.edge_input(rows) is None:
-        ctx.add_edge_input(rows, whole, cg)
-    return rows
-
-
-def _each(value, fn, param: str = ""):
-    """``fn(tensor, param)`` for ``value`` or each element of a tuple / list ``value`` (a module-level
-    recursion: closures that call themselves would keep every chunk's tensors alive in a reference cycle)."""
-    if isinstance(value, (tuple, list)):
-        return type(value)(_each(v, fn, param) for v in value)
-    return fn(value, param)
-
-
-def _kind(ctx: ChunkContext, module: MessagePassing, value: Tensor, param: str) -> Tuple[Optional[str], int]:
-    """``("node", vertex dim)``, ``("edge", 0)`` or ``(None, 0)`` for one tensor argument of a layer."""
-    lg = ctx.lg
-    if ctx.edge_input(value) is not None:
-        return "edge", 0
-    vdim = _vertex_dim(module, value, lg.rows)
-    if ctx.is_clean(value) and vdim is not None:
-        return "node", vdim
-    edge = value.size(0) == lg.num_edges
-    if vdim is not None and edge:  # as many chunk rows as local edges: PyG's names say which
-        return ("edge", 0) if "edge" in param else ("node", vdim)
-    if edge:
-        return "edge", 0
-    return ("node", vdim) if vdim is not None else (None, 0)
-
-
 def _exit(module: MessagePassing, args, kwargs, output):
     ctx = current()
     if ctx is None or not ctx.stack:
@@ -264,22 +230,12 @@ def _exit(module: MessagePassing, args, kwargs, output):
         _store_cache(ctx, inv, module)
         for attr, value in inv.restore.items():
             setattr(module, attr, value)
-        out = _narrow(module, output, inv.lg)
+        out = narrow(module, output, inv.lg)
     if ctx.observer is not None:  # what the layer returns has one row per vertex of the chunk
         for t in (out if isinstance(out, (tuple, list)) else [out]):
             if isinstance(t, Tensor) and t.dim() > 0:
-                ctx.observer.returned(t, _vertex_dim(module, t, inv.lg.rows))
+                ctx.observer.returned(t, vertex_dim(module, t, inv.lg.rows))
     return out
-
-
-def _narrow(module: MessagePassing, value, lg: LocalGraph):
-    if isinstance(value, (tuple, list)):
-        return type(value)(_narrow(module, v, lg) for v in value)
-    if isinstance(value, Tensor) and value.dim() > 0:
-        vdim = _vertex_dim(module, value, lg.num_local)
-        if vdim is not None:
-            return value.narrow(vdim, 0, lg.rows)
-    return value
 
 
 def _sources(name: str, args_attr: str, stats: bool):
@@ -295,7 +251,7 @@ def _sources(name: str, args_attr: str, stats: bool):
         site = f"{inv.name}#{inv.index}.{inv.calls}"
         inv.calls += 1
         clean = inv.clean and not inv.propagated
-        fused = args_attr == "_user_args" and module.fuse and _is_sparse(edge_index)
+        fused = args_attr == "_user_args" and module.fuse and is_sparse(edge_index)
         if fused:
             names = [a for a in module._fused_user_args if a in kwargs]
         else:
@@ -308,7 +264,7 @@ def _sources(name: str, args_attr: str, stats: bool):
             t = value[0] if isinstance(value, (tuple, list)) else value
             if not isinstance(t, Tensor) or t.dim() == 0:
                 continue
-            vdim = _vertex_dim(module, t, width)
+            vdim = vertex_dim(module, t, width)
             if vdim is None:
                 if fused:
                     continue  # not a vertex tensor (an edge-level argument of message_and_aggregate)
@@ -320,8 +276,8 @@ def _sources(name: str, args_attr: str, stats: bool):
                     f"input) cannot be split into chunks; pass per-vertex features as a forward argument instead, "
                     f"or train on one device.")
             sources.append(arg)
-            if inv.rows_only and clean and _clean_input(ctx, t):  # the model's input: its true halo rows
-                joined = _extend(ctx, cg, lg, t, vdim, True)
+            if inv.rows_only and clean and clean_input(ctx, t):  # the model's input: its true halo rows
+                joined = extend(ctx, cg, lg, t, vdim, True)
             elif ctx.halo is None or (clean and not inv.rows_only):  # no halo, or true halo rows already
                 continue
             else:
@@ -362,118 +318,6 @@ def _edges(inside: bool):
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
-
-
-def _vertex_dim(module: MessagePassing, t: Tensor, size: int) -> Optional[int]:
-    """The dimension of ``t`` that indexes vertices (``size`` of them): the layer's ``node_dim``,
-    else dimension 0; ``None`` when neither has that size."""
-    nd = module.node_dim if module.node_dim >= 0 else t.dim() + module.node_dim
-    if 0 <= nd < t.dim() and t.size(nd) == size:
-        return nd
-    return 0 if t.size(0) == size else None
-
-
-_NAMES: Dict[type, List[str]] = {}
-
-
-def _parameter_names(module: torch.nn.Module, count: int) -> List[str]:
-    """The names of the first ``count`` positional parameters of the layer's ``forward``."""
-    cls = type(module)
-    names = _NAMES.get(cls)
-    if names is None:
-        params = inspect.signature(cls.forward).parameters.values()
-        names = _NAMES[cls] = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
-    return (names + [""] * count)[:count]
-
-
-def _is_sparse(value) -> bool:
-    return isinstance(value, Tensor) and value.layout != torch.strided or type(value).__name__ == "SparseTensor"
-
-
-def _resolve_graph(ctx: ChunkContext, name: str, module: MessagePassing, args: list, kwargs: dict):
-    """Finds the layer's graph arguments: ``(cg, lg, {id(graph): (cg, lg, local graph)})`` (``cg, lg``: the
-    first one's chunking; the caller swaps in the local graphs)."""
-    found: Dict = {}
-    for container, keys in ((args, range(len(args))), (kwargs, list(kwargs))):
-        for k in keys:
-            value = container[k]
-            if not is_graph_tensor(value):
-                continue
-            hit = ctx.graphs.resolve(value)
-            if hit is None:
-                raise UnsupportedModelError(
-                    f"Layer '{name}' ({type(module).__name__}) receives a graph computed inside forward "
-                    f"({tuple(value.shape)}), which pyg_pipe cannot cut into chunks. Compute it in the data "
-                    f"pipeline and pass it to forward as an argument (e.g. data.edge_index2 = ...), or train on "
-                    f"one device. Transposes (edge_index.flip(0)) and the input graph itself are understood.")
-            found.setdefault(id(value), hit)
-    if not found:
-        raise UnsupportedModelError(
-            f"Layer '{name}' ({type(module).__name__}) was called without a graph argument (edge_index or adj_t) "
-            f"that pyg_pipe handed to the model; pass the graph from the model's forward arguments.")
-    cg, lg, _ = next(iter(found.values()))
-    return cg, lg, found
-
-
-def _edge_chunking(ctx: ChunkContext, name: str, graphs: Dict, value: Tensor):
-    """``(cg, lg)`` of the graph an edge tensor of a layer given several graphs belongs to: the graph whose
-    chunking cut it (an input), else the only one with as many local edges."""
-    cut = ctx.edge_chunking(value)
-    hits = [(cg, lg) for cg, lg, _ in graphs.values() if (cut is cg if cut is not None else lg.num_edges ==
-                                                         value.size(0))]
-    if len({id(cg) for cg, _ in hits}) != 1:
-        raise UnsupportedModelError(
-            f"Layer '{name}' is given several graphs and an edge tensor of shape {tuple(value.shape)} that "
-            f"pyg_pipe cannot assign to one of them. Pass per-edge inputs of each graph as forward arguments "
-            f"(they are cut with their graph), or give each graph a layer of its own.")
-    return hits[0]
-
-
-def _clean_input(ctx: ChunkContext, t: Tensor) -> bool:
-    """``t`` is an input handed out for the chunk, unchanged (or a recomputation's detached copy of one)."""
-    if ctx.is_clean(t):
-        return True
-    return ctx.recomputing() and any(h[0].data_ptr() == t.data_ptr() and h[0].shape == t.shape
-                                     and h[1] == h[0]._version for h in ctx.clean.values())
-
-
-def _relocalise_edges(ctx: ChunkContext, name: str, cg: ChunkedGraph, lg: LocalGraph, value: Tensor):
-    """Edge inputs are handed out cut for the graph whose edge count they have (the primary graph's when
-    several have it); a layer on another graph with as many edges (a transpose) gets them re-cut for it.
-    Computed edge tensors cannot be re-cut."""
-    cut = ctx.edge_chunking(value)
-    if cut is cg or (cut is None and (cg is ctx.cg or value.size(0) != ctx.lg.num_edges)):
-        return value
-    whole = ctx.edge_input(value)
-    if whole is None or whole.size(0) != cg.num_edges:
-        raise UnsupportedModelError(
-            f"Layer '{name}' runs on another graph than the one its edge tensor {tuple(value.shape)} was cut for "
-            f"(a transpose, or a second graph); pyg_pipe can re-cut only edge tensors given as forward arguments "
-            f"with as many rows as that graph has edges.")
-    out = cg.local_edges(lg, whole)
-    ctx.add_edge_input(out, whole, cg)
-    return out
-
-
-def _extend(ctx: ChunkContext, cg: ChunkedGraph, lg: LocalGraph, t: Tensor, vdim: int, clean: bool) -> Tensor:
-    """``t`` (chunk rows) extended to ``lg.num_local`` rows along ``vdim``: a clean input with its true halo
-    rows, anything else with fillers (copies of chunk rows, replaced at the propagate)."""
-    if lg.halo.numel() == 0:
-        return t
-    if clean:
-        rest = ctx.clean_rows(t)(cg, lg).to(t.dtype)
-        if vdim != 0:
-            rest = rest.movedim(0, vdim)
-    else:
-        rest = t.detach().index_select(vdim, _filler(lg, t.device))
-    return torch.cat([t, rest], dim=vdim)
-
-
-def _filler(lg: LocalGraph, device) -> Tensor:
-    fill = getattr(lg, "_filler", None)
-    if fill is None:
-        fill = lg._filler = torch.arange(lg.halo.numel(), device=device) % lg.rows
-    return fill
 
 
 def _swap_cache(ctx: ChunkContext, inv: Invocation, module) -> None:

@@ -53,7 +53,7 @@ class StalenessMeter:
 
     def measure(self, run) -> None:
         """After a fill: the drift of every stale row its chunks read (``run``: the fill's
-        :class:`~pyg_pipe.engine.halo.HaloPass`, whose backward routes this computes, as the drain would)."""
+        :class:`~..runtime.halo.HaloPass`, whose backward routes this computes, as the drain would)."""
         history = run.history
         if not self.on or not run.read_history or history is None or not run.reads:
             return

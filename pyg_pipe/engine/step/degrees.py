@@ -16,7 +16,7 @@ versions that compute exactly what PyG's compute, with the degrees completed:
   name) or none, or the local sparse ``adj_t`` it was handed (its values are the input's): computed
   once per weight tensor and version. Otherwise (weights the model computes,
   such as PDNConv's, or an edge list the layer changed first) they are exchanged like source rows
-  (:mod:`.halo`) at a call site ``module#invocation.degK``: fresh from other ways, from history for
+  (:mod:`..runtime.halo`) at a call site ``module#invocation.degK``: fresh from other ways, from history for
   other chunks of a way, and gradients reach the owners of the weights.
 * **out-degree** (``get_laplacian``): from the whole graph's weights, which must be a forward
   argument (or none), cached per weight tensor and version; weights computed inside the model are
@@ -36,8 +36,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..model.errors import UnsupportedModelError
-from .context import current
+from ...model.errors import UnsupportedModelError
+from ..context import current
 
 _swapped: list = []
 _installs = 0

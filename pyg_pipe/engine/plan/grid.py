@@ -3,8 +3,8 @@
 ==================== ======= ======= =============================================================
 mode                  S       W       what travels
 ==================== ======= ======= =============================================================
-GNNPipe              P       1       stage-cut activations and their gradients (:mod:`.link`)
-graph parallel       1       P       halo rows among the ways at every propagate call (:mod:`.halo`)
+GNNPipe              P       1       stage-cut activations and their gradients (:mod:`..runtime.link`)
+graph parallel       1       P       halo rows among the ways at every propagate call (:mod:`..runtime.halo`)
 hybrid               S       W       both; weight gradients are summed over the ways of a stage
 ==================== ======= ======= =============================================================
 """

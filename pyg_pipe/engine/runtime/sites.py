@@ -12,8 +12,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..model.errors import UnsupportedModelError
-from .context import Site
+from ...model.errors import UnsupportedModelError
+from ..context import Site
 
 
 def site_keys(sites: Sequence[Site]) -> List[str]:

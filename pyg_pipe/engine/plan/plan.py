@@ -9,7 +9,7 @@ partitioner) are made once, on one rank, and broadcast; a resumed run reuses the
 of re-deciding, and a resume whose settings differ from the saved ones fails naming the setting.
 
 What is built from a plan (chunk graphs, history, the schedule, caches) lives in the runtime
-(:mod:`.runtime`).
+(:mod:`..runtime.runtime`).
 """
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence,
 import torch
 from torch import Tensor
 
-from ..model.errors import UnsupportedModelError
-from ..model.inputs import CallInputs, graph_edges
-from ..model.norms import BATCH_NORM, needs_statistics
-from ..model.split import balance, parameter_stages, split, stage_groups
-from ..model.trace import Program, trace
-from .config import PipelineConfig
+from ...model.errors import UnsupportedModelError
+from ...model.inputs import CallInputs, graph_edges
+from ...model.norms import BATCH_NORM, needs_statistics
+from ...model.split import balance, parameter_stages, split, stage_groups
+from ...model.trace import Program, trace
+from ..config import PipelineConfig
 from .grid import check_chunks_per_way, grid_shape, ways_for_layers
 
 log = logging.getLogger("pyg_pipe")
@@ -49,7 +49,7 @@ class Plan:
         param_stages: parameter / buffer name -> the stages that use it.
         digest: checksum of the primary graph's structure.
         graphs: the input graphs the plan was made for (compared by structure on every call).
-        streaming: one device runs every layer group over all chunks in turn (:mod:`.stream`); ``sizes``
+        streaming: one device runs every layer group over all chunks in turn (:mod:`..step.stream`); ``sizes``
             then has one group per (virtual) stage.
     """
 
@@ -229,7 +229,7 @@ def stream_chunks(config: PipelineConfig, inputs: CallInputs, device: torch.devi
     """Chunks for streaming when ``num_chunks`` is not set: enough that one chunk's working set of one layer
     group (estimated as 16 rows of the widest per-vertex input, at least 64 wide, per vertex) fits
     ``offload_budget`` (``"auto"``: half the free memory); 4 without a budget."""
-    from .tiers import free_memory
+    from ..runtime.tiers import free_memory
     N = inputs.num_nodes
     budget = config.offload_budget
     if budget == "auto":
@@ -265,7 +265,7 @@ def refuse_statistics(module: torch.nn.Module, chunks_per_way: int, ways: int, h
     """Refuses graph-wide statistics when a way runs several chunks (the pipeline never holds all rows).
 
     ``history`` (``per_chunk_statistics="history"``): BatchNorm and GraphNorm run with historical sums
-    (:mod:`.statistics`), except when streaming; every other graph-wide module is still refused."""
+    (:mod:`..runtime.statistics`), except when streaming; every other graph-wide module is still refused."""
     from torch_geometric.nn import BatchNorm as PygBatchNorm
     from torch_geometric.nn import GraphNorm
     for name, m in module.named_modules():
@@ -351,7 +351,7 @@ def partition(config: PipelineConfig, inputs: CallInputs, num_chunks: int, ways:
 
 
 def _partition(config: PipelineConfig, src: Tensor, dst: Tensor, N: int, num_chunks: int, ways: int):
-    from ..graph.partition import make_chunks, make_way_chunks
+    from ...graph.partition import make_chunks, make_way_chunks
     edge_index = torch.stack([src, dst]).cpu()
     if ways > 1:
         return make_way_chunks(edge_index, N, ways, num_chunks // ways, method=config.partition, seed=config.seed)

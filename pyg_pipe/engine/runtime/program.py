@@ -5,7 +5,7 @@
 * Several stages: :class:`StageProgram` interprets the fx nodes of its stage
   (:mod:`pyg_pipe.model.split`): placeholders take the chunk's inputs, values from the previous stage
   arrive through the stage link, and each node calls the user's module or function unchanged, so the
-  layer hooks (:mod:`pyg_pipe.engine.layers`) see every call as in an eager run.
+  layer hooks (:mod:`..layers`) see every call as in an eager run.
 
 Both return ``(sent, output)``: the values for the next stage, and the model's output (last stage).
 A traced forward bakes in ``self.training`` and the arguments that are not tensors, so
@@ -21,10 +21,10 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from ..model.errors import UnsupportedModelError
-from ..model.inputs import CallInputs
-from ..model.split import Stage, split, stage_groups
-from ..model.trace import Program, _is_generic_sequential, trace
+from ...model.errors import UnsupportedModelError
+from ...model.inputs import CallInputs
+from ...model.split import Stage, split, stage_groups
+from ...model.trace import Program, _is_generic_sequential, trace
 
 
 class WholeForward:
@@ -134,7 +134,7 @@ class Programs:
 
     def stage_runners(self, inputs: CallInputs) -> list:
         """Every stage's runner for a call like ``inputs``, in order (streaming runs them one after another
-        on one device, :mod:`.stream`; an untraced forward is one)."""
+        on one device, :mod:`..step.stream`; an untraced forward is one)."""
         if self.sizes is None:
             return [WholeForward(self.module, self.fn)]
         key = signature(self.module, inputs)

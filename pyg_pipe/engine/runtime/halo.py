@@ -8,8 +8,8 @@ builds ``[rows | halo]`` for the chunk that runs now:
   chunk of ``w'`` reads (its *mirrors*), and receives theirs; all ways of a stage are at the same
   clock, so what arrives is fresh. ``halo_forward`` bytes: the mirror rows.
 * **history** (more than one chunk per way): the chunk writes its rows (and what it received) into
-  the site's buffer (:mod:`pyg_pipe.engine.history`) and reads its halo from it: rows of chunks
-  earlier in the order are fresh, the others historical (:mod:`pyg_pipe.engine.schedule`).
+  the site's buffer (:mod:`..history`) and reads its halo from it: rows of chunks
+  earlier in the order are fresh, the others historical (:mod:`..schedule`).
 * one chunk per way (graph parallelism, exact passes): every halo row is received now.
 
 How rows and gradients travel among the ways is ``halo_exchange``: ``"all_to_all"`` (every way sends
@@ -25,7 +25,7 @@ and receive of one call site is posted together (``batch_isend_irecv``). All rou
 computed before its first chunk runs, so the per-chunk loop has no host synchronisation.
 
 Recomputation reads exactly what the forward read: the engine's own (a *replay* of a chunk's fill in
-the drain, ``recompute=True``, :mod:`.step`) and the model's (``torch.utils.checkpoint``, reversible
+the drain, ``recompute=True``, :mod:`..step.pipeline`) and the model's (``torch.utils.checkpoint``, reversible
 blocks that rebuild their inputs, calling the site again during backward). With one chunk per way it
 exchanges live with the other ways, which recompute at the same point. With history, nothing is
 exchanged or written: a halo row owned by a chunk at the same or an earlier clock
@@ -35,7 +35,7 @@ owner wrote it, so it is taken from the start-of-step rows (:meth:`CallHistory.r
 
 One pass over a rank's chunks (the fill of one call of the model, or an exact pass) is a
 :class:`HaloPass`: the step's clocks, whether history is read and written, and the history of that
-call. The layer hooks reach it through the chunk context (:mod:`.context`).
+call. The layer hooks reach it through the chunk context (:mod:`..context`).
 """
 from __future__ import annotations
 
@@ -44,13 +44,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..graph.chunks import ChunkedGraph, LocalGraph
-from .comm import Comm
-from .context import current, in_backward
-from .grid import RankGrid
+from ...graph.chunks import ChunkedGraph, LocalGraph
+from ..comm import Comm
+from ..context import current, in_backward
+from ..plan.grid import RankGrid
 from .history import CallHistory
 from .ring import RingGrads, RingRows
-from .schedule import Schedule
+from ..plan.schedule import Schedule
 
 HALO_EXCHANGES = ("all_to_all", "ring")
 

@@ -3,7 +3,7 @@
 The model is cut into its layer groups (:func:`pyg_pipe.model.split.layer_groups`, one per
 ``MessagePassing`` unit), and the graph into chunks. Every value crossing a group boundary (the
 hidden state, GCNII's ``x0``, ...) lives in a :class:`Store` with one row per vertex, in the memory
-tier the knobs choose (:mod:`.tiers`: the device within ``offload_budget``, then host memory or
+tier the knobs choose (:mod:`..runtime.tiers`: the device within ``offload_budget``, then host memory or
 memory-mapped files); the device holds one chunk of one group at a time. Group by group, all chunks
 run before the next group starts, so every neighbour row a chunk reads is this step's (NGra's
 dataflow: vertex data streamed in chunks, never a stale read)::
@@ -42,191 +42,18 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..graph.chunks import ChunkedGraph, LocalGraph
-from ..model.errors import UnsupportedModelError
-from ..model.inputs import CallInputs, Localizer
-from .context import ChunkContext
-from .runtime import Runtime
-from .sites import same_as_first_chunk, site_keys
-from .statistics import Statistics
-from .tiers import Tiers
-from .tree import flatten, unflatten
-
-
-class _Barrier(Exception):
-    """Raised at the first propagate of a pass whose sources are not complete yet (a barrier site)."""
-
-    def __init__(self, key: str):
-        super().__init__(key)
-        self.key = key
-
-
-class Store:
-    """Rows of the values crossing group boundaries, and of barrier sites, with their gradients.
-
-    Node values (one row per chunk vertex along dimension 0) are kept as one ``[|V|, ...]`` buffer per
-    value (new vertex ids), from :class:`~pyg_pipe.engine.tiers.Tiers`; anything else a group passes on
-    (edge rows, an LSTM state) per chunk.
-    """
-
-    def __init__(self, tiers: Tiers, num_nodes: int):
-        self.tiers, self.num_nodes = tiers, num_nodes
-        self.rows: Dict[str, Tensor] = {}
-        self.chunks: Dict[str, Dict[int, Any]] = {}
-        self.grads: Dict[str, Tensor] = {}
-        self.chunk_grads: Dict[str, Dict[int, Any]] = {}
-        self.kinds: Dict[str, str] = {}                              # "rows" or "chunk", per value
-        self.pending: Dict[str, Dict[int, Tuple[LocalGraph, Any]]] = {}
-
-    def put(self, name: str, lg: LocalGraph, value) -> None:
-        """Stores chunk ``lg``'s part of ``value`` (detached). Whether a value is a node value is decided by
-        the first chunk whose rows and local edges differ in number; until then it is kept per chunk."""
-        kind = self.kinds.get(name)
-        if kind is None:
-            if not _is_rows(value, lg):
-                kind = "chunk"
-            elif value.size(0) != lg.num_edges:
-                kind = "rows"
-            if kind is not None:
-                self.kinds[name] = kind
-                for c, (lg2, v) in self.pending.pop(name, {}).items():
-                    self._put(kind, name, lg2, v)
-        if kind is None:
-            self.pending.setdefault(name, {})[lg.index] = (lg, value.detach())
-        else:
-            self._put(kind, name, lg, value)
-
-    def settle(self, names) -> None:
-        """After every chunk put ``names``: values no chunk told apart from edge tensors stay per chunk."""
-        for name in names:
-            if name in self.pending:
-                self.kinds[name] = "chunk"
-                for c, (lg, v) in self.pending.pop(name).items():
-                    self._put("chunk", name, lg, v)
-
-    def _put(self, kind: str, name: str, lg: LocalGraph, value) -> None:
-        if kind == "rows":
-            if not _is_rows(value, lg):
-                raise UnsupportedModelError(
-                    f"Value '{name}' passed between layer groups has one row per vertex for one chunk but shape "
-                    f"{tuple(value.shape)} for a chunk of {lg.rows} vertices; streaming needs the same kind of "
-                    f"value for every chunk. Train without streaming (streaming=False).")
-            buf = self.rows.get(name)
-            if buf is None:
-                buf = self.rows[name] = self.tiers.zeros((self.num_nodes, *value.shape[1:]), value.dtype)
-            buf[lg.start:lg.end] = value.detach().to(buf.device)
-            self.tiers.release(buf)
-        else:
-            leaves, spec = flatten(value)
-            self.chunks.setdefault(name, {})[lg.index] = unflatten(
-                [t.detach() if isinstance(t, Tensor) else t for t in leaves], spec)
-
-    def gather(self, name: str, ids: Tensor) -> Tensor:
-        """Rows ``ids`` of node value ``name``, on the device."""
-        buf = self.rows[name]
-        out = self.tiers.to_device(buf[ids.to(buf.device)])
-        self.tiers.release(buf)
-        return out
-
-    def add_grad(self, name: str, ids: Tensor, grad: Tensor) -> None:
-        """Adds ``grad`` to the gradient of rows ``ids`` of node value ``name``."""
-        g = self.grads.get(name)
-        if g is None:
-            like = self.rows[name]
-            g = self.grads[name] = self.tiers.zeros(like.shape, like.dtype)
-        g.index_add_(0, ids.to(g.device), grad.to(g.device, g.dtype))
-        self.tiers.release(g)
-
-    def grad_rows(self, name: str, lg: LocalGraph) -> Optional[Tensor]:
-        """The gradient of chunk ``lg``'s rows of node value ``name`` (``None``: nothing reached it)."""
-        g = self.grads.get(name)
-        if g is None:
-            return None
-        out = self.tiers.to_device(g[lg.start:lg.end])
-        self.tiers.release(g)
-        return out
-
-    def drop(self, name: str) -> None:
-        """Frees a value and its gradient (after the backward of the group that produced it)."""
-        for table in (self.rows, self.grads):
-            t = table.pop(name, None)
-            if t is not None:
-                self.tiers.free(t)
-        for table in (self.chunks, self.chunk_grads, self.kinds, self.pending):
-            table.pop(name, None)
-
-    def clear(self) -> None:
-        """Frees everything (the end of a step, or an inference pass)."""
-        for name in list(self.rows) + list(self.grads) + list(self.chunks) + list(self.chunk_grads):
-            self.drop(name)
-
-
-def _is_rows(value, lg: LocalGraph) -> bool:
-    """Possibly a node value: a tensor with one row per chunk vertex along dimension 0."""
-    return isinstance(value, Tensor) and value.layout == torch.strided and value.dim() > 0 \
-        and value.size(0) == lg.rows
-
-
-class _Join(torch.autograd.Function):
-    """``[rows | halo]`` at a barrier site; its backward depends on the phase (module docstring)."""
-
-    @staticmethod
-    def forward(ctx, rows: Tensor, halo: Tensor, anchor: Tensor, site: "_Site", ids: Tensor):
-        ctx.site, ctx.ids, ctx.rows = site, ids, rows.size(0)
-        return torch.cat([rows, halo])
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        site = ctx.site
-        if site.capture:  # phase k: the gradient of every source row (own and halo) -> G_k; stop here
-            site.store.add_grad(site.key, ctx.ids, grad)
-            site.reached = True
-            return None, None, torch.zeros((), device=grad.device), None, None
-        # a later phase: the rows take their complete gradient, gathered in the phase of this site (none: zero)
-        site.reached = True
-        g_rows = site.store.grad_rows(site.key, site.lg)
-        g_rows = grad.new_zeros((ctx.rows, *grad.shape[1:])) if g_rows is None else g_rows.to(grad.dtype)
-        return g_rows, None, None, None, None
-
-
-@dataclass
-class _Site:
-    key: str
-    store: Store
-    lg: LocalGraph
-    capture: bool = False
-    reached: bool = False
-    anchor: Optional[Tensor] = None
-
-
-class StreamHalo:
-    """The halo source of a streamed chunk (the chunk context's ``halo``): barrier sites read complete
-    buffers, the first incomplete one stops the pass (module docstring)."""
-
-    def __init__(self, store: Store, complete: List[str], capture: Optional[str] = None):
-        self.store, self.complete, self.capture = store, complete, capture
-        self.sites: Dict[str, _Site] = {}
-        self.constant: set = set()   # sites whose sources need no gradient
-
-    def join(self, key: str, cg: ChunkedGraph, lg: LocalGraph, t: Tensor, vdim: int) -> Tensor:
-        rows = t.narrow(vdim, 0, lg.rows)
-        if vdim:
-            rows = rows.movedim(vdim, 0)
-        if key not in self.complete:
-            self.store.kinds[key] = "rows"  # a layer's source rows, one per vertex
-            self.store.put(key, lg, rows)
-            raise _Barrier(key)
-        ids = lg.nodes
-        halo = self.store.gather(key, lg.halo)
-        if torch.is_grad_enabled() and rows.requires_grad:
-            site = self.sites[key] = _Site(key, self.store, lg, capture=key == self.capture)
-            site.anchor = torch.zeros((), device=rows.device, requires_grad=True)
-            out = _Join.apply(rows, halo.to(rows.dtype), site.anchor, site, ids)
-        else:
-            if not rows.requires_grad:
-                self.constant.add(key)
-            out = torch.cat([rows, halo.to(rows.dtype)])
-        return out.movedim(0, vdim) if vdim else out
+from ...graph.chunks import ChunkedGraph, LocalGraph
+from ...model.errors import UnsupportedModelError
+from ...model.inputs import CallInputs, Localizer
+from ..context import ChunkContext
+from ..runtime.runtime import Runtime
+from ..runtime.sites import same_as_first_chunk, site_keys
+from ..runtime.statistics import Statistics
+from ..runtime.store import Store
+from ..tree import flatten, unflatten
+from .barriers import StreamHalo, _Barrier
+from .checks import check_output, row_check
+from .chunk import rng_state, same_rng
 
 
 @dataclass
@@ -247,15 +74,14 @@ class StreamRecord:
 def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple[Tensor, Optional[StreamRecord]]:
     """The model on ``inputs``, group by group over all chunks (module docstring), its values in ``store``.
     ``train``: keep what the backward needs (random states, the store) and return the record."""
-    from .step import _check_output, _row_check
     cg = rt.graph
     runners = rt.programs.stage_runners(inputs)
     record = StreamRecord(rt, inputs, Localizer(inputs, rt.chunked, rt.adjacency), runners, store, [])
-    checking = _row_check(rt, cg.chunks[0].rows) is not None  # the first pass of this mode checks every group
+    checking = row_check(rt, cg.chunks[0].rows) is not None  # the first pass of this mode checks every group
     out_full = None
     for g, runner in enumerate(runners):
         record.received.append(list(runner.stage.inputs) if g > 0 else [])  # (one untraced group: g = 0)
-        check = _row_check(rt, cg.chunks[0].rows) if checking else None
+        check = row_check(rt, cg.chunks[0].rows) if checking else None
         complete: List[str] = []
         reference = None
         while True:  # one pass over the chunks per barrier site met, and the last pass
@@ -278,7 +104,7 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
                 else:
                     same_as_first_chunk(keys, reference)
                 if g == len(runners) - 1:
-                    out = _check_output(rec.out, lg.rows)
+                    out = check_output(rec.out, lg.rows)
                     if out_full is None:
                         out_full = out.new_empty((cg.num_nodes, *out.shape[1:]))
                     out_full[lg.start:lg.end] = out.detach()
@@ -371,8 +197,8 @@ def _run(rt: Runtime, record: StreamRecord, g: int, c: int, halo: StreamHalo, gr
     received: Dict[str, Any] = {}
     state = record.rng.get((g, c))
     if state is None:  # the first run of this chunk of this group: its random numbers, for every later pass
-        record.rng[(g, c)] = _rng_state(rt.comm.device)
-    with ctx, _same_rng(state, rt.comm.device):
+        record.rng[(g, c)] = rng_state(rt.comm.device)
+    with ctx, same_rng(state, rt.comm.device):
         args, kwargs = record.localizer.localize(c, ctx)
         for name in record.received[g]:
             if name in store.rows:
@@ -518,28 +344,3 @@ def _last_used_by(record: StreamRecord, g: int) -> List[str]:
 def _differs(key: Optional[str], other: str) -> str:
     return (f"Streaming: chunks of one layer group stopped at different call sites ({key or 'none'} and {other}); "
             f"the forward's layer calls depend on the data. Train without streaming (streaming=False).")
-
-
-def _rng_state(device: torch.device):
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-class _same_rng:
-    """Runs a block with a saved random state (``None``: as it is), leaving the outer state unchanged."""
-
-    def __init__(self, state, device: torch.device):
-        self.state, self.device = state, device
-
-    def __enter__(self):
-        if self.state is None:
-            return
-        self._fork = torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])
-        self._fork.__enter__()
-        torch.set_rng_state(self.state[0])
-        if self.state[1] is not None:
-            torch.cuda.set_rng_state(self.state[1], self.device)
-
-    def __exit__(self, *exc):
-        if self.state is not None:
-            self._fork.__exit__(*exc)
-        return False

@@ -4,20 +4,20 @@
 ``chunked``          every input graph cut into the plan's chunks (:mod:`pyg_pipe.graph.chunks`)
 ``way_chunked``      the same with one chunk per way (exact passes: inference, the history pass; built
                      on first use)
-``schedule``         chunk order and freshness (:mod:`.schedule`)
+``schedule``         chunk order and freshness (:mod:`..plan.schedule`)
 ``history``          historical rows per call of the model and call site (:mod:`.history`), in the
                      memory tier the knobs choose (:mod:`.tiers`)
 ``halo``             the halo exchange among ways (all-to-all or ring, :mod:`.ring`) and with history (:mod:`.halo`)
 ``link``             values crossing the stage cuts, per chunk (:mod:`.link`)
 ``tiers``            where history and streamed values sit: device, host or disk (:mod:`.tiers`)
-``stores``           streaming only: the values of each call of the model, group by group (:mod:`.stream`)
+``stores``           streaming only: the values of each call of the model, group by group (:mod:`..step.stream`)
 ``programs``         what this stage runs per kind of call (:mod:`.program`)
 ``sites``            the call sites met, per kind of call (:mod:`.sites`)
 caches               normalisations and ``cached=True`` layers per chunk, local sparse adjacencies,
                      transposed graphs, the output's shape per kind of call
 ==================== ===============================================================================
 
-The step (:mod:`.step`) runs passes over these; where history lives (another memory tier), how the
+The step (:mod:`..step.pipeline`) runs passes over these; where history lives (another memory tier), how the
 link and the exchange are timed, and a staleness meter plug in here, each behind its own object.
 """
 from __future__ import annotations
@@ -25,21 +25,23 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Set
 
 import torch
+from torch import Tensor
 
-from ..graph.chunks import ChunkedGraph, way_ptr
-from ..model.inputs import CallInputs, graph_edges
-from .comm import Comm
-from .config import PipelineConfig
-from .grid import RankGrid
+from ...graph.chunks import ChunkedGraph, way_ptr
+from ...model.inputs import CallInputs, graph_edges
+from ..comm import Comm
+from ..config import PipelineConfig
+from ..plan.grid import RankGrid
 from .halo import HaloExchange
 from .history import HistoryStore
 from .link import StageLink
-from .plan import Plan
+from ..plan.plan import Plan
 from .program import Programs
-from .schedule import Schedule
+from ..plan.schedule import Schedule
 from .tiers import Tiers
 from .staleness import StalenessMeter
 from .statistics import StatisticsHistory
+from .store import Store
 from .timeline import Timeline
 from .sites import CallSites
 
@@ -69,14 +71,14 @@ class Runtime:
         bounds = way_ptr(plan.ptr, W).tolist()
         self.way_bounds: List[int] = bounds
         self.way_rows: List[int] = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-        self.recompute = plan.chunks_per_way > 1 and config.recompute is not False  # (:mod:`.step`)
+        self.recompute = plan.chunks_per_way > 1 and config.recompute is not False  # (:mod:`..step.pipeline`)
         self.recompute_pending = self.recompute and config.recompute == "auto"  # decided after the first step
         self.schedule = Schedule(plan.num_chunks, W, config.shuffle_chunks, config.seed,
                                  config.unbiased_gradients and not config.late_gradients)  # late: nothing dropped
         self.tiers = Tiers(dev, config.offload, config.offload_budget, config.offload_dir)
         held = boundary(self.chunked, *bounds[grid.way:grid.way + 2])
         self.history = HistoryStore(plan.num_nodes, dev, self.tiers, held if held.numel() < plan.num_nodes else None)
-        self.stores: Dict[int, "Store"] = {}
+        self.stores: Dict[int, Store] = {}
         self._statistics: Dict[int, StatisticsHistory] = {}  # call -> historical BatchNorm sums (:mod:`.statistics`)
         self.halo = HaloExchange(grid, comm, self.schedule, config.halo_exchange, config.late_gradients)
         self.link = StageLink(comm, grid.prev, grid.next)
@@ -111,9 +113,8 @@ class Runtime:
             self._way_chunked = [cg.rechunked(bounds, plan.ways) for cg in self.chunked]
         return self._way_chunked
 
-    def store(self, call: int) -> "Store":
+    def store(self, call: int) -> Store:
         """Streaming: the store of the ``call``-th call of a step (``-1``: inference), reused every step."""
-        from .stream import Store
         hit = self.stores.get(call)
         if hit is None:
             hit = self.stores[call] = Store(self.tiers, self.plan.num_nodes)

@@ -18,7 +18,7 @@ the drain), so the previous (next) stage's send completes during the compute ins
 Only chunks whose shapes are known (every step after a plan's first) are prefetched, and only after
 the current chunk's receives completed, so messages from a rank still match the receives in order.
 
-Bytes (:mod:`pyg_pipe.engine.comm`): the value feeding the next stage's first layer counts as
+Bytes (:mod:`..comm`): the value feeding the next stage's first layer counts as
 ``stage_activations`` / ``stage_gradients``, every other value as ``carried``; the last stage's
 output sent to the other ranks as ``output``. In training passes, floating-point values and gradients
 crossing a cut travel in ``boundary_dtype`` when the knob sets one (bf16: half the bytes), and are cast
@@ -31,9 +31,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..model.errors import UnsupportedModelError
-from .comm import Comm
-from .tree import flatten, unflatten
+from ...model.errors import UnsupportedModelError
+from ..comm import Comm
+from ..tree import flatten, unflatten
 
 Spec = Tuple[Any, List[Optional[Tuple[Tuple[int, ...], torch.dtype]]]]   # (structure, leaf shapes)
 

@@ -1,6 +1,6 @@
 """Communication per training step, predicted from the graph and the model (no transport here).
 
-The counters of :class:`~pyg_pipe.engine.comm.Comm` measure what actually travels; these formulas
+The counters of :class:`~..comm.Comm` measure what actually travels; these formulas
 say what should, and the tests check that the two agree. fp32 unless ``bytes_per_value`` says
 otherwise (``b``; with ``boundary_dtype=torch.bfloat16`` the stage, carried and halo terms take
 ``boundary_bytes = 2`` instead, while the output and the weight all-reduce stay at ``b``); ``d`` is the width of the activation at every stage cut, ``|V|`` the number of vertices::
@@ -15,7 +15,7 @@ otherwise (``b``; with ``boundary_dtype=torch.bfloat16`` the stage, carried and 
         halo_forward = halo_backward = Σ_sites d_site · Σ_p |halo(p)| · b
         weight_allreduce             = 2·(W-1)·#params·b              (a ring all-reduce)
 
-    graph parallel with halo_exchange="ring" (:mod:`.ring`): each row travels hop by hop to its farthest reader
+    graph parallel with halo_exchange="ring" (:mod:`..runtime.ring`): each row travels hop by hop to its farthest reader
         halo_forward = halo_backward = Σ_sites d_site · Σ_o Σ_{v in part o read by another way} maxdist(v) · b
 
 where a *site* is a propagate call whose source rows are computed by the model (the first layer
@@ -32,7 +32,7 @@ from typing import Dict, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .comm import CATEGORIES
+from ..comm import CATEGORIES
 
 
 def gnnpipe_bytes(num_nodes: int, num_stages: int, width: int, out_width: int, carried_width: int = 0,

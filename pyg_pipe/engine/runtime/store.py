@@ -1,0 +1,119 @@
+"""The values a streamed pass keeps between layer groups (NGra streaming, :mod:`..step.stream`):
+one ``[|V|, ...]`` buffer per node value in the memory tiers, anything else per chunk, and their gradients."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ...graph.chunks import LocalGraph
+from ...model.errors import UnsupportedModelError
+from ..tree import flatten, unflatten
+from .tiers import Tiers
+
+
+class Store:
+    """Rows of the values crossing group boundaries, and of barrier sites, with their gradients.
+
+    Node values (one row per chunk vertex along dimension 0) are kept as one ``[|V|, ...]`` buffer per
+    value (new vertex ids), from :class:`~..tiers.Tiers`; anything else a group passes on
+    (edge rows, an LSTM state) per chunk.
+    """
+
+    def __init__(self, tiers: Tiers, num_nodes: int):
+        self.tiers, self.num_nodes = tiers, num_nodes
+        self.rows: Dict[str, Tensor] = {}
+        self.chunks: Dict[str, Dict[int, Any]] = {}
+        self.grads: Dict[str, Tensor] = {}
+        self.chunk_grads: Dict[str, Dict[int, Any]] = {}
+        self.kinds: Dict[str, str] = {}                              # "rows" or "chunk", per value
+        self.pending: Dict[str, Dict[int, Tuple[LocalGraph, Any]]] = {}
+
+    def put(self, name: str, lg: LocalGraph, value) -> None:
+        """Stores chunk ``lg``'s part of ``value`` (detached). Whether a value is a node value is decided by
+        the first chunk whose rows and local edges differ in number; until then it is kept per chunk."""
+        kind = self.kinds.get(name)
+        if kind is None:
+            if not _is_rows(value, lg):
+                kind = "chunk"
+            elif value.size(0) != lg.num_edges:
+                kind = "rows"
+            if kind is not None:
+                self.kinds[name] = kind
+                for c, (lg2, v) in self.pending.pop(name, {}).items():
+                    self._put(kind, name, lg2, v)
+        if kind is None:
+            self.pending.setdefault(name, {})[lg.index] = (lg, value.detach())
+        else:
+            self._put(kind, name, lg, value)
+
+    def settle(self, names) -> None:
+        """After every chunk put ``names``: values no chunk told apart from edge tensors stay per chunk."""
+        for name in names:
+            if name in self.pending:
+                self.kinds[name] = "chunk"
+                for c, (lg, v) in self.pending.pop(name).items():
+                    self._put("chunk", name, lg, v)
+
+    def _put(self, kind: str, name: str, lg: LocalGraph, value) -> None:
+        if kind == "rows":
+            if not _is_rows(value, lg):
+                raise UnsupportedModelError(
+                    f"Value '{name}' passed between layer groups has one row per vertex for one chunk but shape "
+                    f"{tuple(value.shape)} for a chunk of {lg.rows} vertices; streaming needs the same kind of "
+                    f"value for every chunk. Train without streaming (streaming=False).")
+            buf = self.rows.get(name)
+            if buf is None:
+                buf = self.rows[name] = self.tiers.zeros((self.num_nodes, *value.shape[1:]), value.dtype)
+            buf[lg.start:lg.end] = value.detach().to(buf.device)
+            self.tiers.release(buf)
+        else:
+            leaves, spec = flatten(value)
+            self.chunks.setdefault(name, {})[lg.index] = unflatten(
+                [t.detach() if isinstance(t, Tensor) else t for t in leaves], spec)
+
+    def gather(self, name: str, ids: Tensor) -> Tensor:
+        """Rows ``ids`` of node value ``name``, on the device."""
+        buf = self.rows[name]
+        out = self.tiers.to_device(buf[ids.to(buf.device)])
+        self.tiers.release(buf)
+        return out
+
+    def add_grad(self, name: str, ids: Tensor, grad: Tensor) -> None:
+        """Adds ``grad`` to the gradient of rows ``ids`` of node value ``name``."""
+        g = self.grads.get(name)
+        if g is None:
+            like = self.rows[name]
+            g = self.grads[name] = self.tiers.zeros(like.shape, like.dtype)
+        g.index_add_(0, ids.to(g.device), grad.to(g.device, g.dtype))
+        self.tiers.release(g)
+
+    def grad_rows(self, name: str, lg: LocalGraph) -> Optional[Tensor]:
+        """The gradient of chunk ``lg``'s rows of node value ``name`` (``None``: nothing reached it)."""
+        g = self.grads.get(name)
+        if g is None:
+            return None
+        out = self.tiers.to_device(g[lg.start:lg.end])
+        self.tiers.release(g)
+        return out
+
+    def drop(self, name: str) -> None:
+        """Frees a value and its gradient (after the backward of the group that produced it)."""
+        for table in (self.rows, self.grads):
+            t = table.pop(name, None)
+            if t is not None:
+                self.tiers.free(t)
+        for table in (self.chunks, self.chunk_grads, self.kinds, self.pending):
+            table.pop(name, None)
+
+    def clear(self) -> None:
+        """Frees everything (the end of a step, or an inference pass)."""
+        for name in list(self.rows) + list(self.grads) + list(self.chunks) + list(self.chunk_grads):
+            self.drop(name)
+
+
+def _is_rows(value, lg: LocalGraph) -> bool:
+    """Possibly a node value: a tensor with one row per chunk vertex along dimension 0."""
+    return isinstance(value, Tensor) and value.layout == torch.strided and value.dim() > 0 \
+        and value.size(0) == lg.rows

@@ -1,0 +1,179 @@
+"""A layer call's arguments on a chunk: which are graphs, node tensors and edge tensors, and what each
+becomes (:mod:`.layers` calls these from its hooks).
+
+* **graphs** (``edge_index`` / ``adj_t``) are resolved to the chunk's local graph of the input graph they
+  are (:meth:`pyg_pipe.model.inputs.GraphResolver.resolve`); a layer may be given several, each with a
+  halo of its own;
+* **node tensors** have one row per chunk vertex along the layer's ``node_dim``; in a call on the whole
+  local graph they are extended to ``[rows | halo]`` (:func:`extend`);
+* **edge tensors** have one row per local edge of the graph they belong to (:func:`edge_chunking`),
+  re-cut when the layer runs on another graph with as many edges (:func:`relocalise_edges`).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch_geometric.nn import MessagePassing
+
+from ...graph.chunks import ChunkedGraph, LocalGraph
+from ...model.errors import UnsupportedModelError
+from ...model.inputs import is_graph_tensor
+from ..context import ChunkContext
+
+
+def row_graph(ctx: ChunkContext, cg: ChunkedGraph, lg: LocalGraph, local):
+    """The row graph of ``local`` (registered as an edge input when ``local`` carries the input's values)."""
+    rows = ctx.graphs.row_graph(cg, lg, local)
+    whole = ctx.edge_input(local) if isinstance(local, Tensor) and local.layout != torch.strided else None
+    if whole is not None and ctx.edge_input(rows) is None:
+        ctx.add_edge_input(rows, whole, cg)
+    return rows
+
+
+def each(value, fn, param: str = ""):
+    """``fn(tensor, param)`` for ``value`` or each element of a tuple / list ``value`` (a module-level
+    recursion: closures that call themselves would keep every chunk's tensors alive in a reference cycle)."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(each(v, fn, param) for v in value)
+    return fn(value, param)
+
+
+def argument_kind(ctx: ChunkContext, module: MessagePassing, value: Tensor, param: str) -> Tuple[Optional[str], int]:
+    """``("node", vertex dim)``, ``("edge", 0)`` or ``(None, 0)`` for one tensor argument of a layer."""
+    lg = ctx.lg
+    if ctx.edge_input(value) is not None:
+        return "edge", 0
+    vdim = vertex_dim(module, value, lg.rows)
+    if ctx.is_clean(value) and vdim is not None:
+        return "node", vdim
+    edge = value.size(0) == lg.num_edges
+    if vdim is not None and edge:  # as many chunk rows as local edges: PyG's names say which
+        return ("edge", 0) if "edge" in param else ("node", vdim)
+    if edge:
+        return "edge", 0
+    return ("node", vdim) if vdim is not None else (None, 0)
+
+
+def narrow(module: MessagePassing, value, lg: LocalGraph):
+    if isinstance(value, (tuple, list)):
+        return type(value)(narrow(module, v, lg) for v in value)
+    if isinstance(value, Tensor) and value.dim() > 0:
+        vdim = vertex_dim(module, value, lg.num_local)
+        if vdim is not None:
+            return value.narrow(vdim, 0, lg.rows)
+    return value
+
+
+def vertex_dim(module: MessagePassing, t: Tensor, size: int) -> Optional[int]:
+    """The dimension of ``t`` that indexes vertices (``size`` of them): the layer's ``node_dim``,
+    else dimension 0; ``None`` when neither has that size."""
+    nd = module.node_dim if module.node_dim >= 0 else t.dim() + module.node_dim
+    if 0 <= nd < t.dim() and t.size(nd) == size:
+        return nd
+    return 0 if t.size(0) == size else None
+
+
+_NAMES: Dict[type, List[str]] = {}
+
+
+def parameter_names(module: torch.nn.Module, count: int) -> List[str]:
+    """The names of the first ``count`` positional parameters of the layer's ``forward``."""
+    cls = type(module)
+    names = _NAMES.get(cls)
+    if names is None:
+        params = inspect.signature(cls.forward).parameters.values()
+        names = _NAMES[cls] = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+    return (names + [""] * count)[:count]
+
+
+def is_sparse(value) -> bool:
+    return isinstance(value, Tensor) and value.layout != torch.strided or type(value).__name__ == "SparseTensor"
+
+
+def resolve_graphs(ctx: ChunkContext, name: str, module: MessagePassing, args: list, kwargs: dict):
+    """Finds the layer's graph arguments: ``(cg, lg, {id(graph): (cg, lg, local graph)})`` (``cg, lg``: the
+    first one's chunking; the caller swaps in the local graphs)."""
+    found: Dict = {}
+    for container, keys in ((args, range(len(args))), (kwargs, list(kwargs))):
+        for k in keys:
+            value = container[k]
+            if not is_graph_tensor(value):
+                continue
+            hit = ctx.graphs.resolve(value)
+            if hit is None:
+                raise UnsupportedModelError(
+                    f"Layer '{name}' ({type(module).__name__}) receives a graph computed inside forward "
+                    f"({tuple(value.shape)}), which pyg_pipe cannot cut into chunks. Compute it in the data "
+                    f"pipeline and pass it to forward as an argument (e.g. data.edge_index2 = ...), or train on "
+                    f"one device. Transposes (edge_index.flip(0)) and the input graph itself are understood.")
+            found.setdefault(id(value), hit)
+    if not found:
+        raise UnsupportedModelError(
+            f"Layer '{name}' ({type(module).__name__}) was called without a graph argument (edge_index or adj_t) "
+            f"that pyg_pipe handed to the model; pass the graph from the model's forward arguments.")
+    cg, lg, _ = next(iter(found.values()))
+    return cg, lg, found
+
+
+def edge_chunking(ctx: ChunkContext, name: str, graphs: Dict, value: Tensor):
+    """``(cg, lg)`` of the graph an edge tensor of a layer given several graphs belongs to: the graph whose
+    chunking cut it (an input), else the only one with as many local edges."""
+    cut = ctx.edge_chunking(value)
+    hits = [(cg, lg) for cg, lg, _ in graphs.values() if (cut is cg if cut is not None else lg.num_edges ==
+                                                         value.size(0))]
+    if len({id(cg) for cg, _ in hits}) != 1:
+        raise UnsupportedModelError(
+            f"Layer '{name}' is given several graphs and an edge tensor of shape {tuple(value.shape)} that "
+            f"pyg_pipe cannot assign to one of them. Pass per-edge inputs of each graph as forward arguments "
+            f"(they are cut with their graph), or give each graph a layer of its own.")
+    return hits[0]
+
+
+def clean_input(ctx: ChunkContext, t: Tensor) -> bool:
+    """``t`` is an input handed out for the chunk, unchanged (or a recomputation's detached copy of one)."""
+    if ctx.is_clean(t):
+        return True
+    return ctx.recomputing() and any(h[0].data_ptr() == t.data_ptr() and h[0].shape == t.shape
+                                     and h[1] == h[0]._version for h in ctx.clean.values())
+
+
+def relocalise_edges(ctx: ChunkContext, name: str, cg: ChunkedGraph, lg: LocalGraph, value: Tensor):
+    """Edge inputs are handed out cut for the graph whose edge count they have (the primary graph's when
+    several have it); a layer on another graph with as many edges (a transpose) gets them re-cut for it.
+    Computed edge tensors cannot be re-cut."""
+    cut = ctx.edge_chunking(value)
+    if cut is cg or (cut is None and (cg is ctx.cg or value.size(0) != ctx.lg.num_edges)):
+        return value
+    whole = ctx.edge_input(value)
+    if whole is None or whole.size(0) != cg.num_edges:
+        raise UnsupportedModelError(
+            f"Layer '{name}' runs on another graph than the one its edge tensor {tuple(value.shape)} was cut for "
+            f"(a transpose, or a second graph); pyg_pipe can re-cut only edge tensors given as forward arguments "
+            f"with as many rows as that graph has edges.")
+    out = cg.local_edges(lg, whole)
+    ctx.add_edge_input(out, whole, cg)
+    return out
+
+
+def extend(ctx: ChunkContext, cg: ChunkedGraph, lg: LocalGraph, t: Tensor, vdim: int, clean: bool) -> Tensor:
+    """``t`` (chunk rows) extended to ``lg.num_local`` rows along ``vdim``: a clean input with its true halo
+    rows, anything else with fillers (copies of chunk rows, replaced at the propagate)."""
+    if lg.halo.numel() == 0:
+        return t
+    if clean:
+        rest = ctx.clean_rows(t)(cg, lg).to(t.dtype)
+        if vdim != 0:
+            rest = rest.movedim(0, vdim)
+    else:
+        rest = t.detach().index_select(vdim, filler(lg, t.device))
+    return torch.cat([t, rest], dim=vdim)
+
+
+def filler(lg: LocalGraph, device) -> Tensor:
+    fill = getattr(lg, "filler", None)
+    if fill is None:
+        fill = lg.filler = torch.arange(lg.halo.numel(), device=device) % lg.rows
+    return fill

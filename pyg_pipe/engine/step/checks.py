@@ -1,0 +1,38 @@
+"""The checks a pass makes on what the user's model does with a cut graph, shared by the pipelined pass
+(:mod:`.pipeline`) and the streamed one (:mod:`.stream`): operations that combine vertex rows outside
+layers (:mod:`.rows`, on the first pass of each mode, agreed by every rank) and the model's output."""
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import Tensor
+
+from ...model.errors import UnsupportedModelError
+from ..runtime.runtime import Runtime
+from .rows import RowCheck
+
+
+def row_check(rt: Runtime, rows: int) -> Optional[RowCheck]:
+    """A check for operations that combine vertex rows outside layers (:mod:`.rows`), on the first
+    pass of each mode of a plan that cuts the graph (the same pass on every rank)."""
+    plan = rt.plan
+    if plan.num_chunks == 1 or ("train" if rt.module.training else "eval") in rt.rows_checked:
+        return None
+    cut = f"num_chunks={plan.num_chunks}" + (f" over {plan.ways} graph-parallel ways" if plan.ways > 1 else "")
+    return RowCheck(rows, rt.module_names, cut)
+
+
+def verdict(rt: Runtime, check: RowCheck) -> None:
+    """After the checked pass: every rank raises the same error if any rank found an operation."""
+    rt.rows_checked.add("train" if rt.module.training else "eval")
+    check.verdict(rt.comm)
+
+
+def check_output(out, rows: int) -> Tensor:
+    if not isinstance(out, Tensor) or out.dim() == 0 or out.size(0) != rows:
+        what = f"a {type(out).__name__}" if not isinstance(out, Tensor) else f"shape {tuple(out.shape)}"
+        raise UnsupportedModelError(
+            f"The pipelined model must return one tensor with a row per vertex; its forward returned {what} for a "
+            f"chunk of {rows} vertices. Return the node embeddings or logits only (compute auxiliary losses outside "
+            f"the model).")
+    return out

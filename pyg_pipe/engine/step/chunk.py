@@ -1,0 +1,194 @@
+"""One chunk through this rank's stage, forward (:func:`run_chunk`) and backward (:func:`drain_chunk`), and
+what the passes around it share: the whole output gathered on every rank, and the recomputation decision.
+
+Both the fill and the exact pass (:mod:`.pipeline`) run a chunk with :func:`run_chunk`; a replay (the
+drain recomputing a chunk) runs it again with what the fill received."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ...graph.chunks import ChunkedGraph
+from ...model.inputs import Localizer
+from ..context import ChunkContext
+from ..runtime.halo import HaloPass
+from ..runtime.runtime import Runtime
+from ..runtime.statistics import Statistics, StatisticsHistory
+from ..tree import flatten, unflatten
+from .checks import check_output
+from .rows import RowCheck
+
+
+@dataclass
+class ChunkRecord:
+    """One chunk's run: what the drain needs of it."""
+
+    chunk: int
+    ctx: Optional[ChunkContext]
+    received: Dict[str, Any]
+    sent: Dict[str, Any]
+    out: Optional[Tensor]
+    activation: Optional[str]
+    rng: Optional[Tuple[Tensor, Optional[Tensor]]] = None   # set when the drain replays the chunk
+    key: Any = None                                          # the chunk's key on the stage link
+
+
+def run_chunk(rt: Runtime, run: HaloPass, localizer: Localizer, cgs: List[ChunkedGraph], c: int, runner,
+              link_key, one_per_way: bool, init: bool, check: Optional[RowCheck], train: bool,
+              received: Optional[Dict[str, Any]] = None, protect: bool = False, next_key=None,
+              statistics: Optional[StatisticsHistory] = None, last: bool = False) -> ChunkRecord:
+    """Chunk ``c`` of the chunking ``cgs`` through this rank's stage: inputs cut to the chunk, values
+    from the previous stage, the stage's program. ``check``: the row check watches this run.
+    ``received``: a replay (module docstring), with the values the fill received. ``protect``: the
+    program gets copies of the received values (a replay needs them intact, and a reversible block
+    frees its input's storage). ``next_key``: the receives of the chunk run next are posted as soon as
+    this chunk's arrived (:mod:`..runtime.link`, overlap). ``statistics``: historical BatchNorm sums of the call
+    (:mod:`.norms`); ``last``: the chunk runs last in its way's order (it moves running statistics)."""
+    grid = rt.grid
+    lg = cgs[0].chunks[c]
+    replay = received is not None
+    prime = statistics if one_per_way else None  # an exact pass fills the historical sums of every chunk
+    if statistics is not None and not one_per_way:
+        stats = Statistics(rt.comm, None, None, lg.rows, update_running=not init, replay=replay, history=statistics,
+                           chunk=c, last=last)
+    elif one_per_way and grid.ways > 1:
+        stats = Statistics(rt.comm, grid.stage_group, rt.way_rows, lg.rows, update_running=not init, replay=replay,
+                           prime=prime)
+    else:
+        stats = Statistics(rt.comm, None, None, lg.rows, update_running=not init, replay=replay, prime=prime)
+    ctx = ChunkContext(cgs[0], lg, run, localizer.resolver(c, rt.derive), stats, rt.layer_cache, check, replay)
+    stage = runner.stage
+    with ctx:
+        args, kwargs = localizer.localize(c, ctx)
+        if received is None:
+            received = rt.link.recv(link_key, stage.inputs, train) if stage is not None and grid.prev is not None \
+                else {}
+            if next_key is not None and stage is not None:
+                rt.link.prefetch(next_key, stage.inputs)
+        given = {k: _copied(v) for k, v in received.items()} if protect else received
+        if check is None:
+            sent, out = runner.run(args, kwargs, given)
+        else:
+            check.returned(list(given.values()))
+            with check:
+                sent, out = runner.run(args, kwargs, given)
+    return ChunkRecord(c, ctx, received, sent, out, stage.activation if stage is not None else None, key=link_key)
+
+
+class SavedBytes:
+    """Counts the bytes autograd saves for the backward inside the block (when ``on``)."""
+
+    def __init__(self, on: bool):
+        self.on, self.bytes, self._hooks = on, 0, None
+
+    def _pack(self, t: Tensor):
+        self.bytes += t.numel() * t.element_size()
+        return t
+
+    def __enter__(self) -> "SavedBytes":
+        if self.on:
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+            self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+        return False
+
+
+def decide_recompute(rt: Runtime, saved_bytes: int, rows: int) -> None:
+    """``recompute="auto"``: after the first step's last chunk kept ``saved_bytes`` for ``rows`` rows, keep
+    every chunk's activations from now on if all of them (scaled to the way's rows) fit a quarter of the
+    memory the device has free; else go on recomputing. Decided once; results are the same either way."""
+    from ..runtime.tiers import free_memory
+    way_rows = rt.way_rows[rt.grid.way]
+    estimate = saved_bytes * way_rows / max(rows, 1)
+    rt.recompute = estimate > free_memory(rt.comm.device) // 4
+    rt.recompute_pending = False
+
+
+def _copied(value):
+    leaves, structure = flatten(value)
+    return unflatten([t.clone() for t in leaves], structure)
+
+
+def rng_state(device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def drain_chunk(rt: Runtime, rec: ChunkRecord, key, grad_new: Optional[Tensor], first: bool, next_key=None) -> None:
+    """One chunk's backward: the gradients of what it sent (or of its output rows), autograd through the
+    chunk, then the gradients of what it received back to the previous stage. ``key``: the chunk's key on
+    the stage link; ``next_key``: the chunk drained next, whose gradients' receives are posted before this
+    chunk's backward runs (overlap)."""
+    grid = rt.grid
+    lg = rec.ctx.lg
+    with rec.ctx:
+        if grid.is_last:
+            roots = [rec.out] if rec.out.requires_grad else []
+            grads = [grad_new[lg.start:lg.end].to(rec.out.dtype)] if roots else []
+        else:
+            roots, grads = rt.link.recv_grads(key, rec.sent)
+            if next_key is not None:
+                rt.link.prefetch_grads(next_key)
+        if roots:
+            torch.autograd.backward(roots, grads)
+    if grid.prev is not None:
+        rt.link.send_grads(rec.chunk, rec.received, rec.activation, first=first)
+
+
+def share_output(rt: Runtime, mine: Optional[Tensor], start: int, end: int, key) -> Tensor:
+    """The whole output (new vertex order) on every rank: each last-stage way sends its rows."""
+    grid, comm = rt.grid, rt.comm
+    S = grid.stages
+    spec = rt.output_specs.get(key)
+    if spec is None:  # the output's trailing shape and dtype, told once per kind of call
+        if grid.is_last:
+            mine = check_output(mine, end - start)
+            spec = (tuple(mine.shape[1:]), mine.dtype)
+            if grid.way == 0:
+                for r in range(comm.world_size):
+                    if r // grid.ways != S - 1:
+                        comm.send_object(spec, r)
+        else:
+            spec = comm.recv_object(grid.rank_of(S - 1, 0))
+        rt.output_specs[key] = spec
+    shape, dtype = spec
+    full = torch.empty((rt.plan.num_nodes, *shape), dtype=dtype, device=comm.device)
+    bounds = rt.way_bounds
+    if grid.is_last:
+        full[start:end] = mine
+        for r in range(comm.world_size):
+            if r != comm.rank:
+                comm.send(mine, r, "output")
+    for w in range(grid.ways):
+        src = grid.rank_of(S - 1, w)
+        if src != comm.rank:
+            a, b = bounds[w], bounds[w + 1]
+            full[a:b] = comm.recv((b - a, *shape), dtype, src)
+    return full
+
+
+class same_rng:
+    """Runs a block with a saved random state (``None``: as it is), leaving the outer state unchanged."""
+
+    def __init__(self, state, device: torch.device):
+        self.state, self.device = state, device
+
+    def __enter__(self):
+        if self.state is None:
+            return
+        self._fork = torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])
+        self._fork.__enter__()
+        torch.set_rng_state(self.state[0])
+        if self.state[1] is not None:
+            torch.cuda.set_rng_state(self.state[1], self.device)
+
+    def __exit__(self, *exc):
+        if self.state is not None:
+            self._fork.__exit__(*exc)
+        return False

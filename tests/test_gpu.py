@@ -5,7 +5,9 @@ them with the GPU benchmarks where one is).
   device (float64, 3 Adam steps), with the fused kernels routed in for a sparse ``adj_t``;
 * one GPU through Lightning: ``strategy="gnnpipe"``, ``devices=1``, equals plain training;
 * two GPUs (when there are two): gnnpipe over NCCL with one chunk per way (exact) equals one process,
-  and with 4 chunks trains (history on the device, grouped p2p, no host syncs in the chunk loop).
+  and with 4 chunks trains (history on the device, grouped p2p, no host syncs in the chunk loop);
+* two processes on one GPU over gloo, the transport staging CUDA tensors through host memory: the same
+  two checks, so fill, drain, links and history run on CUDA in a real pipeline with one GPU.
 
 The kernels' own CUDA tests are in ``tests/ops/test_aggregate.py`` (also marked ``gpu``).
 """
@@ -89,9 +91,9 @@ def test_lightning_fit_on_one_gpu_equals_plain_training(tmp_path):
         torch.testing.assert_close(p.to(CUDA), q, atol=1e-4, rtol=0)
 
 
-def _two_gpus(rank, world, chunks):
+def _two_gpus(rank, world, chunks, one_gpu=False):
     torch.set_default_dtype(torch.float64)
-    dev = torch.device("cuda", rank)
+    dev = torch.device("cuda", 0 if one_gpu else rank)
     x, g, y, mask = zoo_graph()
     x, y, mask, ei = x.to(dev), y.to(dev), mask.to(dev), g["edge_index"].to(dev)
     torch.manual_seed(0)  # the same weights on every rank
@@ -100,6 +102,7 @@ def _two_gpus(rank, world, chunks):
     want = _train(ref, x, ei, y, mask)
     engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, partition=ranges, balance="layers"),
                            Comm(dev, timeout=60), num_stages=world)
+    assert engine.comm.staging == ("host" if one_gpu else None)
     engine.install()
     try:
         got = _train(model, x, ei, y, mask)
@@ -117,3 +120,8 @@ def _two_gpus(rank, world, chunks):
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_gnnpipe_over_nccl_on_two_gpus(chunks):
     run_distributed(_two_gpus, 2, chunks, timeout=300, backend="nccl")
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_gnnpipe_on_one_gpu_with_two_processes_over_gloo(chunks):
+    run_distributed(_two_gpus, 2, chunks, True, timeout=300, backend="gloo")

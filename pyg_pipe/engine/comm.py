@@ -28,6 +28,14 @@ every point-to-point receive and halo exchange complete no earlier than ``bytes 
 was posted (:meth:`Comm.simulate_link`), so a receive posted ahead overlaps the delay with compute.
 Collectives (the weight all-reduce) are not delayed.
 
+**Staging through host memory** (``staging="host"``; ``"auto"``, the default, stages when the device is a
+GPU and the process group's backend is gloo): tensors on the device are copied to host memory before they
+are sent or reduced and received into host memory, then copied to the device. Gloo moves only host
+tensors point to point, so this is what lets several processes share one GPU (NCCL refuses two ranks on
+one device) and run the whole pipeline there: fill, drain, links, halos and history on CUDA, the bytes
+through the host. Every copy to the host waits for the device (it is a transport for one machine, not a
+fast one); with NCCL nothing is staged.
+
 No wait can hang: a rank that fails posts its error in the process group's store
 (:meth:`Comm.post_error`) and exits, which closes its connections; a peer blocked on it then fails,
 finds the posted error and raises :class:`RemoteRankError` carrying the original message. A wait
@@ -70,7 +78,8 @@ class PendingRecv:
     def get(self) -> Tensor:
         self.comm.wait(self.work, self.what)
         self.comm.simulate_link(self.posted, self.buf.numel() * self.buf.element_size())
-        return self.buf if self.buf.dtype == self.dtype else self.buf.to(self.dtype)
+        buf = self.comm._arrived(self.buf)
+        return buf if buf.dtype == self.dtype else buf.to(self.dtype)
 
 
 class Comm:
@@ -80,13 +89,22 @@ class Comm:
         device: where received tensors are allocated.
         timeout: seconds one wait may take before :class:`TimeoutError`.
         group: process group (default: world).
+        staging: ``"host"`` stages device tensors through host memory (module docstring), ``None`` never,
+            ``"auto"`` when the device is a GPU and the backend gloo.
     """
 
-    def __init__(self, device: torch.device, timeout: float = 600.0, group=None):
+    def __init__(self, device: torch.device, timeout: float = 600.0, group=None, staging: Optional[str] = "auto"):
         initialized = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if initialized else 0
         self.world_size = dist.get_world_size(group) if initialized else 1
         self.device = device
+        if staging not in ("auto", "host", None):
+            raise ValueError(f"staging={staging!r}: use 'auto', 'host' or None.")
+        if staging == "auto":
+            staging = "host" if initialized and device.type == "cuda" and dist.get_backend(group) == "gloo" else None
+        self.staging = staging
+        #: where tensors travel: host memory when staging, else the device
+        self.wire_device = torch.device("cpu") if staging == "host" else device
         self.timeout = timeout
         self.group = group
         self.counting = False
@@ -105,7 +123,7 @@ class Comm:
     def send(self, tensor: Tensor, dst: int, category: Optional[str] = "other") -> None:
         """Posts an asynchronous send; the tensor is kept alive until :meth:`flush`.
         ``category=None`` sends uncounted (plan-time headers)."""
-        tensor = self._to_wire(tensor.detach(), category in BOUNDARY).contiguous()
+        tensor = self._staged(self._to_wire(tensor.detach(), category in BOUNDARY).contiguous())
         if self.counting and category is not None:
             self.bytes[category] += tensor.numel() * tensor.element_size()
         work = self._post(f"a send to rank {dst}", dist.isend, tensor, dst, group=self.group)
@@ -132,7 +150,7 @@ class Comm:
         transfer can proceed while this rank computes (NCCL moves a p2p message only once both sides have
         posted it); :meth:`PendingRecv.get` waits for it. Messages from one rank match the receives in
         the order they were posted."""
-        buf = torch.empty(tuple(shape), dtype=self._wire(dtype, boundary), device=self.device)
+        buf = torch.empty(tuple(shape), dtype=self._wire(dtype, boundary), device=self.wire_device)
         what = f"receive from rank {src}"
         return PendingRecv(self, self._post(what, dist.irecv, buf, src, group=self.group), buf, what, dtype)
 
@@ -149,6 +167,14 @@ class Comm:
         wire = self._wire(tensor.dtype, boundary)
         return tensor if wire == tensor.dtype else tensor.to(wire)
 
+    def _staged(self, tensor: Tensor) -> Tensor:
+        """``tensor`` where it travels: a host copy when staging (the copy waits for the device)."""
+        return tensor.to(self.wire_device) if self.staging and tensor.device != self.wire_device else tensor
+
+    def _arrived(self, buf: Tensor) -> Tensor:
+        """A received buffer on the device."""
+        return buf.to(self.device) if self.staging and buf.device != self.device else buf
+
     def exchange(self, sends: Sequence[Tuple[Tensor, int]], recvs: Sequence[Tuple[Sequence[int], torch.dtype, int]],
                  category: str = "other") -> List[Tensor]:
         """Posts every send and receive of one exchange together (``batch_isend_irecv``, so NCCL
@@ -158,14 +184,14 @@ class Comm:
         """
         ops, keep, boundary = [], [], category in BOUNDARY
         for tensor, dst in sends:
-            tensor = self._to_wire(tensor.detach(), boundary).contiguous()
+            tensor = self._staged(self._to_wire(tensor.detach(), boundary).contiguous())
             if self.counting:
                 self.bytes[category] += tensor.numel() * tensor.element_size()
             keep.append(tensor)
             ops.append(dist.P2POp(dist.isend, tensor, dst, group=self.group))
         out = []
         for shape, dtype, src in recvs:
-            buf = torch.empty(tuple(shape), dtype=self._wire(dtype, boundary), device=self.device)
+            buf = torch.empty(tuple(shape), dtype=self._wire(dtype, boundary), device=self.wire_device)
             out.append(buf)
             ops.append(dist.P2POp(dist.irecv, buf, src, group=self.group))
         if ops:
@@ -173,6 +199,7 @@ class Comm:
             for work in self._post("a halo exchange", dist.batch_isend_irecv, ops):
                 self.wait(work, "halo exchange")
             self.simulate_link(posted, sum(b.numel() * b.element_size() for b in out))
+        out = [self._arrived(buf) for buf in out]
         return [buf if buf.dtype == dtype else buf.to(dtype) for buf, (_, dtype, _) in zip(out, recvs)]
 
     def send_object(self, obj, dst: int) -> None:
@@ -215,22 +242,27 @@ class Comm:
         """Reduces ``tensor`` in place over ``group`` (``op``: ``"sum"``, ``"min"`` or ``"max"``)."""
         if self.distributed:
             reduce_op = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
-            self.wait(self._post(what, dist.all_reduce, tensor, op=reduce_op, group=group, async_op=True), what)
+            wire = self._staged(tensor)
+            self.wait(self._post(what, dist.all_reduce, wire, op=reduce_op, group=group, async_op=True), what)
+            if wire is not tensor:
+                with torch.no_grad():
+                    tensor.copy_(wire)
         return tensor
 
     def all_gather(self, tensor: Tensor, group=None, what: str = "an all-gather") -> List[Tensor]:
         """Every rank's ``tensor`` (all of the same shape), in rank order of ``group``."""
         if not self.distributed:
             return [tensor]
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        self.wait(self._post(what, dist.all_gather, parts, tensor, group=group, async_op=True), what)
-        return parts
+        wire = self._staged(tensor)
+        parts = [torch.empty_like(wire) for _ in range(dist.get_world_size(group))]
+        self.wait(self._post(what, dist.all_gather, parts, wire, group=group, async_op=True), what)
+        return [self._arrived(p) for p in parts]
 
     def broadcast(self, tensor: Tensor, src: int, what: str = "a broadcast", group=None) -> Tensor:
         """``src``'s ``tensor`` on every rank (on the device the tensor came from)."""
         if not self.distributed:
             return tensor
-        buf = tensor.to(self.device).contiguous()
+        buf = self._staged(tensor.to(self.device).contiguous())
         self.wait(self._post(what, dist.broadcast, buf, src, group=group, async_op=True), what)
         return buf.to(tensor.device)
 

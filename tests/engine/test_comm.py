@@ -185,6 +185,7 @@ def _worker(rank, world):
     comm = Comm(CPU, timeout=60)
     pair, pair01 = dist.new_group([1, 2]), dist.new_group([0, 1])
     assert (comm.rank, comm.world_size, comm.distributed) == (rank, world, True)
+    assert comm.staging is None  # gloo on CPU: nothing to stage (CUDA tensors over gloo: tests/test_gpu.py)
     _point_to_point(comm, rank, world)
     _byte_totals(comm, rank, world)
     _gradient_all_reduce(comm, rank, world, pair)
@@ -241,3 +242,9 @@ def test_the_simulated_link_holds_a_receive_for_bytes_over_bandwidth(monkeypatch
     assert time.perf_counter() - t0 >= 0.05
     monkeypatch.delenv("PYG_PIPE_SIMULATED_BANDWIDTH")
     assert Comm(torch.device("cpu")).simulated_bandwidth == 0
+
+
+def test_staging_is_checked():
+    with pytest.raises(ValueError, match="staging='pinned'"):
+        Comm(CPU, staging="pinned")
+    assert Comm(CPU, staging="host").wire_device == CPU

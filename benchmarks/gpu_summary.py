@@ -1,0 +1,285 @@
+"""The GPU issue's figures in one run, written to one ``summary.json`` (``bash benchmarks/gpu.sh`` calls it).
+
+On one CUDA device, a 16-layer GCNII (hidden 64, ``adj_t``, the fused kernels routed in) on the generated
+community graph, plain PyG against the engine on the same GPU:
+
+``stream_ratio_20k`` / ``stream_ratio_200k``
+    the engine's step streaming 4 chunks (NGra, one device) ÷ plain PyG's step (median of timed steps after
+    a device synchronize, both in this process, one after the other);
+``host_ms_per_chunk_layer``
+    (streamed step − plain step) ÷ (chunks × layers) at 20k vertices, where the GPU idles most of the step:
+    what the engine adds per (chunk, layer), forward and backward;
+``gpu_busy_share_200k``, ``copies_per_step_200k``
+    from ``torch.profiler`` over the streamed steps at 200k: the GPU's busy time (kernels and copies) ÷ the
+    wall time, and the memory copies per step;
+``largest_vertices_plain`` / ``largest_vertices_stream``
+    the largest graph (doubling from ``--sweep-start``) on which one training step of the same model runs,
+    with the CUDA allocator capped at ``--cap-gib`` (so the sweep stays small and fast; the ratio is the
+    point): plain PyG, and the engine streaming with every value between layers in pinned host memory
+    (``offload="host"``, budget 0) and ``4 × size ÷ largest plain size`` chunks (at least 4);
+    ``loss_gap_at_plain_max``: |loss of the streamed step − plain PyG's| on the largest plain graph;
+``pipeline_2proc_ratio``
+    2 processes on this one GPU, 2 pipeline stages, 4 chunks, gloo with the transport staging CUDA tensors
+    through host memory (:class:`pyg_pipe.engine.Comm`), ÷ plain PyG, at 20k vertices.
+
+    python benchmarks/gpu_summary.py --out docs/results/gpu/summary.json
+    python benchmarks/gpu_summary.py --device cpu --small      # the script itself, on a CPU, in seconds
+
+A measurement, never a test. With ``--device cpu`` the profiler figures are left out.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+LAYERS, HIDDEN = 16, 64
+
+
+def _ns(nodes: int, graph: str = "community"):
+    return argparse.Namespace(graph=graph, nodes=nodes, degree=20.0, features=64, classes=8, model="gcnii",
+                              layers=LAYERS, hidden=HIDDEN)
+
+
+def _sync(dev) -> None:
+    import torch
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _step_fn(model, data):
+    import torch
+    import torch.nn.functional as F
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def step() -> float:
+        out = model(data.x, data.adj_t)
+        loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step
+
+
+def _timed(step, dev, steps: int, warmup: int = 2) -> float:
+    """Median seconds of ``steps`` steps after ``warmup`` (each timed after a device synchronize)."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        step()
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class _Engine:
+    """The engine on ``model`` for the block (one device), the fused kernels routed in."""
+
+    def __init__(self, model, dev, **cfg):
+        from pyg_pipe import ops
+        from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
+        self.engine = GNNPipeEngine(model, PipelineConfig(**cfg), Comm(dev), num_stages=1)
+        self.kernels = ops.fused_kernels()
+
+    def __enter__(self):
+        self.kernels.__enter__()
+        self.engine.install()
+        return self.engine
+
+    def __exit__(self, *exc):
+        self.engine.uninstall()
+        self.kernels.__exit__(*exc)
+
+
+def stream_ratio(nodes: int, dev, chunks: int, steps: int, profile: bool) -> dict:
+    from benchmarks.gnnpipe_epoch import build
+    data, model = build(_ns(nodes))
+    data, model = data.to(dev), model.to(dev)
+    plain_model = copy.deepcopy(model)
+    from pyg_pipe import ops
+    with ops.fused_kernels():
+        ops.fuse_messages(plain_model)
+        plain = _timed(_step_fn(plain_model, data), dev, steps)
+    with _Engine(model, dev, num_chunks=chunks) as engine:
+        step = _step_fn(model, data)
+        stream = _timed(step, dev, steps)
+        assert engine.plan.streaming
+        out = {"nodes": nodes, "chunks": chunks, "plain_s": plain, "stream_s": stream, "ratio": stream / plain}
+        if profile and dev.type == "cuda":
+            from benchmarks.gpu_profile import profile as run_profile
+            prof = run_profile(step, steps)
+            out["profile"] = prof
+            out["gpu_busy_share"] = prof["gpu_busy_ms"] / prof["wall_ms"]
+            out["copies_per_step"] = sum(n for k, n in prof["copies_per_step"].items() if k.startswith("Memcpy"))
+    return out
+
+
+def _one_step(nodes: int, dev, plain_max: int | None) -> float:
+    """One training step at ``nodes`` vertices: plain PyG (``plain_max`` None) or streamed; its loss."""
+    from benchmarks.gnnpipe_epoch import build
+    data, model = build(_ns(nodes, graph="random"))
+    data, model = data.to(dev), model.to(dev)
+    if plain_max is None:
+        from pyg_pipe import ops
+        with ops.fused_kernels():
+            ops.fuse_messages(model)
+            return float(_step_fn(model, data)())
+    chunks = max(4, 4 * -(-nodes // plain_max))
+    with _Engine(model, dev, num_chunks=chunks, offload="host", offload_budget=0, partition="contiguous"):
+        return float(_step_fn(model, data)())
+
+
+def _fits(nodes: int, dev, plain_max: int | None):
+    import torch
+    try:
+        return _one_step(nodes, dev, plain_max)
+    except torch.OutOfMemoryError:
+        return None
+    except RuntimeError as exc:  # the fused kernels' allocations report CUDA OOM as a RuntimeError
+        if "out of memory" not in str(exc):
+            raise
+        return None
+    finally:
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def largest(dev, start: int, limit_s: float) -> dict:
+    """The doubling sweep (module docstring)."""
+    out = {}
+    n, t0 = start, time.perf_counter()
+    while _fits(n, dev, None) is not None and time.perf_counter() - t0 < limit_s:
+        n *= 2
+    plain_max = n // 2
+    out["largest_vertices_plain"] = plain_max
+    if plain_max < start:
+        return out
+    loss_plain = _one_step(plain_max, dev, None)
+    loss_stream = _one_step(plain_max, dev, plain_max)
+    out["loss_gap_at_plain_max"] = abs(loss_plain - loss_stream)
+    n, t0, last = plain_max * 2, time.perf_counter(), plain_max
+    while time.perf_counter() - t0 < limit_s:
+        t1 = time.perf_counter()
+        if _fits(n, dev, plain_max) is None:
+            break
+        last = n
+        out.setdefault("stream_step_s", {})[str(n)] = time.perf_counter() - t1
+        n *= 2
+    out["largest_vertices_stream"] = last
+    out["sweep_stopped_by"] = "memory" if time.perf_counter() - t0 < limit_s else f"the {limit_s:.0f} s limit"
+    return out
+
+
+def _pipeline_worker(rank: int, world: int, port: int, nodes: int, steps: int, dev_name: str, q) -> None:
+    import torch
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from benchmarks.gnnpipe_epoch import build
+        from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
+        dev = torch.device(dev_name)
+        data, model = build(_ns(nodes))
+        data, model = data.to(dev), model.to(dev)
+        engine = GNNPipeEngine(model, PipelineConfig(num_chunks=4, balance="layers"), Comm(dev), num_stages=world)
+        engine.install()
+        s = _timed(_step_fn(model, data), dev, steps)
+        engine.uninstall()
+        if rank == 0:
+            q.put({"step_s": s, "staging": engine.comm.staging})
+    finally:
+        dist.destroy_process_group()
+
+
+def pipeline_2proc(nodes: int, dev, steps: int, plain_s: float) -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    mp.start_processes(_pipeline_worker, args=(2, port, nodes, steps, str(dev), q), nprocs=2, join=True,
+                       start_method="spawn")
+    got = q.get(timeout=10)
+    return {"nodes": nodes, "step_s": got["step_s"], "plain_s": plain_s, "staging": got["staging"],
+            "ratio": got["step_s"] / plain_s}
+
+
+def main() -> None:
+    import torch
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--cap-gib", type=float, default=2.0)
+    p.add_argument("--sweep-start", type=int, default=25_000)
+    p.add_argument("--sweep-seconds", type=float, default=120.0)
+    p.add_argument("--small", action="store_true", help="tiny sizes (checks the script, measures nothing)")
+    p.add_argument("--skip", nargs="*", default=[], choices=["ratios", "sweep", "pipeline"])
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("benchmarks/gpu_summary.py: no CUDA device here; nothing to run.")
+        return
+    small, big = (2_000, 8_000) if args.small else (20_000, 200_000)
+    summary = {"date": datetime.date.today().isoformat(),
+               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+               "torch": torch.__version__, "model": f"GCNII, {LAYERS} layers, hidden {HIDDEN}, adj_t",
+               "cap_gib": args.cap_gib}
+    t_start = time.perf_counter()
+
+    def done(what):
+        print(f"[{time.perf_counter() - t_start:6.1f} s] {what}", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(summary, f, indent=1)
+
+    if "ratios" not in args.skip:
+        r20 = stream_ratio(small, dev, 4, args.steps, profile=False)
+        summary["stream_ratio_20k"] = r20["ratio"]
+        summary["host_ms_per_chunk_layer"] = (r20["stream_s"] - r20["plain_s"]) * 1e3 / (4 * LAYERS)
+        summary["detail_20k"] = r20
+        done(f"20k: plain {r20['plain_s'] * 1e3:.1f} ms, streamed {r20['stream_s'] * 1e3:.1f} ms")
+        r200 = stream_ratio(big, dev, 4, args.steps, profile=True)
+        summary["stream_ratio_200k"] = r200["ratio"]
+        summary["gpu_busy_share_200k"] = r200.get("gpu_busy_share")
+        summary["copies_per_step_200k"] = r200.get("copies_per_step")
+        summary["detail_200k"] = r200
+        done(f"200k: plain {r200['plain_s'] * 1e3:.1f} ms, streamed {r200['stream_s'] * 1e3:.1f} ms")
+    if "pipeline" not in args.skip:
+        plain_s = summary.get("detail_20k", {}).get("plain_s")
+        if plain_s is None:
+            plain_s = stream_ratio(small, dev, 4, args.steps, profile=False)["plain_s"]
+        r = pipeline_2proc(small, dev, args.steps, plain_s)
+        summary["pipeline_2proc_ratio"] = r["ratio"]
+        summary["detail_pipeline_2proc"] = r
+        done(f"2 processes on one device: {r['step_s'] * 1e3:.1f} ms a step (staging: {r['staging']})")
+    if "sweep" not in args.skip:
+        if dev.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(
+                min(1.0, args.cap_gib * 2**30 / torch.cuda.get_device_properties(dev).total_memory), dev)
+        start = 500 if args.small else args.sweep_start
+        summary.update(largest(dev, start, 20.0 if args.small else args.sweep_seconds))
+        done(f"largest graphs: plain {summary['largest_vertices_plain']}, "
+             f"streamed {summary.get('largest_vertices_stream')}")
+    print(json.dumps({k: v for k, v in summary.items() if not k.startswith("detail")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -16,7 +16,8 @@ community graph, plain PyG against the engine on the same GPU:
     the largest graph (doubling from ``--sweep-start``) on which one training step of the same model runs,
     with the CUDA allocator capped at ``--cap-gib`` (so the sweep stays small and fast; the ratio is the
     point): plain PyG, and the engine streaming with every value between layers in pinned host memory
-    (``offload="host"``, budget 0) and ``4 × size ÷ largest plain size`` chunks (at least 4);
+    (``offload="host"``, budget 0) and ``8 × size ÷ largest plain size`` chunks (at least 4), each trial on
+    an emptied device; ``trials`` lists each with its peak memory;
     ``loss_gap_at_plain_max``: |loss of the streamed step − plain PyG's| on the largest plain graph;
 ``pipeline_2proc_ratio``
     2 processes on this one GPU, 2 pipeline stages, 4 chunks, gloo with the transport staging CUDA tensors
@@ -137,22 +138,42 @@ def _one_step(nodes: int, dev, plain_max: int | None) -> float:
         with ops.fused_kernels():
             ops.fuse_messages(model)
             return float(_step_fn(model, data)())
-    chunks = max(4, 4 * -(-nodes // plain_max))
+    chunks = max(4, 8 * -(-nodes // plain_max))  # (4 x ran out at 2 x the plain size: the chunks' graphs dominate)
     with _Engine(model, dev, num_chunks=chunks, offload="host", offload_budget=0, partition="contiguous"):
         return float(_step_fn(model, data)())
 
 
+TRIALS: list = []
+
+
 def _fits(nodes: int, dev, plain_max: int | None):
+    """The loss of one step at ``nodes`` vertices, or ``None`` when it ran out of memory (each trial starts
+    from an empty device: the kernels' transposed-graph cache of earlier trials is cleared)."""
     import torch
+
+    from pyg_pipe import ops
+    trial = {"nodes": nodes, "mode": "plain" if plain_max is None else "stream"}
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
     try:
-        return _one_step(nodes, dev, plain_max)
-    except torch.OutOfMemoryError:
+        loss = _one_step(nodes, dev, plain_max)
+        trial["ok"] = True
+        return loss
+    except torch.OutOfMemoryError as exc:
+        trial["ok"], trial["error"] = False, str(exc)[:200]
         return None
     except RuntimeError as exc:  # the fused kernels' allocations report CUDA OOM as a RuntimeError
         if "out of memory" not in str(exc):
             raise
+        trial["ok"], trial["error"] = False, str(exc)[:200]
         return None
     finally:
+        trial["seconds"] = time.perf_counter() - t0
+        if dev.type == "cuda":
+            trial["peak_mb"] = torch.cuda.max_memory_allocated(dev) / 2**20
+        TRIALS.append(trial)
+        ops.clear_cache()
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -161,12 +182,14 @@ def _fits(nodes: int, dev, plain_max: int | None):
 def largest(dev, start: int, limit_s: float) -> dict:
     """The doubling sweep (module docstring)."""
     out = {}
-    n, t0 = start, time.perf_counter()
-    while _fits(n, dev, None) is not None and time.perf_counter() - t0 < limit_s:
-        n *= 2
-    plain_max = n // 2
+    _one_step(1000, dev, None)   # the kernels' first build (a minute) is not the sweep's time
+    _one_step(1000, dev, 500)
+    TRIALS.clear()
+    n, t0, plain_max = start, time.perf_counter(), None
+    while time.perf_counter() - t0 < limit_s and _fits(n, dev, None) is not None:
+        plain_max, n = n, n * 2
     out["largest_vertices_plain"] = plain_max
-    if plain_max < start:
+    if plain_max is None:
         return out
     loss_plain = _one_step(plain_max, dev, None)
     loss_stream = _one_step(plain_max, dev, plain_max)
@@ -180,6 +203,7 @@ def largest(dev, start: int, limit_s: float) -> dict:
         out.setdefault("stream_step_s", {})[str(n)] = time.perf_counter() - t1
         n *= 2
     out["largest_vertices_stream"] = last
+    out["trials"] = TRIALS
     out["sweep_stopped_by"] = "memory" if time.perf_counter() - t0 < limit_s else f"the {limit_s:.0f} s limit"
     return out
 
@@ -272,8 +296,9 @@ def main() -> None:
         done(f"2 processes on one device: {r['step_s'] * 1e3:.1f} ms a step (staging: {r['staging']})")
     if "sweep" not in args.skip:
         if dev.type == "cuda":
+            index = dev.index if dev.index is not None else torch.cuda.current_device()
             torch.cuda.set_per_process_memory_fraction(
-                min(1.0, args.cap_gib * 2**30 / torch.cuda.get_device_properties(dev).total_memory), dev)
+                min(1.0, args.cap_gib * 2**30 / torch.cuda.get_device_properties(index).total_memory), index)
         start = 500 if args.small else args.sweep_start
         summary.update(largest(dev, start, 20.0 if args.small else args.sweep_seconds))
         done(f"largest graphs: plain {summary['largest_vertices_plain']}, "

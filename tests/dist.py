@@ -39,7 +39,8 @@ _PRELOAD = ["torch", "torch.distributed", "torch_geometric", "pyg_pipe", "tests.
 mp.set_forkserver_preload(_PRELOAD)
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo") -> None:
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo",
+                    cuda: bool = False) -> None:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` new processes.
 
     The first process to fail makes the others terminate and its exception (with traceback) is
@@ -48,7 +49,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend:
     CUDA device ``r`` (tests marked ``gpu``).
     """
     ctx = mp.start_processes(_entry, args=(world_size, free_port(), backend, dict(os.environ), fn, args),
-                             nprocs=world_size, join=False, start_method="spawn" if backend == "nccl" else "forkserver")
+                             nprocs=world_size, join=False,
+                             start_method="spawn" if backend == "nccl" or cuda else "forkserver")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=0.5):
         if time.monotonic() > deadline:

@@ -124,4 +124,4 @@ def test_gnnpipe_over_nccl_on_two_gpus(chunks):
 
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_gnnpipe_on_one_gpu_with_two_processes_over_gloo(chunks):
-    run_distributed(_two_gpus, 2, chunks, True, timeout=300, backend="gloo")
+    run_distributed(_two_gpus, 2, chunks, True, timeout=300, backend="gloo", cuda=True)

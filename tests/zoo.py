@@ -121,6 +121,8 @@ ZOO = {
     "SuperGATConv": (lambda a, b: gnn.SuperGATConv(a, b, heads=2, concat=False), _plain),
     "FAConv": (lambda a, b: gnn.FAConv(HIDDEN), _with_x0_unweighted, "fixed"),
     "EGConv": (lambda a, b: gnn.EGConv(a, b, aggregators=["symnorm"], num_heads=1, num_bases=2), _plain),
+    # self loops added inside the layer with the vertex count inferred from the graph it is given
+    "EGConv-aggregators": (lambda a, b: gnn.EGConv(a, b, aggregators=["mean", "max"], num_heads=4), _plain),
     "PDNConv": (lambda a, b: gnn.PDNConv(a, b, edge_dim=3, hidden_channels=8), _attr),
     "GeneralConv": (lambda a, b: gnn.GeneralConv(a, b, in_edge_channels=3), _attr),
     "LGConv": (lambda a, b: gnn.LGConv(), _weighted, "fixed"),

@@ -198,6 +198,20 @@ class ChunkedGraph:
         adj = torch.sparse_coo_tensor(torch.stack([dst, src]), w, shape).coalesce()
         return adj.to_sparse_csr() if layout == torch.sparse_csr else adj
 
+    def inferred_loops(self, lg: LocalGraph) -> Optional[Tensor]:
+        """Which of chunk ``lg``'s rows PyG's self-loop helpers give a loop when they infer the vertex count
+        from the whole graph (its largest vertex id + 1: trailing isolated vertices get none), as a mask over
+        the rows; ``None`` when every row gets one. Cached per chunk."""
+        hit = getattr(lg, "_inferred_loops", False)
+        if hit is False:
+            n = getattr(self, "_inferred_nodes", None)
+            if n is None:
+                n = self._inferred_nodes = int(self.perm[torch.cat([self.new_src, self.new_dst])].max()) + 1 \
+                    if self.new_src.numel() else 0
+            keep = self.perm[lg.start:lg.end] < n
+            hit = lg._inferred_loops = None if bool(keep.all()) else keep
+        return hit
+
     @property
     def repeated_loops(self) -> bool:
         """Whether some vertex has more than one self loop."""

@@ -1,4 +1,5 @@
-"""Degrees a layer computes from a chunk's local graph, completed to the whole graph's.
+"""Degrees a layer computes from a chunk's local graph, completed to the whole graph's (and self loops added
+on a chunk's row graph).
 
 PyG's normalising layers compute vertex degrees from the edge list they are given, in two functions:
 ``gcn_norm`` (GCNConv, GCN2Conv, SGConv, APPNP, TAGConv, ARMAConv, SSGConv, FAConv, EGConv, LGConv,
@@ -26,6 +27,9 @@ A layer that computes the chunk's rows only (:mod:`.layers`) normalises the row 
 ``num_nodes`` = the chunk's rows: self loops go to those rows, and the sources' degrees (rows and halo)
 are completed the same way.
 
+``add_self_loops`` / ``add_remaining_self_loops`` called without ``num_nodes`` inside a layer give the loops
+the whole graph's call gives the chunk's vertices (:func:`_with_loops`).
+
 Outside the engine (no active chunk) the originals run unchanged.
 """
 from __future__ import annotations
@@ -45,20 +49,23 @@ _installs = 0
 
 def _originals():
     from torch_geometric.nn.conv import gcn_conv
-    from torch_geometric.utils import laplacian
-    return {"gcn_norm": gcn_conv.gcn_norm, "get_laplacian": laplacian.get_laplacian}
+    from torch_geometric.utils import laplacian, loop
+    return {"gcn_norm": gcn_conv.gcn_norm, "get_laplacian": laplacian.get_laplacian,
+            "add_self_loops": loop.add_self_loops, "add_remaining_self_loops": loop.add_remaining_self_loops}
 
 
 _ORIGINAL = _originals()  # PyG's own, taken before anything is swapped
 
 
 def install() -> None:
-    """Replaces ``gcn_norm`` and ``get_laplacian`` in every loaded module (reference counted)."""
+    """Replaces ``gcn_norm``, ``get_laplacian`` and the self-loop helpers in every loaded module (reference
+    counted)."""
     global _installs
     _installs += 1
     if _installs > 1:
         return
-    replacement = {"gcn_norm": gcn_norm, "get_laplacian": get_laplacian}
+    replacement = {"gcn_norm": gcn_norm, "get_laplacian": get_laplacian, "add_self_loops": add_self_loops,
+                   "add_remaining_self_loops": add_remaining_self_loops}
     for module in list(sys.modules.values()):
         for name, original in _ORIGINAL.items():
             if getattr(module, name, None) is original:
@@ -232,3 +239,40 @@ def get_laplacian(edge_index: Tensor, edge_weight: Optional[Tensor] = None, norm
         edge_index, edge_weight = add_self_loops(edge_index, -edge_weight, fill_value=1., num_nodes=num_nodes)
     inv.derive(edge_index, source)
     return edge_index, edge_weight
+
+
+def add_self_loops(edge_index, edge_attr=None, fill_value=None, num_nodes=None):
+    """PyG's ``add_self_loops``; inside a layer on a chunk, the whole graph's loops (:func:`_with_loops`)."""
+    return _with_loops("add_self_loops", edge_index, edge_attr, fill_value, num_nodes)
+
+
+def add_remaining_self_loops(edge_index, edge_attr=None, fill_value=None, num_nodes=None):
+    """PyG's ``add_remaining_self_loops``; inside a layer on a chunk, the whole graph's (:func:`_with_loops`)."""
+    return _with_loops("add_remaining_self_loops", edge_index, edge_attr, fill_value, num_nodes)
+
+
+def _with_loops(name: str, edge_index, edge_attr, fill_value, num_nodes):
+    """Self loops on a chunk's local graph, as on the whole graph. PyG infers the vertex count from the graph
+    when ``num_nodes`` is not given (EGConv's ``add_remaining_self_loops(edge_index)``): the largest vertex
+    id + 1, so a trailing isolated vertex gets no loop. On a chunk the inference would see other ids: a row
+    graph's sources reach into the halo (loops for halo vertices, destinations the layer has no output row
+    for), and a chunk's last row may be such an isolated vertex. So the loops go to every vertex of the
+    layer's tensors (the rows, or rows and halo), minus the rows the whole graph's inference leaves without
+    one (:meth:`~pyg_pipe.graph.chunks.ChunkedGraph.inferred_loops`). Anything else is PyG's own."""
+    original = _ORIGINAL[name]
+    ctx = current()
+    if num_nodes is not None or ctx is None or not ctx.stack or not isinstance(edge_index, Tensor) \
+            or edge_index.layout != torch.strided:
+        return original(edge_index, edge_attr, fill_value, num_nodes)
+    inv = ctx.stack[-1]
+    cg, lg = inv.chunking(edge_index, name)
+    width = lg.rows if inv.rows_only else lg.num_local
+    out_index, out_attr = original(edge_index, edge_attr, fill_value, width)
+    keep = cg.inferred_loops(lg)
+    if keep is not None:  # PyG appends one loop per vertex, in order, after the other edges
+        dev = keep.device
+        keep = torch.cat([torch.ones(out_index.size(1) - width, dtype=torch.bool, device=dev), keep,
+                          torch.ones(width - lg.rows, dtype=torch.bool, device=dev)])
+        out_index, out_attr = out_index[:, keep], None if out_attr is None else out_attr[keep]
+    inv.derive(out_index, edge_index)
+    return out_index, out_attr

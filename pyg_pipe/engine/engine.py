@@ -30,6 +30,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 from torch import Tensor
 
+from ..model.errors import UnsupportedModelError
 from ..model.inputs import CallInputs
 from ..model.trace import forward_function
 from .step import pipeline as steps
@@ -97,7 +98,7 @@ class GNNPipeEngine:
         self.step = 0
         self.setup_seconds = 0.0                    # planning and history passes
         self.notes: List[str] = []
-        self.layer_hooks, self.stat_hooks = LayerHooks(module), StatisticsHooks(module)
+        self.layer_hooks, self.stat_hooks = LayerHooks(module, self._outside), StatisticsHooks(module)
         self._fn = forward_function(module)
         self._shape: Optional[Shape] = None
         self._sizes: Optional[tuple] = None
@@ -170,6 +171,21 @@ class GNNPipeEngine:
             yield
         finally:
             self._in_step = False
+
+    def _outside(self, name: str, layer: torch.nn.Module) -> None:
+        """A layer of the model ran without the engine. Inside a training step with gradients (under a
+        strategy) that is a layer the user calls through another method than ``forward`` (a link predictor's
+        ``model.encode(...)``): every process would train it on the whole graph, undistributed. Refused."""
+        if not (self._steps_only and self._in_step and torch.is_grad_enabled()):
+            return
+        raise UnsupportedModelError(
+            f"Layer '{name}' ({type(layer).__name__}) ran in a training step outside the forward of "
+            f"{type(self.module).__name__}, the module pyg_pipe distributes (it was called through "
+            f"{_caller(self.module)}). pyg_pipe routes only that module's forward, so this layer would train "
+            f"undistributed on every process. Run the message-passing layers through the forward (e.g. "
+            f"def forward(self, x, edge_index): return self.encode(x, edge_index), and call model(x, edge_index) "
+            f"in training_step), or pass model='<attribute>' to the strategy to name a submodule whose forward "
+            f"runs them (a GAE's 'model.encoder').")
 
     # ------------------------------------------------------------------ calls
     def __call__(self, *args, **kwargs):
@@ -295,3 +311,23 @@ class GNNPipeEngine:
         self._saved = state
         # planned already: plan again on the next call, from the saved decisions
         self.runtime, self._runtimes, self._sizes, self._grads = None, [], None, None
+
+
+def _caller(module: torch.nn.Module) -> str:
+    """The innermost method of ``module`` or one of its submodules on the stack now (else of any module), other
+    than the layers' own calls, for a message."""
+    import inspect
+    owners = {id(m) for m in module.modules()}
+    frame, other = inspect.currentframe(), None
+    while frame is not None:
+        self_ = frame.f_locals.get("self")
+        if isinstance(self_, torch.nn.Module) and frame.f_code.co_name not in _CALLS:
+            name = f"{type(self_).__name__}.{frame.f_code.co_name}"
+            if id(self_) in owners:
+                return name
+            other = other or name
+        frame = frame.f_back
+    return other or "another method"
+
+
+_CALLS = ("_call_impl", "_wrapped_call_impl", "inner", "forward", "propagate")

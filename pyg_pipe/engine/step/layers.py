@@ -41,7 +41,7 @@ Layers holding graph-wide statistics (a BatchNorm in a message MLP) also get hoo
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -59,11 +59,14 @@ class LayerHooks:
     """Installs the hooks on every ``MessagePassing`` module of ``model`` (and removes them).
 
     Outside the engine (no current :class:`~..context.ChunkContext`) the hooks do
-    nothing, so the model keeps working as a plain single-device model.
+    nothing, so the model keeps working as a plain single-device model; ``outside(name, module)``, when
+    given, is told of every such call first (the engine refuses one inside a training step: a layer run
+    outside the routed forward would train undistributed).
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, outside: Optional[Callable[[str, MessagePassing], None]] = None):
         self.model = model
+        self.outside = outside
         self.handles: list = []
         self.patched: List[MessagePassing] = []
 
@@ -82,7 +85,7 @@ class LayerHooks:
                 self.patched.append(m)
             stats = any(needs_statistics(s) for s in m.modules())
             self.handles += [
-                m.register_forward_pre_hook(_entry(name), with_kwargs=True),
+                m.register_forward_pre_hook(_entry(name, self.outside), with_kwargs=True),
                 m.register_forward_hook(_exit, with_kwargs=True, always_call=True),
                 m.register_propagate_forward_pre_hook(_sources(name, "_user_args", False)),
                 m.register_propagate_forward_hook(_propagated),
@@ -113,10 +116,12 @@ class _DegreesInstalled:
 # ---------------------------------------------------------------------------------------------
 
 
-def _entry(name: str):
+def _entry(name: str, outside=None):
     def hook(module: MessagePassing, args: tuple, kwargs: dict):
         ctx = current()
         if ctx is None:
+            if outside is not None:
+                outside(name, module)
             return None
         if ctx.recomputing():  # recomputed during backward (checkpointing, reversible blocks): the forward's call
             if ctx.counts.get(name, 0) > 1:

@@ -273,7 +273,7 @@ def main(argv=None):
     except OSError:
         cpu_model = platform.processor()
     dev_name = torch.cuda.get_device_name() if device == "cuda" else f"{cpu_model}, {torch.get_num_threads()} threads"
-    slice_edges = ops.aggregate._kernels("cuda").slice_edges() if backend == "cuda" else None
+    slice_edges = ops.build._kernels("cuda").slice_edges() if backend == "cuda" else None
     print(f"device: {dev_name}; torch {torch.__version__}; kernel backend: {backend}"
           + (f"; sum/mean kernel: {slice_edges} edges per slice (0: a group per row; "
              f"PYG_PIPE_CUDA_SLICE_EDGES)" if slice_edges is not None else ""))

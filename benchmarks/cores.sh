@@ -19,7 +19,7 @@ start=$(date +%s)
     grep -m1 "model name" /proc/cpuinfo
     python -c "import torch, torch_geometric, lightning; print('torch', torch.__version__, 'pyg', torch_geometric.__version__, 'lightning', lightning.__version__)"
     python -c "import pymetis" 2>/dev/null && echo "pymetis: yes" || echo "pymetis: no (the pure-torch partitioner cuts the chunks)"
-    python -c "from pyg_pipe.ops.aggregate import backend; print('CPU kernels:', backend('cpu'))"
+    python -c "from pyg_pipe.ops import backend; print('CPU kernels:', backend('cpu'))"
 } 2>&1 | tee "$out/machine.txt"
 jobs="${JOBS:-gcnii:community:8:32:0 gcn:community:8:32:0 resgcn:community:8:32:0 gcnii:community:8:32:1e8 \
     gcnii:community:4:16:0 gcn:community:4:16:0 resgcn:community:4:16:0 gcnii:random:4:16:0 \

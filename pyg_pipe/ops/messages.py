@@ -11,7 +11,7 @@ is the source row itself or the source row times a per-edge weight::
 For those, the lift, the message and the aggregation are one :func:`~pyg_pipe.ops.csr_aggregate` over
 the CSR of the graph the layer sees (built once per graph, cached by the index tensors' identity): no
 ``[E, d]`` tensor, forward or backward. Which layers qualify is read off ``message`` itself, traced with
-``torch.fx`` once per layer and per pattern of ``None`` arguments (:func:`pyg_pipe.saga.compile.compile_message`):
+``torch.fx`` once per layer and per pattern of ``None`` arguments (:func:`pyg_pipe.ops.rewrite.compile_message`):
 the message must be a ``*_j`` argument, optionally times a weight computed from arguments that are not
 vertex data. The aggregation must be PyG's own ``sum``/``add``, ``mean`` or ``max``, and the layer must not
 override ``aggregate``. Anything else, or a call whose tensors do not fit (dtype, shapes), runs PyG's
@@ -132,7 +132,7 @@ class _Fused:
         self.calls = 0         # calls fused (tests and curious users)
 
     def route_for(self, kwargs: dict):
-        from ..saga.compile import compile_message
+        from .rewrite import compile_message
         none = tuple(p for p, source in self.sources if kwargs.get(source, 0) is None)
         if none not in self.routes:
             self.routes[none] = compile_message(self.module, none)
@@ -182,7 +182,7 @@ def _message(self, **kwargs):
         return fallback()
     weight = None
     if route.weight is not None:
-        from ..saga.compile import run_graph
+        from .rewrite import run_graph
         names = {n.target for n in route.weight.nodes if n.op == "placeholder"}
         weight = run_graph(route.weight, self, {k: kwargs[k] for k in names})
     return Deferred(value, weight, fallback)
@@ -223,10 +223,9 @@ class FusedMessages:
 def fuse_messages(model: torch.nn.Module) -> FusedMessages:
     """Routes the Gather of every qualifying ``MessagePassing`` layer of ``model`` through the fused kernel
     (module docstring); layers that do not qualify, and layers already fused, are left as they are."""
-    from ..saga.layer import SAGALayer
     handle = FusedMessages()
     for m in model.modules():
-        if not _eligible(m) or isinstance(m, SAGALayer) or "_pyg_pipe_fused" in m.__dict__:
+        if not _eligible(m) or getattr(m, "gathers_fused", False) or "_pyg_pipe_fused" in m.__dict__:
             continue
         m.__dict__["_pyg_pipe_fused"] = _Fused(m)
         for name, fn in (("_index_select", _index_select), ("message", _message), ("aggregate", _aggregate)):

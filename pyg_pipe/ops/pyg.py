@@ -49,13 +49,8 @@ import threading
 import torch
 from torch import Tensor
 
-from pyg_pipe.ops.aggregate import (
-    _KERNEL_DTYPES,
-    _REDUCE_ALIASES,
-    _device_kind,
-    _kernels,
-    csr_aggregate,
-)
+from pyg_pipe.ops.aggregate import _KERNEL_DTYPES, _REDUCE_ALIASES, csr_aggregate
+from pyg_pipe.ops.build import _device_kind, _kernels
 
 __all__ = ["fused_kernels", "fused_spmm", "install", "installed", "uninstall"]
 

@@ -8,7 +8,7 @@
     ApplyVertex   a network per vertex:            out = apply_vertex(x, g)
 
 A subclass defines ``apply_edge`` (any of the parameters above) and ``apply_vertex``, and chooses
-``gather``. At its first call the layer compiles ``apply_edge`` (:mod:`pyg_pipe.saga.compile`): the
+``gather``. At its first call the layer compiles ``apply_edge`` (:mod:`pyg_pipe.ops.rewrite`): the
 parts that read one end through row-wise operations move before Scatter (NGra's rewrite; computed
 per vertex), the rest runs per edge; then Gather takes one of four routes, read off the program::
 
@@ -39,7 +39,7 @@ from torch_geometric.nn import MessagePassing
 
 from ..ops import csr_aggregate, csr_gated_aggregate
 from ..ops.messages import Lifted, csr_of, per_head
-from .compile import SAGAProgram, compile_apply_edge, run_graph
+from ..ops.rewrite import SAGAProgram, compile_apply_edge, run_graph
 
 _FUSED_AGGR = {"sum": "sum", "add": "sum", "mean": "mean", "max": "max"}
 _FUSED_DTYPES = (torch.float32, torch.float64)
@@ -76,6 +76,9 @@ class SAGALayer(MessagePassing):
         fused: aggregate through the fused kernels where the route allows it (off: PyG's aggregation).
         **kwargs: as for :class:`torch_geometric.nn.MessagePassing` (``node_dim`` is 0).
     """
+
+    #: the layer routes its own Gather to the fused kernels (:func:`pyg_pipe.ops.fuse_messages` leaves it be)
+    gathers_fused = True
 
     def __init__(self, gather: str = "sum", rewrite: bool = True, fused: bool = True, **kwargs: Any):
         kwargs.setdefault("node_dim", 0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pyg_pipe import ops
-from pyg_pipe.ops import aggregate
+from pyg_pipe.ops import aggregate, build
 from tests.ops.graphs import REDUCES, reference, small_csr
 
 N = 23
@@ -124,8 +124,8 @@ def test_transpose_cache_follows_the_graph():
 @pytest.mark.parametrize("reduce", REDUCES)
 def test_torch_fallback_matches_reference(reduce, monkeypatch):
     """Without the compiled kernel (``backend() == 'torch'``) the same call gives the same results."""
-    monkeypatch.setattr(aggregate, "_kernels", lambda kind: None)
-    monkeypatch.setattr(aggregate, "_torch_sparse", lambda: None)
+    monkeypatch.setattr(build, "_kernels", lambda kind: None)
+    monkeypatch.setattr(build, "_torch_sparse", lambda: None)
     assert ops.backend() == "torch"
     rowptr, col = small_csr(N)
     x = torch.randn(N, 9, requires_grad=True)
@@ -184,7 +184,7 @@ def test_cuda_edge_balanced_slices(slice_edges):
     reference for every slice size: a hub row over many slices, rows ending exactly at a slice end,
     empty rows at the start, middle and end, row ranges of the CSR, and the backward (whose transposed
     graph has hub columns)."""
-    module = aggregate._kernels("cuda")
+    module = build._kernels("cuda")
     assert module is not None, "CUDA is available but the CUDA kernel did not build"
     before = module.slice_edges()
     module.set_slice_edges(slice_edges)
@@ -205,13 +205,13 @@ def test_cuda_edge_balanced_slices(slice_edges):
 
 
 def test_cuda_slice_edges_setting_is_validated(monkeypatch):
-    monkeypatch.setenv(aggregate.ENV_CUDA_SLICE_EDGES, "many")
+    monkeypatch.setenv(build.ENV_CUDA_SLICE_EDGES, "many")
     with pytest.raises(ValueError, match="PYG_PIPE_CUDA_SLICE_EDGES"):
-        aggregate._cuda_slice_edges()
-    monkeypatch.setenv(aggregate.ENV_CUDA_SLICE_EDGES, "0")
-    assert aggregate._cuda_slice_edges() == 0
-    monkeypatch.delenv(aggregate.ENV_CUDA_SLICE_EDGES)
-    assert aggregate._cuda_slice_edges() == aggregate._CUDA_SLICE_EDGES
+        build._cuda_slice_edges()
+    monkeypatch.setenv(build.ENV_CUDA_SLICE_EDGES, "0")
+    assert build._cuda_slice_edges() == 0
+    monkeypatch.delenv(build.ENV_CUDA_SLICE_EDGES)
+    assert build._cuda_slice_edges() == build._CUDA_SLICE_EDGES
 
 
 @pytest.mark.gpu

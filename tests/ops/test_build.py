@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pyg_pipe import ops
-from pyg_pipe.ops import aggregate
+from pyg_pipe.ops import build
 from tests.ops.graphs import reference, small_csr
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _can_build() -> bool:
     return (shutil.which(os.environ.get("CXX", "c++")) is not None and shutil.which("ninja") is not None
-            and aggregate.extensions_enabled() and (aggregate._source_dir() / "csr_aggregate.cpp").is_file())
+            and build.extensions_enabled() and (build._source_dir() / "csr_aggregate.cpp").is_file())
 
 
 @pytest.mark.skipif(not _can_build(), reason="no C++ compiler / ninja, or extensions disabled")
@@ -49,10 +49,10 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch):
     def broken(kind):
         raise RuntimeError("Error building extension 'pyg_pipe_csr_aggregate_cpu': g++ exploded")
 
-    monkeypatch.setattr(aggregate, "_load", broken)
-    monkeypatch.setattr(aggregate, "_modules", {})
-    monkeypatch.setattr(aggregate, "_warned", False)
-    monkeypatch.setenv(aggregate.ENV_DISABLE, "0")
+    monkeypatch.setattr(build, "_load", broken)
+    monkeypatch.setattr(build, "_modules", {})
+    monkeypatch.setattr(build, "_warned", False)
+    monkeypatch.setenv(build.ENV_DISABLE, "0")
     rowptr, col = small_csr()
     x = torch.randn(rowptr.numel() - 1, 4)
     with warnings.catch_warnings(record=True) as caught:
@@ -70,17 +70,17 @@ def test_build_name_follows_the_source(tmp_path):
     """Editing the source changes the build name, so the torch extension cache rebuilds it."""
     src = tmp_path / "k.cpp"
     src.write_text("int a;")
-    first = aggregate._build_name("cpu", [src], ["-O3"])
-    assert first == aggregate._build_name("cpu", [src], ["-O3"])
+    first = build._build_name("cpu", [src], ["-O3"])
+    assert first == build._build_name("cpu", [src], ["-O3"])
     src.write_text("int b;")
-    assert aggregate._build_name("cpu", [src], ["-O3"]) != first
-    assert aggregate._build_name("cpu", [src], ["-O2"]) != aggregate._build_name("cpu", [src], ["-O3"])
+    assert build._build_name("cpu", [src], ["-O3"]) != first
+    assert build._build_name("cpu", [src], ["-O2"]) != build._build_name("cpu", [src], ["-O3"])
 
 
 def test_build_timeout_must_be_a_number(monkeypatch):
-    monkeypatch.setenv(aggregate.ENV_BUILD_TIMEOUT, "soon")
-    with pytest.raises(aggregate._BuildLockError, match="PYG_PIPE_BUILD_TIMEOUT='soon'"):
-        aggregate._build_timeout()
+    monkeypatch.setenv(build.ENV_BUILD_TIMEOUT, "soon")
+    with pytest.raises(build._BuildLockError, match="PYG_PIPE_BUILD_TIMEOUT='soon'"):
+        build._build_timeout()
 
 
 @pytest.mark.timeout(120)
@@ -89,13 +89,13 @@ def test_waiting_for_another_build_is_bounded(monkeypatch, tmp_path, caplog):
     one message while waiting, then the fallback and exactly one warning that names the holder and the fix."""
     name = "pyg_pipe_lock_test"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setenv(aggregate.ENV_BUILD_TIMEOUT, "1.5")
-    monkeypatch.setenv(aggregate.ENV_DISABLE, "0")
-    monkeypatch.setattr(aggregate, "_build_name", lambda *args: name)
-    monkeypatch.setattr(aggregate, "_modules", {})
-    monkeypatch.setattr(aggregate, "_warned", False)
+    monkeypatch.setenv(build.ENV_BUILD_TIMEOUT, "1.5")
+    monkeypatch.setenv(build.ENV_DISABLE, "0")
+    monkeypatch.setattr(build, "_build_name", lambda *args: name)
+    monkeypatch.setattr(build, "_modules", {})
+    monkeypatch.setattr(build, "_warned", False)
     (tmp_path / name).mkdir()
-    with open(tmp_path / name / aggregate._LOCK_FILE, "w") as holder:  # another process's build, in effect
+    with open(tmp_path / name / build._LOCK_FILE, "w") as holder:  # another process's build, in effect
         fcntl.flock(holder, fcntl.LOCK_EX)
         holder.write("process 4242 on elsewhere\n")
         holder.flush()
@@ -115,10 +115,10 @@ def test_waiting_for_another_build_is_bounded(monkeypatch, tmp_path, caplog):
 @pytest.mark.timeout(60)
 def test_stale_torch_lock_is_removed(tmp_path, caplog):
     """Holding the flock, a torch ``lock`` file can only be a dead holder's: it is removed, not waited on."""
-    (tmp_path / aggregate._TORCH_LOCK_FILE).touch()
-    with aggregate._build_lock(tmp_path, "pyg_pipe_lock_test", "cpu"):
-        assert not (tmp_path / aggregate._TORCH_LOCK_FILE).exists()
-        assert (tmp_path / aggregate._LOCK_FILE).read_text().startswith(f"process {os.getpid()} on ")
+    (tmp_path / build._TORCH_LOCK_FILE).touch()
+    with build._build_lock(tmp_path, "pyg_pipe_lock_test", "cpu"):
+        assert not (tmp_path / build._TORCH_LOCK_FILE).exists()
+        assert (tmp_path / build._LOCK_FILE).read_text().startswith(f"process {os.getpid()} on ")
     messages = [r.getMessage() for r in caplog.records]
     assert sum("left behind by a build" in m for m in messages) == 1, messages
     assert sum("pyg_pipe: building" in m for m in messages) == 1, messages  # no library there yet
@@ -131,7 +131,7 @@ _BUILDING = "pyg_pipe: building"
 def _probe(ext_dir: Path, **popen) -> subprocess.Popen:
     """A fresh process that loads (or builds) the CPU kernel into ``ext_dir`` and prints its backend."""
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir), PYTHONPATH=str(ROOT))
-    env.pop(aggregate.ENV_BUILD_TIMEOUT, None)
+    env.pop(build.ENV_BUILD_TIMEOUT, None)
     return subprocess.Popen([sys.executable, "-c", _PROBE], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **popen)
 
@@ -170,7 +170,7 @@ def test_killed_build_recovers_and_builds_once(tmp_path):
     assert compiling, f"the first build never started compiling: {out} {err}"
     build_dir = next(ext.glob("*/build.ninja")).parent
     assert (build_dir / "lock").exists(), "the killed build should have left torch's lock behind"
-    assert not aggregate._library_exists(build_dir, build_dir.name)
+    assert not build._library_exists(build_dir, build_dir.name)
 
     start = time.monotonic()
     results = _finish([_probe(ext) for _ in range(3)], timeout=600)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pyg_pipe import ops
-from pyg_pipe.ops import aggregate
+from pyg_pipe.ops import build
 from tests.ops.graphs import small_csr
 
 N = 23
@@ -60,7 +60,7 @@ def test_sigmoid_tails_and_gradcheck():
 
 def test_fallback_and_errors(monkeypatch):
     rowptr, col = small_csr(N)
-    monkeypatch.setattr(aggregate, "_kernels", lambda kind: None)
+    monkeypatch.setattr(build, "_kernels", lambda kind: None)
     _compare(rowptr, col, *_inputs(N, 9, torch.float32), "mean", atol=1e-5)
     with pytest.raises(ValueError, match="reduce"):
         ops.csr_gated_aggregate(rowptr, col, *_inputs(N, 3, torch.float32), "max")

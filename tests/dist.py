@@ -23,7 +23,9 @@ def _entry(rank: int, world_size: int, port: int, backend: str, env: dict, fn, a
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    # a collective waits this long for a slow peer (a loaded 2-core machine runs sweeps of slow cases); a peer
+    # that fails closes its connections, which ends the wait at once, and run_distributed bounds the whole test
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=180))
     try:
         fn(rank, world_size, *args)
     finally:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pyg_pipe.graph import cut_edges, make_chunks, partition_nodes, sbm_graph
-from pyg_pipe.graph.partition import _fill_empty_parts, _generator, _rebalance, _symmetric_edges
+from pyg_pipe.graph.greedy import _rebalance
+from pyg_pipe.graph.partition import _fill_empty_parts, _generator, _symmetric_edges
 
 CHEAP_METHODS = ["contiguous", "random", "greedy"]
 

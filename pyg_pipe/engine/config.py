@@ -1,4 +1,4 @@
-"""The engine's knobs, checked when they are set (see :class:`pyg_pipe.GNNPipeStrategy` for their meaning)."""
+"""The engine's knobs: what each means, and their validation when they are set."""
 from __future__ import annotations
 
 import os
@@ -12,59 +12,79 @@ from ..model.trace import SplitPoint
 
 @dataclass
 class PipelineConfig:
-    """Knobs of the engine.
+    """The engine's knobs: every one of them is also an argument of the strategies
+    (:class:`pyg_pipe.GNNPipeStrategy`, :class:`pyg_pipe.HybridStrategy`,
+    :class:`pyg_pipe.GraphParallelStrategy`); docs/gnnpipe.md says when to use which.
 
     Attributes:
         num_chunks: chunks the graph is cut into (``None``: 4 per stage for each way, one per way for a
-            single stage).
-        shuffle_chunks: T1, a new chunk order every step.
-        snapshot_period: T2, history snapshotted every this many steps and restored in between
-            (``None``: off).
+            single stage; at most |V|). One chunk per way gives exact model parallelism; more chunks shrink
+            the pipeline bubble but read neighbours from historical embeddings.
+        shuffle_chunks: T1, a new chunk order every step (the same on every stage).
+        snapshot_period: T2, historical embeddings snapshotted every this many steps and restored in
+            between (``None``: off).
         unbiased_gradients: T3, cross-chunk gradients of fresh reads scaled by 2, stale ones dropped.
         late_gradients: the gradients of stale reads, dropped otherwise, reach their owners in the next
             step's drain (PipeGCN's stale feature gradients); nothing is dropped, so T3's scaling is off.
             Every read's gradient then arrives on average once (exactly once without T1, at lr = 0), at
-            the cost of one more buffer per call site. One way per stage (:mod:`.runtime.halo`). Experimental:
-            training diverged with it in docs/convergence.md's study (a share of the gradient lags).
-        balance: ``"time"``, ``"layers"`` or layer groups per stage.
-        partition: partitioner name or callable ``(edge_index, num_nodes, num_chunks) -> (perm, ptr)``.
+            the cost of one more buffer per call site. One way per stage (not with ``ways > 1``).
+            Experimental: training diverged with it in docs/convergence.md's study (a share of the gradient
+            lags).
+        balance: ``"time"`` (each layer timed once on a chunk and stages split by cost; decided once, saved
+            and reused), ``"layers"`` (equal layer counts) or a list with the number of message-passing
+            layers of every stage.
+        partition: the vertex partitioner for chunks: ``"auto"`` (METIS via ``pymetis`` when installed, else
+            a locality-preserving greedy fallback), ``"metis"``, ``"greedy"``, ``"random"``, ``"contiguous"``,
+            or a callable ``(edge_index, num_nodes, num_chunks) -> (perm, ptr)``.
         seed: seed of the partitioner and of the chunk order.
-        per_chunk_statistics: how graph-wide statistics (BatchNorm) run when a way has several chunks:
-            ``False`` refuses them, ``True`` takes each chunk's own rows (approximate, GPipe's choice),
-            ``"history"`` the whole graph's, other chunks' sums from their latest run (approximate;
-            :mod:`.runtime.statistics`).
-        split_points: ``{"module.name": SplitPoint.BEGINNING | END}``.
-        recompute: a stage keeps only each chunk's inputs during the fill and recomputes the chunk's
-            activations in the drain (``"auto"``: when a way runs several chunks and keeping all of their
+        per_chunk_statistics: how graph-wide statistics (BatchNorm, GraphNorm, ...) run when a way has
+            several chunks: ``False`` refuses them, ``True`` takes each chunk's own rows (approximate, as
+            GPipe does for micro-batches), ``"history"`` (BatchNorm, GraphNorm) the whole graph's, other
+            chunks' sums from their latest run (approximate, exact at lr = 0 after the first step; not with
+            streaming; :mod:`.runtime.statistics`). With one chunk per way they are exact.
+        split_points: ``{"module.name": SplitPoint.BEGINNING | SplitPoint.END}``: cut the pipeline before /
+            after that module (the convention of ``torch.distributed.pipelining``; calling
+            ``pyg_pipe.pipe_split()`` in the forward does the same).
+        recompute: keep only each chunk's stage inputs during the fill and recompute its activations in the
+            drain (bit-identical; ``"auto"``: when a way runs several chunks and keeping all of their
             activations would take more than a quarter of the device's free memory, measured at the first
-            step).
-        offload: where history buffers go beyond the budget: ``None`` (the device), ``"host"``, ``"disk"``.
-        offload_budget: bytes of history kept on the device before offloading (``None``: none with
-            ``offload`` set; ``"auto"``: half the free memory).
-        offload_dir: directory of the ``"disk"`` tier's files (``None``: a temporary directory).
+            step; docs/memory.md).
+        offload, offload_budget, offload_dir: historical embeddings (and, streaming, the values between
+            layer groups) beyond ``offload_budget`` bytes on the device (``"auto"``: half the free memory;
+            ``None``: none once ``offload`` is set) go to ``"host"`` memory or ``"disk"`` (memory-mapped files
+            in ``offload_dir``, a temporary directory by default); identical results (docs/memory.md).
         streaming: on one device, run the model layer group by layer group over all chunks (NGra chunk
-            streaming, :mod:`.step.stream`): exact, with the vertex data of every group boundary in the
-            memory tiers (``"auto"``: on one device with several chunks or an offload tier).
-        overlap: post the receives of the next chunk's values (fill) and gradients (drain) before
-            computing the current chunk, so transfers between stages run during compute (:mod:`.runtime.link`);
-            results are the same either way.
-        boundary_dtype: a narrower floating-point dtype (``torch.bfloat16`` or ``torch.float16``) for the
-            activations and gradients crossing stage cuts and halos in training passes (half the bytes;
-            approximate); the exact pass and inference keep the values' own dtype. ``None``: as computed.
-        timeline_trace: a path: every rank's chunk spans (compute, wait, bubble) written there as one
-            Chrome trace when training ends (:mod:`.runtime.timeline`).
-        staleness_meter: measure, each training step, how far the historical rows read were from the
-            fresh ones, per call site (:mod:`.runtime.staleness`; a few index-selects after each fill).
-        max_age: refresh the history with an exact pass before a step whose stale reads would be more
-            than this many optimizer updates old (``0``: every step, an exact training forward; ``None``:
-            no bound but T2's).
-        max_staleness: refresh the history with an exact pass before the next step when the largest
-            per-site drift the meter measured in a step (over all ranks) exceeds this (``None``: no bound).
-        smoothing: ``γ`` in [0, 1): stale rows are read as a moving average over steps,
-            ``s ← γ·s + (1-γ)·h`` (PipeGCN's smoothing of stale features; :mod:`.runtime.history`); ``None``: off.
-        halo_exchange: how the ways of a stage exchange halo rows and their gradients: ``"all_to_all"``
-            (every way sends every other way what it reads, one grouped exchange) or ``"ring"`` (hop by hop
-            between neighbouring ways, :mod:`.runtime.ring`; the same values, at least as many bytes, 2 peers).
+            streaming, :mod:`.step.stream`): exact like plain PyG, holding one chunk of one layer on the
+            device, with the values between groups in the memory tiers (``"auto"``: on one device with
+            several chunks or an offload tier; ``False``: one pipeline stage with historical embeddings).
+        overlap: post the receives of the next chunk's values (fill) and gradients (drain) before computing
+            the current chunk, so transfers between stages run during compute (:mod:`.runtime.link`); the
+            same results, bit for bit.
+        boundary_dtype: ``torch.bfloat16`` (or ``torch.float16``) for the activations and gradients crossing
+            stage cuts and halos in training passes: half the bytes, approximate (docs/gnnpipe.md measures
+            it); validation, test, predict and the exact pass keep the values' own dtype. ``None``: as computed.
+        timeline_trace: a file path: every rank's chunks (compute, waits for transfers, the bubble) written
+            there as one Chrome trace when training ends (Perfetto or ``chrome://tracing``;
+            :mod:`.runtime.timeline`). The per-step sums are logged as ``time/compute``, ``time/wait``,
+            ``time/bubble`` and ``time/bubble_share`` in any case (CPU devices; docs/benchmarks.md).
+        staleness_meter: measure how far the historical rows each training step read were from the fresh
+            ones, per call site, and log it per epoch: ``staleness/max_drift``, ``staleness/drift/<site>``,
+            ``staleness/stale_share``, ``staleness/mean_age`` (:mod:`.runtime.staleness`; a few index-selects
+            after each fill).
+        max_age: refresh the history with an exact pass (one forward of the whole model, no gradients) before
+            a step whose stale reads would be more than this many optimizer updates old (``0``: every step, an
+            exact training forward; ``None``: no bound but T2's).
+        max_staleness: refresh it before the next step when the largest per-site drift of a step
+            (``staleness/max_drift``, over all ranks) exceeds this, e.g. ``0.1`` (``None``: no bound). How
+            often either bound refreshed is logged as ``staleness/refreshes``.
+        smoothing: a momentum ``γ`` in [0, 1): stale neighbours are read as a moving average over steps of
+            their historical rows, ``s ← γ·s + (1-γ)·h`` (PipeGCN's smoothing; :mod:`.runtime.history`);
+            fresh ones as computed. ``None``: the last rows (docs/convergence.md measures both).
+        halo_exchange: how graph-parallel ways (``graph_parallel``, hybrid) exchange halo rows and their
+            gradients at every layer: ``"all_to_all"`` (every way sends every other way the rows it reads, one
+            grouped exchange) or ``"ring"`` (NGra's ring: rows pass hop by hop between neighbouring ways,
+            gradients are summed on the way back; the same values, each rank talks to 2 peers, but at least
+            as many bytes; :mod:`.runtime.ring`, docs/graph_parallel.md). Nothing changes without ways.
     """
 
     num_chunks: Optional[int] = None

@@ -17,10 +17,11 @@ from ..model.find import count_layers, pipelined_module
 from .batch import SameGraph, check_batch
 from .callbacks import CommLogger, GlobalNormClipping, StalenessLogger, TimelineLogger, clip_by_global_norm
 from .checkpoint import PipelineCheckpoints
+from .errors import PostsErrors
 from .launchers import CheckedScriptLauncher, ResultsLauncher
 
 
-class GNNPipeStrategy(DDPStrategy):
+class GNNPipeStrategy(PostsErrors, DDPStrategy):
     """Trains an unchanged PyG model with GNNPipe: its layers split into one pipeline stage per
     device, the graph cut into chunks that flow through the stages (see docs/gnnpipe.md).
 
@@ -39,76 +40,17 @@ class GNNPipeStrategy(DDPStrategy):
         trainer = L.Trainer(strategy=pyg_pipe.GNNPipeStrategy(num_chunks=16), devices=4)
 
     Args:
-        num_chunks: chunks the graph is cut into (default ``4 × devices``, at most |V|). One chunk
-            gives exact model parallelism; more chunks shrink the pipeline bubble but read
-            neighbours from historical embeddings.
-        shuffle_chunks: a new chunk order every epoch (staleness control T1).
-        snapshot_period: historical embeddings are snapshotted every this many epochs and restored
-            in between (T2); ``None`` turns snapshots off.
-        unbiased_gradients: scale cross-chunk gradients by 2 and drop stale ones (T3).
-        late_gradients: keep the gradients of stale reads and hand them to their owners in the next
-            step (PipeGCN's stale feature gradients) instead of dropping them; T3's scaling is then
-            off. One more buffer per call site; one way per stage (not with ``HybridStrategy(ways>1)``).
-            Experimental: training diverged with it in docs/convergence.md's study.
-        balance: ``"time"`` (measure each layer once and split stages by cost), ``"layers"`` (equal
-            layer counts) or a list with the number of message-passing layers of every stage.
-        partition: vertex partitioner for chunks: ``"auto"`` (METIS via ``pymetis`` when installed,
-            else a locality-preserving greedy fallback), ``"metis"``, ``"greedy"``, ``"random"``,
-            ``"contiguous"``.
-        seed: seed of the partitioner and of the chunk shuffling.
+        num_chunks, shuffle_chunks, snapshot_period, unbiased_gradients, late_gradients, balance, partition,
+        seed, per_chunk_statistics, split_points, recompute, offload, offload_budget, offload_dir, streaming,
+        overlap, boundary_dtype, timeline_trace, staleness_meter, max_age, max_staleness, smoothing,
+        halo_exchange: the engine's knobs, each documented in :class:`pyg_pipe.engine.PipelineConfig` (and
+            when to use which in docs/gnnpipe.md).
         model: attribute name of the module to pipeline inside the LightningModule; by default the
             smallest sub-module that holds every ``MessagePassing`` layer.
         comm_timeout: seconds a send, receive or collective may wait before failing (a stuck peer never
             hangs the run).
         checkpoint_history: also store the historical embeddings in checkpoints, so resuming
             continues exactly (they are as large as one copy of every stage's layer inputs).
-        per_chunk_statistics: let graph-wide statistics (BatchNorm, GraphNorm, ...) use each chunk's rows
-            when a way runs several chunks (``True``; approximate, as GPipe does for micro-batches), or, for
-            BatchNorm, the whole graph's statistics with the other chunks' sums taken from their latest run
-            (``"history"``; approximate, exact at lr = 0 after the first step; needs ``streaming=False``);
-            without it such models are refused with several chunks per way. With one chunk per way they
-            are exact.
-        split_points: ``{"module.name": SplitPoint.BEGINNING | SplitPoint.END}``: cut the pipeline
-            before / after that module (the convention of ``torch.distributed.pipelining``; calling
-            ``pyg_pipe.pipe_split()`` in the forward does the same).
-        recompute: keep only each chunk's stage inputs in the forward and recompute its activations in
-            the backward (bit-identical; ``"auto"``: when keeping every chunk's activations would take more
-            than a quarter of the device's free memory, measured at the first step; docs/memory.md).
-        offload, offload_budget, offload_dir: historical embeddings (and, streaming, the values between
-            layer groups) beyond ``offload_budget`` bytes on the device (``"auto"``: half the free memory;
-            ``None``: none) go to ``"host"`` memory or ``"disk"`` (memory-mapped files in ``offload_dir``);
-            identical results (docs/memory.md).
-        streaming: on one device, run the model layer group by layer group over all chunks (NGra chunk
-            streaming): exact like plain PyG, holding one chunk of one layer on the device, with the values
-            between groups in the offload tier (``"auto"``: with ``devices=1`` and several chunks or an
-            ``offload`` tier; ``False``: one pipeline stage with historical embeddings instead).
-        timeline_trace: a file path: every rank's chunks (compute, wait for transfers, the bubble) are
-            written there as one Chrome trace when training ends (open it in Perfetto or
-            ``chrome://tracing``). The per-step sums are logged as ``time/compute``, ``time/wait``,
-            ``time/bubble`` and ``time/bubble_share`` in any case (CPU devices; docs/benchmarks.md).
-        overlap: post the receives of the next chunk's values and gradients before computing the
-            current chunk, so stage-to-stage transfers run during compute (same results, bit for bit).
-        staleness_meter: measure how far the historical rows each training step read were from the fresh
-            ones and log it per epoch: ``staleness/max_drift``, ``staleness/drift/<site>``,
-            ``staleness/stale_share``, ``staleness/mean_age`` (:mod:`pyg_pipe.engine.runtime.staleness`).
-        max_age: refresh the historical embeddings with an exact pass (one forward of the whole model,
-            no gradients) before a step whose stale reads would be more than this many optimizer updates
-            old; ``0`` makes every training forward exact. ``None``: T2's period is the only bound.
-        max_staleness: refresh them before the next step when the largest per-site drift of a step
-            (``staleness/max_drift``, over all ranks) exceeds this, e.g. ``0.1``. ``None``: no bound. How
-            often either refreshed is logged as ``staleness/refreshes``.
-        smoothing: a momentum ``γ`` in [0, 1): stale neighbours are read as a moving average over steps
-            of their historical rows, ``s ← γ·s + (1-γ)·h`` (PipeGCN's smoothing); fresh ones as computed.
-            ``None``: the last rows (docs/convergence.md measures both).
-        boundary_dtype: ``torch.bfloat16`` (or ``torch.float16``) sends the activations and gradients
-            crossing stage cuts and halos in that dtype during training: half the bytes, approximate
-            (docs/gnnpipe.md measures the effect); validation, test and predict stay exact. ``None``: as
-            computed.
-        halo_exchange: how graph-parallel ways (``graph_parallel``, hybrid) exchange halo rows and their
-            gradients at every layer: ``"all_to_all"`` (every way sends every other way the rows it reads,
-            one grouped exchange) or ``"ring"`` (NGra's ring: rows pass hop by hop between neighbouring ways,
-            gradients are summed on the way back; the same values, each rank talks to 2 peers, but at least
-            as many bytes; docs/graph_parallel.md). Nothing changes without ways.
         fused_kernels: while training, route PyG's sparse-adjacency aggregation (layers given a
             torch.sparse ``adj_t``), and the Gather of layers given an ``edge_index`` whose message is the
             source row, optionally weighted per edge (GCNConv, GCN2Conv, SAGEConv, GINConv, GraphConv,
@@ -316,40 +258,15 @@ class GNNPipeStrategy(DDPStrategy):
             self._same_graph.check(batch, self.comm)
         return batch
 
-    def _posting_errors(self, fn, *args, **kwargs):
-        """Runs ``fn``; if it raises, every other rank learns why before this one exits (the spawn and
-        fork launchers run the trainer without Lightning's exception hooks in the workers)."""
-        try:
-            return fn(*args, **kwargs)
-        except BaseException as exc:
-            self._failed = True
-            if self.comm is not None:
-                self.comm.post_error(exc)
-            raise
-
-    def validation_step(self, *args: Any, **kwargs: Any):
-        return self._posting_errors(super().validation_step, *args, **kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any):
-        return self._posting_errors(super().test_step, *args, **kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any):
-        return self._posting_errors(super().predict_step, *args, **kwargs)
-
-    def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
-        return self._posting_errors(super().backward, closure_loss, optimizer, *args, **kwargs)
-
-    def training_step(self, *args: Any, **kwargs: Any):
-        return self._posting_errors(self._training_step, *args, **kwargs)
-
     def _training_step(self, *args: Any, **kwargs: Any):
+        """The training step (:class:`PostsErrors` wraps it): Lightning's, marked for the engine."""
         trainer = self.lightning_module.trainer
         if self.engine is None:
-            out = super().training_step(*args, **kwargs)
+            out = DDPStrategy.training_step(self, *args, **kwargs)
         else:
             self.comm.reset_counters()
             with self.engine.training_step(trainer.global_step):
-                out = super().training_step(*args, **kwargs)
+                out = DDPStrategy.training_step(self, *args, **kwargs)
         loss = out.get("loss") if isinstance(out, dict) else out
         if isinstance(loss, Tensor) and not bool(torch.isfinite(loss.detach()).all()):
             raise FloatingPointError(
@@ -369,12 +286,6 @@ class GNNPipeStrategy(DDPStrategy):
                                                   "gathering the timeline")
             if self.global_rank == 0:
                 write_trace(self.config.timeline_trace, [e for rank in events for e in rank])
-
-    def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
-        if self.comm is not None:
-            self.comm.post_error(exception)
-        super().on_exception(exception)
 
     # ----------------------------------------------------------------------- gradients and checkpoints
     def clip_gradients_by_global_norm(self, optimizer, max_norm: float) -> None:

@@ -63,6 +63,12 @@ class FullGraphDataModule(pl.LightningDataModule):
             self._data = None
             self._make_data = data
         else:
+            from torch_geometric.data import HeteroData
+            if isinstance(data, HeteroData):
+                raise TypeError(
+                    "`data` is a HeteroData: heterogeneous graphs are not supported by pyg_pipe's strategies yet. "
+                    "Train a heterogeneous model on one device (or with Lightning's 'ddp' over several graphs), "
+                    "or convert the graph with data.to_homogeneous() for a homogeneous model.")
             raise TypeError(
                 "`data` must be a torch_geometric.data.Data or a zero-argument callable returning one, "
                 f"got {type(data).__name__}")

@@ -75,8 +75,8 @@ def _check_edge_index(edge_index: Tensor, num_nodes: int) -> Tensor:
         lo, hi = int(edge_index.min()), int(edge_index.max())
         if lo < 0 or hi >= num_nodes:
             raise ValueError(
-                f"`edge_index` holds vertex ids in [{lo}, {hi}] but `num_nodes`={num_nodes}; "
-                "pass the true number of vertices (e.g. data.num_nodes)")
+                f"`edge_index` holds vertex ids from {lo} to {hi}, but the graph has {num_nodes} vertices (ids "
+                f"0..{num_nodes - 1}): remove or renumber the edges outside that range, or give every vertex a row")
     return edge_index
 
 

@@ -14,7 +14,7 @@ from ..engine.runtime.timeline import write_trace
 from ..memory import PeakMemory
 from ..model import UnsupportedModelError
 from ..model.find import count_layers, pipelined_module
-from .batch import SameGraph, check_batch
+from .batch import SameGraph, check_batch, check_graph, graph_of
 from .callbacks import CommLogger, GlobalNormClipping, StalenessLogger, TimelineLogger, clip_by_global_norm
 from .checkpoint import PipelineCheckpoints
 from .errors import PostsErrors
@@ -152,9 +152,14 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         else:
             self._launcher = ResultsLauncher(self, start_method=self._start_method)
 
-    def check_before_launch(self) -> None:
-        """Refusals that the model's structure decides, raised in the launching process before any
-        worker starts (the workers would each raise them after starting)."""
+    def check_before_launch(self, *args: Any, **kwargs: Any) -> None:
+        """Refusals that the model's structure decides, and a malformed graph among the arguments of the
+        trainer's call (``args``, ``kwargs``), raised in the launching process before any worker starts (the
+        workers would each raise them after starting)."""
+        for value in list(args) + list(kwargs.values()):
+            data = graph_of(value)
+            if data is not None:
+                check_graph(data)
         if self.lightning_module is None:
             return
         target = self._find_model()
@@ -253,6 +258,8 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
 
     def _batch_to_device(self, batch: Any, device: Optional[torch.device], dataloader_idx: int) -> Any:
         check_batch(batch)
+        if self._same_graph.new(batch):  # (once per graph object: the id range costs a pass over the edges)
+            check_graph(batch)
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if self.comm is not None:
             self._same_graph.check(batch, self.comm)

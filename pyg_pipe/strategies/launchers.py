@@ -1,12 +1,15 @@
 """The launchers of pyg_pipe's strategies: Lightning's own, with what pipelines need around them.
 
 * Before any worker starts (in the launching process), the model is checked for refusals that its
-  structure decides (pooling, more stages than layers), so they surface once, in a few lines.
+  structure decides (pooling, more stages than layers), and the graph, when the arguments of ``fit`` /
+  ``validate`` / ``test`` / ``predict`` hold it (a ``FullGraphDataModule`` or a loader over a list), for a
+  malformed ``edge_index``: both surface once, in a few lines.
 * The spawn / fork launcher also brings rank 0's pipeline state home with the results, so
   ``trainer.save_checkpoint`` after ``fit`` in the main process still holds the history.
 """
 from __future__ import annotations
 
+import atexit
 import io
 from typing import Any, Dict
 
@@ -23,7 +26,8 @@ class CheckedScriptLauncher(_SubprocessScriptLauncher):
         self.strategy = strategy
 
     def launch(self, function, *args, trainer=None, **kwargs):
-        self.strategy.check_before_launch()
+        self.strategy.check_before_launch(*args, **kwargs)
+        atexit.register(_destroy_process_group)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
@@ -32,16 +36,12 @@ class ResultsLauncher(_MultiProcessingLauncher):
     counters of rank 0 to the main process."""
 
     def launch(self, function, *args, trainer=None, **kwargs):
-        self._strategy.check_before_launch()
+        self._strategy.check_before_launch(*args, **kwargs)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _wrapping_function(self, *args, **kwargs) -> None:
         super()._wrapping_function(*args, **kwargs)
-        # the worker ends here: take its process group down in order rather than leave gloo's threads to the
-        # interpreter's exit (a CI run once saw a worker abort there, "terminate called without an active
-        # exception", after a fit that had finished)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        _destroy_process_group()  # the worker ends here
 
     def get_extra_results(self, trainer) -> Dict[str, Any]:
         extra = super().get_extra_results(trainer)
@@ -54,3 +54,11 @@ class ResultsLauncher(_MultiProcessingLauncher):
         super().update_main_process_results(trainer, extra)
         if "pyg_pipe" in extra:
             self._strategy.take_worker_results(torch.load(io.BytesIO(extra["pyg_pipe"]), weights_only=False))
+
+
+def _destroy_process_group() -> None:
+    """Takes the process group down in order rather than leave gloo's threads to the interpreter's exit, where
+    a process that had finished its work aborted ("terminate called without an active exception": seen after a
+    spawned fit in CI, and under torchrun after fit and test)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -144,3 +144,40 @@ def test_layers_run_outside_forward_are_refused_not_trained_undistributed(data, 
     with pytest.raises(Exception, match=r"Layer 'conv1' \(GCNConv\) ran in a training step outside the forward of "
                                         r"LinkNet.*called through LinkNet\.encode"):
         t.fit(LinkPredictor(), train_dataloaders=graph_loader(data))
+
+
+def _spawn_trainer():
+    return pl.Trainer(strategy=GNNPipeStrategy(start_method="spawn", comm_timeout=60), accelerator="cpu", devices=2,
+                      max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+
+
+@pytest.mark.parametrize("case", ["float", "out of range", "pairs", "x rows"])
+def test_a_malformed_graph_is_refused_in_the_launching_process(data, case):
+    """Raised as itself (not wrapped in a worker's ProcessRaisedException): before any worker started."""
+    import pyg_pipe
+    bad = data.clone()
+    if case == "float":
+        bad.edge_index = bad.edge_index.float()
+        expected = (TypeError, r"data.edge_index has dtype torch.float32.*data.edge_index.long\(\)")
+    elif case == "out of range":
+        bad.edge_index = bad.edge_index.clone()
+        bad.edge_index[0, 0] = data.num_nodes + 3
+        expected = (ValueError, rf"vertex ids from 0 to {data.num_nodes + 3}, but the graph has {data.num_nodes} "
+                                rf"vertices \(x's {data.num_nodes} rows\)")
+    elif case == "pairs":
+        bad.edge_index = bad.edge_index.t().contiguous()
+        expected = (ValueError, r"has shape \(\d+, 2\); an edge_index has shape \[2, E\].*\.t\(\)\.contiguous\(\)")
+    else:
+        bad.num_nodes = data.num_nodes + 1
+        expected = (ValueError, rf"data.x has {data.num_nodes} rows but data.num_nodes is {data.num_nodes + 1}")
+    with pytest.raises(expected[0], match=expected[1]):
+        _spawn_trainer().fit(NodeClassifier(make_model("gcn")), datamodule=pyg_pipe.FullGraphDataModule(bad))
+
+
+def test_a_heterogeneous_graph_is_named():
+    from torch_geometric.data import HeteroData
+
+    import pyg_pipe
+    with pytest.raises(TypeError, match="HeteroData: heterogeneous graphs are not supported.*to_homogeneous"):
+        pyg_pipe.FullGraphDataModule(HeteroData())

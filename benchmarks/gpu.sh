@@ -3,14 +3,14 @@
 #   1. the tests marked `gpu` (the kernels against their reference on CUDA, the engine streaming on one
 #      GPU and through Lightning equal to plain PyG, 2 processes on one GPU over gloo with the transport
 #      staging through host memory, gnnpipe over NCCL when there are two GPUs);
-#   2. benchmarks/gpu_summary.py: the GPU issue's figures in one summary.json (streamed epoch against plain
+#   2. benchmarks/gpu/gpu_summary.py: the GPU issue's figures in one summary.json (streamed epoch against plain
 #      PyG at 20k and 200k vertices, host time per chunk and layer, GPU busy share and copies per step,
 #      the largest graph plain PyG and streaming train under a memory cap, 2 processes on one GPU);
 #   with GPU_FULL=1 also
 #   3. the fused kernels against cuSPARSE (torch.sparse.mm) and PyG's scatter path, with the kernel's
-#      achieved bandwidth (benchmarks/aggregate.py --device cuda);
-#   4. one engine epoch on CUDA (benchmarks/gnnpipe_epoch.py) and a profile of one GPU's step
-#      (benchmarks/gpu_profile.py: wall time against GPU busy time, host synchronisations and copies).
+#      achieved bandwidth (benchmarks/kernels/aggregate.py --device cuda);
+#   4. one engine epoch on CUDA (benchmarks/speed/gnnpipe_epoch.py) and a profile of one GPU's step
+#      (benchmarks/gpu/gpu_profile.py: wall time against GPU busy time, host synchronisations and copies).
 # A failing step does not stop the later ones (the script exits non-zero at the end if one failed).
 # Results go to $OUT (default docs/results/gpu). Without a CUDA device it says so and exits 0.
 # The first CUDA build of the kernels takes about 2 minutes (measured on an H200 machine).
@@ -30,14 +30,14 @@ procs=$(( gpus >= 2 ? 2 : 1 ))
 failed=0
 step() { echo "+ $*"; "$@" || { echo "benchmarks/gpu.sh: failed: $*"; failed=1; }; }
 step bash -c "set -o pipefail; python -m pytest -q -m gpu tests 2>&1 | tee '$out/tests.txt'"
-step bash -c "set -o pipefail; PYTHONUNBUFFERED=1 python benchmarks/gpu_summary.py --out '$out/summary.json' \
+step bash -c "set -o pipefail; PYTHONUNBUFFERED=1 python benchmarks/gpu/gpu_summary.py --out '$out/summary.json' \
     --sweep-seconds ${GPU_SWEEP_SECONDS:-75} 2>&1 | tee '$out/summary.txt'"
 if [ "${GPU_FULL:-0}" = "1" ]; then
-    step bash -c "set -o pipefail; python benchmarks/aggregate.py --device cuda --widths 64 128 --repeats 5 \
+    step bash -c "set -o pipefail; python benchmarks/kernels/aggregate.py --device cuda --widths 64 128 --repeats 5 \
         --out '$out/aggregate_cuda.json' 2>&1 | tee '$out/aggregate_cuda.txt'"
-    step bash -c "set -o pipefail; python benchmarks/gnnpipe_epoch.py --device cuda --procs $procs --nodes 20000 \
+    step bash -c "set -o pipefail; python benchmarks/speed/gnnpipe_epoch.py --device cuda --procs $procs --nodes 20000 \
         --layers 16 --chunks 4 8 --epochs 6 --out '$out/epoch_cuda.json' 2>&1 | tee '$out/epoch_cuda.txt'"
-    step bash -c "set -o pipefail; python benchmarks/gpu_profile.py --nodes 20000 --layers 16 --chunks 4 8 --steps 3 \
+    step bash -c "set -o pipefail; python benchmarks/gpu/gpu_profile.py --nodes 20000 --layers 16 --chunks 4 8 --steps 3 \
         --out '$out/profile.json' 2>&1 | tee '$out/profile.txt'"
 fi
 exit $failed

@@ -17,8 +17,8 @@ Peak memory: the CPU allocator's peak during one forward + backward beyond what 
 output and gradients included. The first call of each method is a warm-up (it builds and caches the
 CSR of the graph, timed separately as ``csr_build``).
 
-    python benchmarks/saga.py --out docs/results/saga_cpu.json          # ~5 min on 2 cores
-    python benchmarks/saga.py --layers ggcn --repeats 3                 # quick look
+    python benchmarks/kernels/saga.py --out docs/results/saga_cpu.json          # ~5 min on 2 cores
+    python benchmarks/kernels/saga.py --layers ggcn --repeats 3                 # quick look
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, HERE)
 
 import torch

@@ -9,7 +9,7 @@ graph_parallel, one process with as many threads as the setting has processes, a
 one after the other in fresh processes); settings running at the same time share the memory bandwidth
 and the last-level cache, so compare ratios within a setting, not times across settings.
 
-    python benchmarks/speed_sweep.py --out docs/results/sweep --budget 420 --trace \\
+    python benchmarks/speed/speed_sweep.py --out docs/results/sweep --budget 420 --trace \\
         --jobs gcnii:community:4:16:0 gcnii:community:8:32:0 gcn:community:4:16:0 ...
 
 A job is ``model:graph:procs:chunks:bandwidth`` (bandwidth in bytes/s for the simulated link, 0: none).
@@ -175,5 +175,5 @@ def summary(folder: str, done: list, skipped: list) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(HERE))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
     main()

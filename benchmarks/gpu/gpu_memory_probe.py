@@ -1,9 +1,9 @@
 """Where a streamed step's GPU memory goes: the live allocations at the step's peak (or at an out-of-memory
 error), grouped by the line of pyg_pipe / PyG / the model that made them.
 
-    python benchmarks/gpu_memory_probe.py --nodes 200000 --cap-gib 2 --out docs/results/gpu/memory_probe.json
+    python benchmarks/gpu/gpu_memory_probe.py --nodes 200000 --cap-gib 2 --out docs/results/gpu/memory_probe.json
 
-One streamed training step of the GCNII of :mod:`benchmarks.gpu_summary` (random 8-block graph, contiguous
+One streamed training step of the GCNII of :mod:`benchmarks.gpu.gpu_summary` (random 8-block graph, contiguous
 chunks, every value between layers in pinned host memory) with ``torch.cuda.memory``'s allocation history
 on; the snapshot is taken at the error, or after the step at the largest live total seen. Needs CUDA.
 """
@@ -15,7 +15,7 @@ import os
 import sys
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _where(frames) -> str:
@@ -45,8 +45,8 @@ def summarize(snap: dict, top: int = 20) -> dict:
 
 def main() -> None:
     import torch
-    from benchmarks.gpu_summary import _Engine, _ns, _step_fn
-    from benchmarks.gnnpipe_epoch import build
+    from benchmarks.gpu.gpu_summary import _Engine, _ns, _step_fn
+    from benchmarks.speed.gnnpipe_epoch import build
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", type=int, nargs="+", default=[100_000, 200_000])
     p.add_argument("--cap-gib", type=float, default=2.0)
@@ -54,7 +54,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
-        print("benchmarks/gpu_memory_probe.py: no CUDA device here; nothing to run.")
+        print("benchmarks/gpu/gpu_memory_probe.py: no CUDA device here; nothing to run.")
         return
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_per_process_memory_fraction(

@@ -12,9 +12,9 @@ a pipeline: whether a read is fresh depends on the chunks' clocks only, not on w
 (:mod:`pyg_pipe.engine.plan.schedule`). Graphs, models and modes are those of ``convergence.py``; dropout follows
 ``PYG_PIPE_BENCH_DROPOUT`` (default 0 here, so the exact gradient is deterministic).
 
-    python benchmarks/gradient_fidelity.py --model resgcn --modes t1-t3 age0 age1 age11 \\
+    python benchmarks/convergence/gradient_fidelity.py --model resgcn --modes t1-t3 age0 age1 age11 \\
         --out docs/results/gradient_fidelity_resgcn.json
-    python benchmarks/gradient_fidelity.py --plot docs/results/gradient_fidelity_resgcn.json \
+    python benchmarks/convergence/gradient_fidelity.py --plot docs/results/gradient_fidelity_resgcn.json \
         docs/img/gradient_fidelity_resgcn.png        # the exact loss and the cosine per step, per mode
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import convergence  # noqa: E402  (graphs, models, modes and accuracy of the convergence study)
 

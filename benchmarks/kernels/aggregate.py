@@ -23,9 +23,9 @@ the same size) and nothing of size |E| x d.
 On CUDA the script also prints the achieved bandwidth of the kernel's forward: bytes it must touch
 (one source row per edge, the indices, the values, the output) over its time.
 
-    python benchmarks/aggregate.py --out docs/results/aggregate_cpu.json        # full run, ~10 min on 2 cores
-    python benchmarks/aggregate.py --widths 128 --reduces sum --repeats 3       # quick look
-    python benchmarks/aggregate.py --device cuda --out docs/results/aggregate_cuda.json
+    python benchmarks/kernels/aggregate.py --out docs/results/aggregate_cpu.json        # full run, ~10 min on 2 cores
+    python benchmarks/kernels/aggregate.py --widths 128 --reduces sum --repeats 3       # quick look
+    python benchmarks/kernels/aggregate.py --device cuda --out docs/results/aggregate_cuda.json
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ import time
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 import torch
 
@@ -172,7 +172,7 @@ def model_epochs(args) -> dict:
     """End to end: training epochs of a 32-layer GCNII (hidden 64) on a torch.sparse CSR ``adj_t``,
     plain PyG against the same model with ``pyg_pipe.ops.fused_kernels()``, epochs interleaved.
 
-    Same setting as the single-process baseline of ``benchmarks/gnnpipe_epoch.py`` (50,000 vertices,
+    Same setting as the single-process baseline of ``benchmarks/speed/gnnpipe_epoch.py`` (50,000 vertices,
     about 1,000,000 edges, ``cached=True`` normalisation, one optimizer step per epoch).
     """
     import torch.nn.functional as F

@@ -19,8 +19,8 @@ Reported per run:
 Modes: ``graph_parallel`` (S = 1, W = P), ``gnnpipe`` (S = P, C = 4P chunks), ``hybrid`` (S = P/2
 stages x W = 2 ways, 4·S chunks per way).
 
-    python benchmarks/comm_study.py --out docs/results/comm_study.json            # the full study
-    python benchmarks/comm_study.py --graphs tiny --procs 4 --models gcn --epochs 2  # a quick look
+    python benchmarks/speed/comm_study.py --out docs/results/comm_study.json            # the full study
+    python benchmarks/speed/comm_study.py --graphs tiny --procs 4 --models gcn --epochs 2  # a quick look
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 GRAPHS = {
     # Flickr's size and degree (89,250 vertices, ~900k edges, 7 classes) with community structure, as

@@ -17,9 +17,9 @@
 2. Setup: building the chunk-local graphs of a 200,000-vertex / 4,000,000-edge random graph in 32
    chunks (and the mirror sets of 4 ways), median of 3.
 
-    python benchmarks/engine_overhead.py                  # both
-    python benchmarks/engine_overhead.py --skip-setup     # the fixed cost only
-    python benchmarks/engine_overhead.py --skip-setup --fused   # with the strategies' default fused kernels
+    python benchmarks/speed/engine_overhead.py                  # both
+    python benchmarks/speed/engine_overhead.py --skip-setup     # the fixed cost only
+    python benchmarks/speed/engine_overhead.py --skip-setup --fused   # with the strategies' default fused kernels
 """
 import argparse
 import copy
@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def fixed_cost(nodes: int, layers: int, chunks: int, steps: int, fused: bool = False) -> dict:

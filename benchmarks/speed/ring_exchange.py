@@ -21,8 +21,8 @@ Graphs: ``community`` (stochastic blocks of ~125 vertices, 90% of edges inside: 
 ``powerlaw`` (Chung-Lu degrees, exponent 2.5, 8 classes with 70% of edges inside a class: hubs read by
 many parts). With more processes than cores (8 on this 2-core machine) times include oversubscription.
 
-    python benchmarks/ring_exchange.py                                   # 4 and 8 processes, both graphs
-    python benchmarks/ring_exchange.py --procs 4 --graphs community --epochs 3 --bandwidths 0   # a quick look
+    python benchmarks/speed/ring_exchange.py                                   # 4 and 8 processes, both graphs
+    python benchmarks/speed/ring_exchange.py --procs 4 --graphs community --epochs 3 --bandwidths 0   # a quick look
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import time
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 MODES = ("all_to_all", "ring")
 

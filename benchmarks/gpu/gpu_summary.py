@@ -23,8 +23,8 @@ community graph, plain PyG against the engine on the same GPU:
     2 processes on this one GPU, 2 pipeline stages, 4 chunks, gloo with the transport staging CUDA tensors
     through host memory (:class:`pyg_pipe.engine.Comm`), ÷ plain PyG, at 20k vertices.
 
-    python benchmarks/gpu_summary.py --out docs/results/gpu/summary.json
-    python benchmarks/gpu_summary.py --device cpu --small      # the script itself, on a CPU, in seconds
+    python benchmarks/gpu/gpu_summary.py --out docs/results/gpu/summary.json
+    python benchmarks/gpu/gpu_summary.py --device cpu --small      # the script itself, on a CPU, in seconds
 
 A measurement, never a test. With ``--device cpu`` the profiler figures are left out.
 """
@@ -41,7 +41,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 LAYERS, HIDDEN = 16, 64
 
@@ -106,7 +106,7 @@ class _Engine:
 
 
 def stream_ratio(nodes: int, dev, chunks: int, steps: int, profile: bool) -> dict:
-    from benchmarks.gnnpipe_epoch import build
+    from benchmarks.speed.gnnpipe_epoch import build
     data, model = build(_ns(nodes))
     data, model = data.to(dev), model.to(dev)
     plain_model = copy.deepcopy(model)
@@ -120,7 +120,7 @@ def stream_ratio(nodes: int, dev, chunks: int, steps: int, profile: bool) -> dic
         assert engine.plan.streaming
         out = {"nodes": nodes, "chunks": chunks, "plain_s": plain, "stream_s": stream, "ratio": stream / plain}
         if profile and dev.type == "cuda":
-            from benchmarks.gpu_profile import profile as run_profile
+            from benchmarks.gpu.gpu_profile import profile as run_profile
             prof = run_profile(step, steps)
             out["profile"] = prof
             out["gpu_busy_share"] = prof["gpu_busy_ms"] / prof["wall_ms"]
@@ -130,7 +130,7 @@ def stream_ratio(nodes: int, dev, chunks: int, steps: int, profile: bool) -> dic
 
 def _one_step(nodes: int, dev, plain_max: int | None) -> float:
     """One training step at ``nodes`` vertices: plain PyG (``plain_max`` None) or streamed; its loss."""
-    from benchmarks.gnnpipe_epoch import build
+    from benchmarks.speed.gnnpipe_epoch import build
     data, model = build(_ns(nodes, graph="random"))
     data, model = data.to(dev), model.to(dev)
     if plain_max is None:
@@ -214,7 +214,7 @@ def _pipeline_worker(rank: int, world: int, port: int, nodes: int, steps: int, d
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from benchmarks.gnnpipe_epoch import build
+        from benchmarks.speed.gnnpipe_epoch import build
         from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
         dev = torch.device(dev_name)
         data, model = build(_ns(nodes))
@@ -259,7 +259,7 @@ def main() -> None:
     args = p.parse_args()
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        print("benchmarks/gpu_summary.py: no CUDA device here; nothing to run.")
+        print("benchmarks/gpu/gpu_summary.py: no CUDA device here; nothing to run.")
         return
     small, big = (2_000, 8_000) if args.small else (20_000, 200_000)
     summary = {"date": datetime.date.today().isoformat(),

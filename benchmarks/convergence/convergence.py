@@ -33,9 +33,9 @@ gradient scaling)::
 All gnnpipe cases of one invocation run in the same 2 (``--procs``) processes, one after the other;
 the one-process references run first, in this process with 2 threads.
 
-    python benchmarks/convergence.py --out docs/results/convergence.json            # the default sweep
-    python benchmarks/convergence.py --models gcnii --graphs community --chunks 8 --seeds 0 --epochs 20
-    python benchmarks/plot_convergence.py docs/results/convergence.json docs/img/convergence.png
+    python benchmarks/convergence/convergence.py --out docs/results/convergence.json            # the default sweep
+    python benchmarks/convergence/convergence.py --models gcnii --graphs community --chunks 8 --seeds 0 --epochs 20
+    python benchmarks/plots.py convergence docs/results/convergence.json docs/img/convergence.png
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 DROPOUT = float(os.environ.get("PYG_PIPE_BENCH_DROPOUT", 0.1))  # of every model (the study: 0.1)
 

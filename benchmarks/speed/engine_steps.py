@@ -6,8 +6,8 @@ after two warm-up steps, the peak resident memory of the process, and the final 
 versions of the engine: the same loss means the same computation). Run it in two checkouts, in turn::
 
     git worktree add /tmp/before <commit>
-    cp benchmarks/engine_steps.py /tmp/before/benchmarks/
-    for i in 1 2 3; do (cd /tmp/before && python benchmarks/engine_steps.py); python benchmarks/engine_steps.py; done
+    cp benchmarks/speed/engine_steps.py /tmp/before/benchmarks/
+    for i in 1 2 3; do (cd /tmp/before && python benchmarks/speed/engine_steps.py); python benchmarks/speed/engine_steps.py; done
 """
 import argparse
 import os
@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def main() -> None:

@@ -10,8 +10,8 @@ few steps of each with ``torch.profiler`` (CPU and CUDA activities) and prints, 
   ``aten::item`` / ``aten::_local_scalar_dense``, and host-device copies (count and bytes);
 * the operators with the most host time.
 
-    python benchmarks/gpu_profile.py --nodes 20000 --layers 16 --chunks 4 --steps 3
-    python benchmarks/gpu_profile.py --nodes 200000 --layers 16 --chunks 4 --steps 3
+    python benchmarks/gpu/gpu_profile.py --nodes 20000 --layers 16 --chunks 4 --steps 3
+    python benchmarks/gpu/gpu_profile.py --nodes 200000 --layers 16 --chunks 4 --steps 3
 
 Needs a CUDA device (``bash benchmarks/gpu.sh`` runs it); a measurement, never a test.
 """
@@ -23,7 +23,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::item",
          "aten::_local_scalar_dense")
@@ -80,11 +80,11 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
-        print("benchmarks/gpu_profile.py: no CUDA device here; nothing to run.")
+        print("benchmarks/gpu/gpu_profile.py: no CUDA device here; nothing to run.")
         return
     import copy
 
-    from benchmarks.gnnpipe_epoch import build
+    from benchmarks.speed.gnnpipe_epoch import build
     from pyg_pipe import ops
     from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
 

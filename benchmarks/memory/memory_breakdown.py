@@ -1,7 +1,7 @@
 """What a gnnpipe stage holds, by kind: the bytes of every tensor the engine keeps between steps.
 
 One process runs the chunked engine (one stage, ``streaming=False``, recomputation on) for two training
-steps on the graph and model of ``benchmarks/memory.py`` (16-layer GCNII, 20k-vertex community graph),
+steps on the graph and model of ``benchmarks/memory/memory.py`` (16-layer GCNII, 20k-vertex community graph),
 then walks the runtime's objects and adds up the bytes of the tensors they reach, each storage once:
 
 - graph structures: the chunked graphs (renumbered edges, every chunk's local graph, the
@@ -14,8 +14,8 @@ against ``|V|·d`` (one hidden value of the whole graph) and plain PyG's net pea
 when it began (run it with ``MALLOC_MMAP_THRESHOLD_=131072`` as memory.py does). A pipeline stage with ``L/S`` of the layers holds ``1/S``
 of the per-layer kinds and all of the graph structures.
 
-    python benchmarks/memory_breakdown.py                   # 20k vertices, 16 layers, 8 chunks
-    python benchmarks/memory_breakdown.py --chunks 16 --graph random
+    python benchmarks/memory/memory_breakdown.py                   # 20k vertices, 16 layers, 8 chunks
+    python benchmarks/memory/memory_breakdown.py --chunks 16 --graph random
 """
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 
 def tensors_of(root, skip_ids) -> dict:
@@ -79,7 +78,7 @@ def main():
     import torch
     import torch.nn.functional as F
 
-    import gnnpipe_epoch as ge
+    from benchmarks.speed import gnnpipe_epoch as ge
     from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
 
     torch.set_num_threads(1)

@@ -1,10 +1,10 @@
 """Step time with a boolean engine knob off and on, side by side in one run (alternating rounds of steps
 of two engines on the same processes), so the machine's drift hits both alike.
 
-    python benchmarks/knob_time.py --knob recompute         # 16-layer GCNII, 20k vertices, 4 and 8 chunks
-    python benchmarks/knob_time.py --knob overlap --procs 4 --chunks 16
-    python benchmarks/knob_time.py --knob overlap --bandwidth 1e8   # a simulated 100 MB/s link
-    python benchmarks/knob_time.py --knob recompute --nodes 5000 --layers 8 --rounds 3
+    python benchmarks/speed/knob_time.py --knob recompute         # 16-layer GCNII, 20k vertices, 4 and 8 chunks
+    python benchmarks/speed/knob_time.py --knob overlap --procs 4 --chunks 16
+    python benchmarks/speed/knob_time.py --knob overlap --bandwidth 1e8   # a simulated 100 MB/s link
+    python benchmarks/speed/knob_time.py --knob recompute --nodes 5000 --layers 8 --rounds 3
 
 ``--knob`` is a :class:`pyg_pipe.engine.PipelineConfig` field taking ``False`` / ``True`` (``recompute``,
 ``overlap``, ``shuffle_chunks``, ...); every other knob keeps its default but ``balance="layers"`` (the
@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _worker(rank, world, args):

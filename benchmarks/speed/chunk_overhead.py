@@ -4,7 +4,7 @@ With one stage nothing overlaps, so the ratio is pure chunking overhead: halo ro
 aggregated per layer, per-chunk sparse products (and their transposes in backward), history writes.
 It is what keeps the pipelined epoch time above the ideal (S+C-1)/(S·C) of a one-process epoch.
 
-    python benchmarks/chunk_overhead.py --graph community      # 50,000 vertices, 32-layer GCNII
+    python benchmarks/speed/chunk_overhead.py --graph community      # 50,000 vertices, 32-layer GCNII
 """
 import argparse
 import os
@@ -12,7 +12,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def main():

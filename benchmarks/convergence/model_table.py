@@ -5,7 +5,7 @@ and prints a markdown table: ``exact`` (equal to one process within 1e-5: three 
 and inference where the algorithm is exact; the training forward at lr = 0 with chunks, where history
 is approximate in general), or ``refused`` with the start of the error.
 
-    python benchmarks/model_table.py > /tmp/table.md            # about 5 minutes on 2 cores
+    python benchmarks/convergence/model_table.py > /tmp/table.md            # about 5 minutes on 2 cores
 """
 import json
 import os
@@ -13,7 +13,7 @@ import sys
 import tempfile
 from functools import partial
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 MODES = [("graph_parallel", 2), ("pipeline", 2), ("chunks", 2), ("hybrid", 4)]
 HEADERS = {"graph_parallel": "graph_parallel, 2 ways", "pipeline": "gnnpipe, 2 stages, 1 chunk",

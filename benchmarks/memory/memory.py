@@ -15,11 +15,11 @@ with ``MALLOC_MMAP_THRESHOLD_=131072``: glibc then maps every block above 128 Ki
 back when freed, so the resident size follows the live tensors (as ``torch.cuda.max_memory_allocated``
 does on a GPU) instead of what the allocator kept from earlier phases; ``--default-malloc`` turns this
 off. Time = median step time over the second half of the epochs. The workers are those of
-``benchmarks/gnnpipe_epoch.py``.
+``benchmarks/speed/gnnpipe_epoch.py``.
 
-    python benchmarks/memory.py                                   # 20k vertices, 16 layers (about 15 min)
-    python benchmarks/memory.py --nodes 5000 --layers 8 --chunks 4 --procs 2 --epochs 3   # a quick look
-    python benchmarks/memory.py --out docs/results/memory_community_16.json
+    python benchmarks/memory/memory.py                                   # 20k vertices, 16 layers (about 15 min)
+    python benchmarks/memory/memory.py --nodes 5000 --layers 8 --chunks 4 --procs 2 --epochs 3   # a quick look
+    python benchmarks/memory/memory.py --out docs/results/memory_community_16.json
 
 Ratios printed: net peak ÷ single process, and epoch time ÷ single process and ÷ graph_parallel; and the
 largest difference of a step's loss from single-process PyG's (exact modes — graph_parallel, streaming —
@@ -35,9 +35,9 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-import gnnpipe_epoch as ge  # noqa: E402  (the workers)
+from benchmarks.speed import gnnpipe_epoch as ge  # noqa: E402  (the workers)
 
 
 def _med(ts):

@@ -9,10 +9,10 @@ torch.sparse CSR adjacency, ``cached=True`` normalisation) and against ``strateg
 the same 2 processes. Every configuration runs in fresh processes, one after the other, in one
 invocation, and the ratios are printed at the end.
 
-    python benchmarks/gnnpipe_epoch.py                       # the full setting (about 10 minutes)
-    python benchmarks/gnnpipe_epoch.py --model resgcn --graph random --procs 4 --chunks 16   # ResGCN+ (or gcn)
-    python benchmarks/gnnpipe_epoch.py --nodes 5000 --degree 20 --layers 8 --epochs 3   # a quick look
-    python benchmarks/gnnpipe_epoch.py --input edge_index --fused-kernels 0   # edge_index, PyG's aggregation
+    python benchmarks/speed/gnnpipe_epoch.py                       # the full setting (about 10 minutes)
+    python benchmarks/speed/gnnpipe_epoch.py --model resgcn --graph random --procs 4 --chunks 16   # ResGCN+ (or gcn)
+    python benchmarks/speed/gnnpipe_epoch.py --nodes 5000 --degree 20 --layers 8 --epochs 3   # a quick look
+    python benchmarks/speed/gnnpipe_epoch.py --input edge_index --fused-kernels 0   # edge_index, PyG's aggregation
 
 Epoch time = one optimizer step on the whole graph (forward, loss, backward, step), median over the
 second half of the epochs (the first plans the pipeline, partitions the graph and fills the history,
@@ -32,7 +32,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 
 CUDA = False  # --device cuda: times after a device synchronize, memory = the CUDA allocator's (set in main)

@@ -10,7 +10,7 @@ labels), Adam, 2 pipeline stages (processes), one thread each. Reported per chun
 * epoch time (median of the second half of the epochs) and the pipeline's bubble, (S-1)/(C+S-1);
 * peak resident memory of the worst process.
 
-    python benchmarks/chunks_tradeoff.py --out docs/results/chunks_tradeoff.json   # about 10 minutes
+    python benchmarks/speed/chunks_tradeoff.py --out docs/results/chunks_tradeoff.json   # about 10 minutes
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 
 def worker(args) -> None:

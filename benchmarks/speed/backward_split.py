@@ -25,7 +25,7 @@ models of the speed benchmark (``gnnpipe_epoch.py``), in one process, alternatin
     B: torch.autograd.grad(out, x, dy)              (autograd skips the weight-gradient products)
     W: (full backward) - B
 
-    python benchmarks/backward_split.py --out docs/results/backward_split.json
+    python benchmarks/speed/backward_split.py --out docs/results/backward_split.json
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def chunk_graph(nodes: int, chunks: int, degree: float):

@@ -2,14 +2,14 @@
 # The multi-process speed comparison on a machine with enough cores that no process shares one
 # (docs/benchmarks.md, "On a machine with 16 cores"): 32-layer GCNII / GCN / ResGCN+ on 4 and 8
 # processes, gnnpipe against graph_parallel and one process with as many threads, each setting pinned
-# to its own physical cores (benchmarks/speed_sweep.py). Then, where a GPU is present and time is
+# to its own physical cores (benchmarks/speed/speed_sweep.py). Then, where a GPU is present and time is
 # left, the tests marked `gpu`. Results go to $OUT (default docs/results/cores); BUDGET: seconds after
 # which no setting starts (default 330); LIMIT: the seconds the whole script may take (default 560);
 # JOBS: the settings (model:graph:procs:chunks:bandwidth, space-separated) instead of the default list.
 #
-#   bash benchmarks/cores.sh
+#   bash benchmarks/speed/cores.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out="${OUT:-docs/results/cores}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -26,7 +26,7 @@ jobs="${JOBS:-gcnii:community:8:32:0 gcn:community:8:32:0 resgcn:community:8:32:
     gcnii:community:4:16:1e8 resgcn:community:4:16:1e8 gcnii:community:2:8:0}"
 # shellcheck disable=SC2086
 # each job's own files stay outside $OUT; $OUT gets all.json (results, outputs, each rank's timeline)
-python benchmarks/speed_sweep.py --out "$out" --work "$(mktemp -d)" --trace --budget "${BUDGET:-330}" \
+python benchmarks/speed/speed_sweep.py --out "$out" --work "$(mktemp -d)" --trace --budget "${BUDGET:-330}" \
     --jobs $jobs 2>&1 | tee "$out/sweep.txt"
 left=$(( ${LIMIT:-560} - ($(date +%s) - start) ))
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" && [ "$left" -gt 60 ]; then

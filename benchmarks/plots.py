@@ -1,0 +1,347 @@
+"""Every figure of docs/img/, drawn from the JSON (or text) a benchmark wrote (needs matplotlib, which pyg_pipe
+does not depend on). One function per figure; from the command line, the figure's name, then its inputs:
+
+    python benchmarks/plots.py epoch docs/results/gnnpipe_epoch_community.json docs/results/gnnpipe_epoch_random.json
+    python benchmarks/plots.py comm docs/results/comm_study.json docs/img/comm_study.png
+    python benchmarks/plots.py convergence docs/results/convergence.json docs/img/convergence.png
+    python benchmarks/plots.py memory docs/results/memory_community_16.json
+    python benchmarks/plots.py speed docs/results/speed_p2_bw0.json docs/results/speed_p2_bw1e8.json ...
+    python benchmarks/plots.py sweep docs/results/cores/sweep.txt
+    python benchmarks/plots.py timeline docs/results/timeline_p4.json
+"""
+import json
+import os
+import statistics
+import sys
+
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+# --------------------------------------------------------------------------------------------
+# epoch: Draws docs/img/gnnpipe_epoch.png from the JSON written by gnnpipe_epoch.py (needs matplotlib).
+# --------------------------------------------------------------------------------------------
+
+def epoch(paths):
+    """Draws docs/img/gnnpipe_epoch.png from the JSON written by gnnpipe_epoch.py (needs matplotlib).
+
+    python benchmarks/plots.py epoch docs/results/gnnpipe_epoch_community.json docs/results/gnnpipe_epoch_random.json
+    """
+    results = [json.load(open(p)) for p in paths]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    width = 0.8 / len(results)
+    for i, r in enumerate(results):
+        rows = r["rows"]
+        xs = [j + i * width for j in range(len(rows))]
+        label = f"{r['setting']['graph']} graph"
+        axes[0].bar(xs, [row["time_ratio"] for row in rows], width, label=label)
+        axes[1].bar(xs, [row["mem_ratio"] for row in rows], width, label=label)
+    for ax, title, target in ((axes[0], "epoch time ÷ single process", 1.25),
+                              (axes[1], "peak memory per process ÷ single process", 0.7)):
+        ticks = [j + width * (len(results) - 1) / 2 for j in range(len(results[0]["rows"]))]
+        ax.set_xticks(ticks, [f"{row['chunks']} chunk{'s' if row['chunks'] > 1 else ''}" for row in results[0]["rows"]])
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.axhline(target, color="tab:red", lw=1, ls="--", label=f"target {target}")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    s = results[0]["setting"]
+    fig.suptitle(f"gnnpipe, {s['procs']} processes × 1 thread vs PyG, 1 process × {s['threads_single']} threads: "
+                 f"{s['layers']}-layer GCNII, {s['nodes']:,} vertices", fontsize=10)
+    fig.tight_layout()
+    out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "img", "gnnpipe_epoch.png")
+    fig.savefig(out, dpi=110)
+    print(out)
+
+
+# --------------------------------------------------------------------------------------------
+# comm: Bar chart of the communication study (needs matplotlib, not a dependency of pyg_pipe).
+# --------------------------------------------------------------------------------------------
+
+MODES = ("graph_parallel", "hybrid", "gnnpipe")
+
+
+COLORS = {"graph_parallel": "#c44e52", "hybrid": "#dd8452", "gnnpipe": "#4c72b0"}
+
+
+def comm(src: str, dst: str) -> None:
+    """Bar chart of the communication study (needs matplotlib, not a dependency of pyg_pipe).
+
+    python benchmarks/plots.py comm docs/results/comm_study.json docs/img/comm_study.png
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = json.load(open(src))["rows"]
+    panels = sorted({(r["graph"], r["procs"]) for r in rows}, key=lambda k: (k[0] != "flickr", k[0], k[1]))
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), sharey=True, squeeze=False)
+    for ax, (graph, procs) in zip(axes[0], panels):
+        width = 0.8 / len(MODES)
+        for i, mode in enumerate(MODES):
+            xs, ys, fs = [], [], []
+            for j, model in enumerate(models):
+                r = next((r for r in rows if (r["graph"], r["procs"], r["model"], r["mode"]) ==
+                          (graph, procs, model, mode)), None)
+                if r is None:
+                    continue
+                xs.append(j + (i - 1) * width)
+                ys.append(r["comm"]["total"] / 2**30)
+                fs.append(r["formula"]["total"] / 2**30)
+            ax.bar(xs, ys, width, color=COLORS[mode], label=mode.replace("_", " "))
+            ax.scatter(xs, fs, marker="_", color="black", s=120, zorder=3,
+                       label="formula" if i == len(MODES) - 1 else None)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(models)))
+        ax.set_xticklabels(models)
+        ax.set_title(f"{graph}, {procs} processes")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("GiB per epoch (all ranks)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
+    fig.suptitle("Bytes per epoch, 32-layer models, hidden 100 (bars: measured; ticks: formula)")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(dst, dpi=110)
+
+
+# --------------------------------------------------------------------------------------------
+# convergence: Draws the accuracy-per-epoch picture of ``convergence.py --out`` (needs matplotlib).
+# --------------------------------------------------------------------------------------------
+
+def convergence(path, out):
+    """Draws the accuracy-per-epoch picture of ``convergence.py --out`` (needs matplotlib).
+
+        python benchmarks/plots.py convergence docs/results/convergence.json docs/img/convergence.png
+
+    One panel per (model, graph, chunks): test accuracy per epoch, the mean over the seeds, one line per mode
+    (one process in black), the drift the meter measured in a second row.
+    """
+    res = json.load(open(path))
+    runs = res["runs"]
+    panels = sorted({(r["model"], r["graph"], r["chunks"]) for r in runs if r["mode"] != "one process"})
+    modes = [m for m in res["setting"]["modes"]]
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 6), squeeze=False, sharex=True)
+    for j, (model, graph, chunks) in enumerate(panels):
+        ax, ax_d = axes[0][j], axes[1][j]
+        for mode in ["one process"] + modes:
+            sel = [r for r in runs if (r["model"], r["graph"], r["mode"]) == (model, graph, mode)
+                   and (mode == "one process" or r["chunks"] == chunks)]
+            if not sel:
+                continue
+            n = min(len(r["curve"]) for r in sel)
+            acc = [sum(r["curve"][i]["test"] for r in sel) / len(sel) for i in range(n)]
+            style = dict(color="black", lw=2) if mode == "one process" else dict(lw=1.2)
+            ax.plot(range(1, n + 1), acc, label=mode, **style)
+            if mode != "one process":
+                drift = [max(r["curve"][i].get("drift", 0.0) for r in sel) for i in range(n)]
+                ax_d.plot(range(1, n + 1), drift, label=mode, lw=1.2)
+        ax.set_title(f"{model}, {graph}, {chunks} chunks", fontsize=10)
+        ax.set_ylabel("test accuracy")
+        ax_d.set_ylabel("max drift (meter)")
+        ax_d.set_xlabel("epoch")
+        ax_d.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax_d.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+# --------------------------------------------------------------------------------------------
+# memory: Draws docs/img/memory.png from the JSON written by memory.py (needs matplotlib).
+# --------------------------------------------------------------------------------------------
+
+def memory(path):
+    """Draws docs/img/memory.png from the JSON written by memory.py (needs matplotlib).
+
+        python benchmarks/plots.py memory docs/results/memory_community_16.json
+
+    One panel per process count: the worst process's net peak ÷ single-process PyG for every mode and
+    chunk count, the per-rank values as dots, and step time ÷ single process as text above each bar.
+    Green bars are NGra streaming on one process (all on the device, on disk, on disk beyond a budget).
+    """
+    r = json.load(open(path))
+    procs = sorted({run["procs"] for run in r["runs"]})
+    fig, axes = plt.subplots(1, len(procs), figsize=(7.5 * len(procs), 4.4), squeeze=False)
+    for ax, P in zip(axes[0], procs):
+        runs = [run for run in r["runs"] if run["procs"] == P]
+        labels, worst, per_rank, times = [], [], [], []
+        for run in runs:
+            if run["mode"] == "graph_parallel":
+                label = "graph\nparallel"
+            elif run["mode"].startswith("stream"):  # one process: "stream", "stream disk", "stream disk 81MB"
+                tier = run["mode"].split(" ")[1:]
+                label = f"1 proc\n{tier[-1] if tier else 'stream'}\n{run['chunks']} ch"
+            else:
+                name = {"gnnpipe": "pipe"}.get(run["mode"], run["mode"].replace("gnnpipe ", "").split(" ")[0])
+                label = f"{name}{'' if run['recompute'] in (None, 'off') else '+rc'}\n{run['chunks']} ch"
+            labels.append(label)
+            worst.append(run["net_ratio"])
+            per_rank.append([m / run["single_net_mb"] for m in run["net_mb"]])
+            times.append(run["time_ratio"])
+        xs = range(len(runs))
+        bars = ax.bar(xs, worst, color=["tab:grey" if "graph" in lab else "tab:green" if "1 proc" in lab
+                                        else "tab:blue" for lab in labels])
+        for x, ranks in zip(xs, per_rank):
+            ax.plot([x] * len(ranks), ranks, "k.", ms=4)
+        for bar, t in zip(bars, times):
+            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height() + 0.02, f"{t:.2f}x t", ha="center",
+                    fontsize=7)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.axhline(0.55, color="tab:red", lw=1, ls="--", label="target 0.55 (all on the device)")
+        ax.axhline(0.3, color="tab:orange", lw=1, ls=":", label="target 0.3 (offloaded)")
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_title(f"{P} processes: peak per process ÷ one process (dots: each rank)", fontsize=9)
+        ax.legend(fontsize=7)
+    s = r["setting"]
+    fig.suptitle(f"{s['layers']}-layer GCNII, {s['nodes']:,} vertices ({s['graph']}), hidden {s['hidden']}; "
+                 f"bar labels: step time ÷ one process (under MALLOC_MMAP_THRESHOLD_, see memory.md)", fontsize=9)
+    fig.tight_layout()
+    out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "img", "memory.png")
+    fig.savefig(out, dpi=110)
+    print(out)
+
+
+# --------------------------------------------------------------------------------------------
+# speed: Draws docs/img/speed.png from the JSON files written by ``gnnpipe_epoch.py --out`` (needs matplotlib).
+# --------------------------------------------------------------------------------------------
+
+def _med(ts):
+    return statistics.median(ts[len(ts) // 2:])
+
+
+def speed(paths):
+    """Draws docs/img/speed.png from the JSON files written by ``gnnpipe_epoch.py --out`` (needs matplotlib).
+
+        python benchmarks/plots.py speed docs/results/speed_p2_bw0.json docs/results/speed_p2_bw1e8.json \
+            docs/results/speed_p4_bw0.json docs/results/speed_p4_bw1e8.json
+
+    One group of bars per file (processes, link): epoch time of plain PyG in one process, the same with
+    pyg_pipe's fused kernels, graph_parallel and gnnpipe, each the median of the second half of its epochs.
+    """
+    runs = [(os.path.basename(p), json.load(open(p))) for p in paths]
+    names = ["plain PyG, 1 process", "plain PyG + kernels", "graph_parallel", "gnnpipe"]
+    fig, ax = plt.subplots(figsize=(8.5, 3.8))
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        xs, ys = [], []
+        for i, (_, r) in enumerate(runs):
+            y = {0: lambda: _med(r["single"]["times"]), 1: lambda: _med(r["single_kernels"]["times"]),
+                 2: lambda: r["graph_parallel_summary"]["epoch_s"], 3: lambda: r["rows"][0]["epoch_s"]}[k]()
+            xs.append(i + k * width)
+            ys.append(y)
+        ax.bar(xs, ys, width, label=name)
+    labels = []
+    for path, r in runs:
+        link = "loopback" if "bw0" in path else "100 MB/s link"
+        labels.append(f"{r['setting']['procs']} processes, {r['rows'][0]['chunks']} chunks\n{link}")
+    ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(runs))], labels, fontsize=8)
+    ax.set_ylabel("epoch time (s)")
+    s = runs[0][1]["setting"]
+    ax.set_title(f"{s['layers']}-layer GCNII, {s['nodes']:,} vertices ({s['graph']}); 2 cores", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "img", "speed.png")
+    fig.savefig(out, dpi=110)
+    print(out)
+
+
+# --------------------------------------------------------------------------------------------
+# sweep: Draws docs/img/sweep.png from the summary ``speed_sweep.py`` prints (its ``sweep.txt``; needs matplotlib).
+# --------------------------------------------------------------------------------------------
+
+MODELS = {"gcn": "GCN", "gcnii": "GCNII", "resgcn": "ResGCN+"}
+
+
+def rows(path):
+    """``(label, ÷ graph_parallel, ÷ one process, bubble share, formula)`` per summary line."""
+    out = []
+    for line in open(path):
+        f = line.split()
+        if len(f) >= 14 and f[0] in MODELS and f[2].isdigit():
+            label = f"{MODELS[f[0]]}\n{f[1]}, P={f[2]}\n{'loopback' if f[4] == 'loop' else f[4]}"
+            out.append((label, float(f[7]), float(f[8]), float(f[12]), float(f[13].strip("()"))))
+    return out
+
+
+def sweep(path):
+    """Draws docs/img/sweep.png from the summary ``speed_sweep.py`` prints (its ``sweep.txt``; needs matplotlib).
+
+        python benchmarks/plots.py sweep docs/results/cores/sweep.txt
+
+    One pair of bars per setting: gnnpipe's epoch time divided by graph_parallel's and by one process's (with
+    as many threads as the setting has processes), each measured side by side within the setting.
+    """
+    data = rows(path)
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    xs = range(len(data))
+    ax.bar([x - 0.2 for x in xs], [d[1] for d in data], 0.4, label="gnnpipe ÷ graph_parallel")
+    ax.bar([x + 0.2 for x in xs], [d[2] for d in data], 0.4, label="gnnpipe ÷ one process (P threads)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.axhline(0.7, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(list(xs), [d[0] for d in data], fontsize=7)
+    ax.set_ylabel("epoch time ratio")
+    ax.set_title("32 layers, 20,000 vertices, 4 chunks per stage; each process on a core of its own (16 cores)",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "img", "sweep.png")
+    fig.savefig(out, dpi=110)
+    print(out)
+
+
+# --------------------------------------------------------------------------------------------
+# timeline: Draws docs/img/timeline.png from a Chrome trace written by ``timeline_trace=`` (needs matplotlib).
+# --------------------------------------------------------------------------------------------
+
+def timeline(path):
+    """Draws docs/img/timeline.png from a Chrome trace written by ``timeline_trace=`` (needs matplotlib).
+
+        python benchmarks/speed/gnnpipe_epoch.py --nodes 20000 --layers 16 --procs 4 --chunks 16 --epochs 4 \
+            --trace docs/results/timeline_p4.json
+        python benchmarks/plots.py timeline docs/results/timeline_p4.json
+
+    One row per rank (stage), the last step's chunks: fill in blue, drain in orange, and over them the
+    time each chunk waited (grey; the bubble darker), drawn where the chunk started. The fill ends with the
+    "output" span: every rank receives the last stage's output rows.
+    """
+    events = json.load(open(path))["traceEvents"]
+    last = max(e["args"]["step"] for e in events)
+    events = [e for e in events if e["args"]["step"] == last]
+    t0 = min(e["ts"] for e in events)
+    ranks = sorted({e["pid"] for e in events})
+    fig, ax = plt.subplots(figsize=(11, 1.0 + 0.7 * len(ranks)))
+    colors = {"fill": "tab:blue", "drain": "tab:orange", "wait": "lightgrey", "bubble": "dimgrey"}
+    for e in events:
+        y = ranks.index(e["pid"])
+        start, width = (e["ts"] - t0) / 1e3, e["dur"] / 1e3
+        kind = e["name"] if e["tid"] == 1 else e["cat"]
+        h, off = (0.8, 0.1) if e["tid"] == 0 else (0.3, 0.35)
+        ax.broken_barh([(start, width)], (y + off, h), facecolors=colors[kind], edgecolor="white", linewidth=0.3,
+                       zorder=3 if e["tid"] == 1 else 2)
+    ax.set_yticks([r + 0.5 for r in range(len(ranks))], [f"stage {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (last step)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    ax.legend(handles, ["fill (forward) chunk", "drain (backward) chunk", "wait for a transfer", "bubble"],
+              fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=4, frameon=False)
+    ax.set_title(f"{len(ranks)} stages, {len([e for e in events if e['tid'] == 0 and e['pid'] == ranks[0]]) // 2} "
+                 f"chunks: one training step per stage", fontsize=9, loc="left")
+    fig.tight_layout()
+    out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "img", "timeline.png")
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    print(out)
+
+
+#: figure name -> (function, whether it takes a list of inputs)
+FIGURES = {"epoch": (epoch, True), "comm": (comm, False), "convergence": (convergence, False), "memory": (memory, False), "speed": (speed, True), "sweep": (sweep, False), "timeline": (timeline, False)}
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3 or sys.argv[1] not in FIGURES:
+        sys.exit(f"usage: python benchmarks/plots.py {{{'|'.join(FIGURES)}}} INPUT... (see the module docstring)")
+    fn, many = FIGURES[sys.argv[1]]
+    fn(sys.argv[2:]) if many else fn(*sys.argv[2:])

@@ -251,6 +251,32 @@ class TwoGraphs(nn.Module):
         return x
 
 
+class VariationalEncoder(nn.Module):
+    """PyG's VGAE example's encoder (examples/autoencoder.py): ``(mu, logstd)`` from two GCN heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = gnn.GCNConv(8, 2 * H)
+        self.conv_mu, self.conv_logstd = gnn.GCNConv(2 * H, H), gnn.GCNConv(2 * H, H)
+
+    def forward(self, x, edge_index):
+        x = self.conv1(x, edge_index).relu()
+        return self.conv_mu(x, edge_index), self.conv_logstd(x, edge_index)
+
+
+class Heads(nn.Module):
+    """A dict of per-vertex outputs (logits and the embedding they come from)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gnn = GraphSAGE(8, H, 3, H)
+        self.head = nn.Linear(H, 3)
+
+    def forward(self, x, edge_index):
+        z = self.gnn(x, edge_index)
+        return {"logits": self.head(z), "embedding": z}
+
+
 def _signed(g):
     """A signed graph: the zoo graph's edges split at random into positive and negative ones."""
     x, e, _, _ = g
@@ -320,4 +346,7 @@ SHAPES = {
     # several graphs in one forward and one layer, each with a halo of its own
     "SignedGCN": (lambda: gnn.SignedGCN(8, H, num_layers=3, lamb=5), _signed),
     "two-graphs-weighted": (TwoGraphs, _two_graphs),
+    # structured outputs: a tuple (VGAE's encoder) and a dict of per-vertex tensors
+    "VGAE-encoder": (VariationalEncoder, _plain),
+    "dict-output": (Heads, _plain),
 }

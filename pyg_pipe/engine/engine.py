@@ -42,6 +42,7 @@ from .config import PipelineConfig
 from .plan.grid import RankGrid
 from .step.layers import LayerHooks
 from .reroute import Rerouted
+from .tree import unpack_rows
 from .plan.plan import Plan, Shape, decide_shape, make_plan
 from .profile import layer_costs
 from .runtime.runtime import Runtime
@@ -61,9 +62,10 @@ class _Fill(torch.autograd.Function):
         ctx.engine = engine
         if runtime.plan.streaming:
             out, ctx.record = stream.forward(runtime, inputs, True, runtime.store(call))
-            return out
-        with torch.enable_grad():
-            out, ctx.record = steps.fill(runtime, inputs, engine.step, call)
+        else:
+            with torch.enable_grad():
+                out, ctx.record = steps.fill(runtime, inputs, engine.step, call)
+        engine._structure = ctx.record.structure  # the output is packed into one tensor (tree.pack_rows)
         return out
 
     @staticmethod
@@ -110,6 +112,7 @@ class GNNPipeEngine:
         self._ending: Optional[int] = None          # the backward pass whose end is queued
         self._steps_only = False
         self._in_step = False
+        self._structure = None                      # how the last training call's output unpacks
         self.timeline = Timeline(comm, on=comm.device.type == "cpu", keep=config.timeline_trace is not None)
         self.meter = StalenessMeter(on=config.staleness_meter)
 
@@ -194,7 +197,8 @@ class GNNPipeEngine:
         if not (torch.is_grad_enabled() and (self._in_step or not self._steps_only)):
             with torch.no_grad():
                 if runtime.plan.streaming:
-                    return stream.forward(runtime, inputs, False, runtime.store(-1))[0]
+                    out, record = stream.forward(runtime, inputs, False, runtime.store(-1))
+                    return unpack_rows(out, record.structure)
                 return steps.exact(runtime, inputs)
         name = inputs.requires_grad()
         if name is not None:
@@ -207,7 +211,7 @@ class GNNPipeEngine:
         steps.prepare_history(runtime, inputs, call, self.step)  # an exact pass when the call's history needs one
         self.setup_seconds += time.perf_counter() - t0
         anchor = torch.zeros((), device=self.comm.device, requires_grad=True)
-        return _Fill.apply(self, runtime, inputs, call, anchor)
+        return unpack_rows(_Fill.apply(self, runtime, inputs, call, anchor), self._structure)
 
     def _drained(self, grad: Tensor, record) -> None:
         """A call's drain, its weight-gradient parts collected; the first queues the end of the backward pass."""

@@ -74,7 +74,7 @@ def layer_costs(module: torch.nn.Module, fn: Callable, program: Program, groups:
     halo = _Fillers() if lg.halo.numel() else None
     cache: Dict = {}  # one chunk, pass after pass: what its layers cache (normalisations) is cached once
     steps = [n for g in groups for n in g]
-    runner = StageProgram(program, Stage(0, steps, [], [program.output.args[0].name], None), fn, True)
+    runner = StageProgram(program, Stage(0, steps, [], [n.name for n in program.output.all_input_nodes], None), fn, True)
     times: Dict[str, List[float]] = {n.name: [] for n in steps}
     shapes: Dict[str, tuple] = {}
     buffers = {name: b.clone() for name, b in module.named_buffers()}

@@ -9,6 +9,7 @@ once (:mod:`.runtime.link`); checkpoints move the pipeline state tensor by tenso
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, List, Tuple
 
 from torch import Tensor
@@ -53,3 +54,30 @@ def unflatten(leaves: List[Any], structure: Any) -> Any:
         return cls._make(parts) if hasattr(cls, "_make") else cls(parts)
     parts = [unflatten(leaves, s) for s in body]
     return tuple(parts) if kind == "tuple" else parts
+
+
+def pack_rows(value: Any, rows: int) -> Tuple[Any, Any]:
+    """A model's output as one ``[rows, k]`` tensor, and what :func:`unpack_rows` needs to rebuild it.
+
+    One tensor stays as it is (``None``). A tuple, list, dict or namedtuple of tensors, each with ``rows``
+    rows and all of one dtype (VGAE's ``(mu, logstd)``), becomes their rows side by side, every leaf
+    flattened past dimension 0: the engine shares, and back-propagates through, one tensor whatever the
+    model returns. Anything else is returned unchanged (the output check refuses it)."""
+    import torch
+    if isinstance(value, Tensor):
+        return value, None
+    leaves, structure = flatten(value)
+    if not leaves or any(t.dim() == 0 or t.size(0) != rows for t in leaves) or len({t.dtype for t in leaves}) != 1:
+        return value, None
+    shapes = tuple(tuple(t.shape[1:]) for t in leaves)
+    return torch.cat([t.reshape(rows, -1) for t in leaves], dim=1), (structure, shapes)
+
+
+def unpack_rows(packed: Tensor, spec: Any) -> Any:
+    """The value :func:`pack_rows` packed, rebuilt from ``packed`` (any row count) as views of it."""
+    if spec is None:
+        return packed
+    structure, shapes = spec
+    widths = [math.prod(s) for s in shapes]
+    parts = packed.split(widths, dim=1)
+    return unflatten([p.reshape(packed.size(0), *s) for p, s in zip(parts, shapes)], structure)

@@ -20,7 +20,6 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.fx as fx
 
-from .errors import UnsupportedModelError
 from .trace import Program, SplitPoint, pipe_split
 
 
@@ -165,11 +164,7 @@ def split(program: Program, groups: List[List[fx.Node]], sizes: Sequence[int]) -
     S = len(sizes)
     order = {n.name: i for i, n in enumerate(program.graph.nodes)}
     memo: Dict[str, bool] = {}
-    out_node = program.output.args[0]
-    if not isinstance(out_node, fx.Node):
-        raise UnsupportedModelError(
-            f"{type(program.root).__name__}.forward must return one tensor with a row per vertex; it returns "
-            f"{out_node!r}. Return the node embeddings or logits only.")
+    out_nodes = program.output.all_input_nodes  # what the forward returns (a tensor, or a tuple / dict of them)
 
     # every stage runs its own steps and recomputes the recomputable values it needs
     stage_steps: List[List[fx.Node]] = []
@@ -191,24 +186,26 @@ def split(program: Program, groups: List[List[fx.Node]], sizes: Sequence[int]) -
         for n in stage_steps[s]:
             for a in n.all_input_nodes:
                 last_use[a.name] = max(last_use.get(a.name, -1), s)
-    last_use[out_node.name] = S
+    for out_node in out_nodes:
+        last_use[out_node.name] = S
     crossing: List[List[str]] = [[] for _ in range(S)]
     for n in program.steps:
         if n.name not in stage_of or program.recomputable(n, memo):
             continue
         for s in range(stage_of[n.name] + 1, min(last_use.get(n.name, -1), S - 1) + 1):
             crossing[s].append(n.name)
-    if stage_of.get(out_node.name, S - 1) != S - 1 and not program.recomputable(out_node, memo):
-        for s in range(stage_of[out_node.name] + 1, S):
-            if out_node.name not in crossing[s]:
-                crossing[s].append(out_node.name)
+    for out_node in out_nodes:
+        if stage_of.get(out_node.name, S - 1) != S - 1 and not program.recomputable(out_node, memo):
+            for s in range(stage_of[out_node.name] + 1, S):
+                if out_node.name not in crossing[s]:
+                    crossing[s].append(out_node.name)
 
     stages = []
     for s in range(S):
         steps = stage_steps[s]
         units = [n for n in steps if n in program.units and stage_of.get(n.name) == s]
         inputs = crossing[s] if s > 0 else []
-        outputs = crossing[s + 1] if s + 1 < S else [out_node.name]
+        outputs = crossing[s + 1] if s + 1 < S else [n.name for n in out_nodes]
         activation = None
         if inputs:
             first = [a.name for a in units[0].all_input_nodes] if units else []

@@ -108,7 +108,8 @@ def _cflags() -> list:
 
 def _build_name(kind: str, sources: list, flags: list) -> str:
     h = hashlib.sha256()
-    for src in sources:
+    for src in sources:  # the path too: torch's build files name it, and two checkouts would rebuild in turn
+        h.update(str(Path(src).resolve()).encode())
         h.update(src.read_bytes())
     h.update(repr((flags, torch.__version__, torch.version.cuda, platform.python_version(),
                    _cpu_signature())).encode())

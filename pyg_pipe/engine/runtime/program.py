@@ -71,8 +71,8 @@ class StageProgram:
             env[node.name] = self.step(node, env)
             for value in self._release.get(node.name, ()):
                 env.pop(value, None)
-        if self.last:
-            return {}, env[self.stage.outputs[0]]
+        if self.last:  # the forward's return value: one tensor, or a tuple / dict of them
+            return {}, fx.node.map_arg(self.program.output.args[0], lambda n: env[n.name])
         return {name: env[name] for name in self.stage.outputs}, None
 
     def step(self, node: fx.Node, env: Dict[str, Any]):

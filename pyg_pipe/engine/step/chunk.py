@@ -17,7 +17,7 @@ from ..context import ChunkContext
 from ..runtime.halo import HaloPass
 from ..runtime.runtime import Runtime
 from ..runtime.statistics import Statistics, StatisticsHistory
-from ..tree import flatten, unflatten
+from ..tree import flatten, pack_rows, unflatten
 from .checks import check_output
 from .rows import RowCheck
 
@@ -30,10 +30,11 @@ class ChunkRecord:
     ctx: Optional[ChunkContext]
     received: Dict[str, Any]
     sent: Dict[str, Any]
-    out: Optional[Tensor]
+    out: Optional[Tensor]                                    # the last stage's output, packed (tree.pack_rows)
     activation: Optional[str]
     rng: Optional[Tuple[Tensor, Optional[Tensor]]] = None   # set when the drain replays the chunk
     key: Any = None                                          # the chunk's key on the stage link
+    structure: Any = None                                    # how to unpack ``out`` (None: one tensor)
 
 
 def run_chunk(rt: Runtime, run: HaloPass, localizer: Localizer, cgs: List[ChunkedGraph], c: int, runner,
@@ -75,7 +76,9 @@ def run_chunk(rt: Runtime, run: HaloPass, localizer: Localizer, cgs: List[Chunke
             check.returned(list(given.values()))
             with check:
                 sent, out = runner.run(args, kwargs, given)
-    return ChunkRecord(c, ctx, received, sent, out, stage.activation if stage is not None else None, key=link_key)
+    out, structure = pack_rows(out, lg.rows)
+    return ChunkRecord(c, ctx, received, sent, out, stage.activation if stage is not None else None, key=link_key,
+                       structure=structure)
 
 
 class SavedBytes:
@@ -141,15 +144,16 @@ def drain_chunk(rt: Runtime, rec: ChunkRecord, key, grad_new: Optional[Tensor], 
         rt.link.send_grads(rec.chunk, rec.received, rec.activation, first=first)
 
 
-def share_output(rt: Runtime, mine: Optional[Tensor], start: int, end: int, key) -> Tensor:
-    """The whole output (new vertex order) on every rank: each last-stage way sends its rows."""
+def share_output(rt: Runtime, mine: Optional[Tensor], start: int, end: int, key, structure=None) -> Tensor:
+    """The whole output (new vertex order, packed: :func:`~..tree.pack_rows`) on every rank: each last-stage
+    way sends its rows. ``rt.output_specs[key]`` then holds its trailing shape, dtype and ``structure``."""
     grid, comm = rt.grid, rt.comm
     S = grid.stages
     spec = rt.output_specs.get(key)
-    if spec is None:  # the output's trailing shape and dtype, told once per kind of call
+    if spec is None:  # the output's trailing shape, dtype and structure, told once per kind of call
         if grid.is_last:
             mine = check_output(mine, end - start)
-            spec = (tuple(mine.shape[1:]), mine.dtype)
+            spec = (tuple(mine.shape[1:]), mine.dtype, structure)
             if grid.way == 0:
                 for r in range(comm.world_size):
                     if r // grid.ways != S - 1:
@@ -157,7 +161,7 @@ def share_output(rt: Runtime, mine: Optional[Tensor], start: int, end: int, key)
         else:
             spec = comm.recv_object(grid.rank_of(S - 1, 0))
         rt.output_specs[key] = spec
-    shape, dtype = spec
+    shape, dtype, _ = spec
     full = torch.empty((rt.plan.num_nodes, *shape), dtype=dtype, device=comm.device)
     bounds = rt.way_bounds
     if grid.is_last:

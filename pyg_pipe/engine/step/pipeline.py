@@ -47,6 +47,7 @@ from ..runtime.program import signature
 from ..runtime.runtime import Runtime
 from ..runtime.sites import kind_of, same_as_first_chunk, site_keys
 from ..runtime.statistics import StatisticsHistory
+from ..tree import unpack_rows
 from .checks import check_output, row_check, verdict
 from .chunk import (ChunkRecord, SavedBytes, decide_recompute, drain_chunk, rng_state, run_chunk, same_rng,
                     share_output)
@@ -62,6 +63,7 @@ class CallRecord:
     localizer: Optional[Localizer] = None
     runner: Any = None
     statistics: Optional[StatisticsHistory] = None  # historical BatchNorm sums (per_chunk_statistics="history")
+    structure: Any = None                           # how the model's output unpacks (tree.unpack_rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,7 +87,7 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
     start, end = rt.way_bounds[grid.way], rt.way_bounds[grid.way + 1]
     rt.comm.counting, rt.comm.boundary_dtype = True, rt.config.boundary_dtype
     chunks: List[ChunkRecord] = []
-    reference, mine, check = None, None, None
+    reference, mine, check, structure = None, None, None, None
     order = rt.schedule.order(step, grid.way)
     stat_history = rt.statistics_history(call)
     measure = replay and rt.recompute_pending
@@ -111,7 +113,7 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
             same_as_first_chunk(keys, reference)
         lg = rec.ctx.lg
         if grid.is_last:
-            out = check_output(rec.out, lg.rows)
+            out, structure = check_output(rec.out, lg.rows), rec.structure
             if mine is None:
                 mine = out.new_empty((end - start, *out.shape[1:]))
             mine[lg.start - start:lg.end - start] = out.detach()
@@ -121,7 +123,7 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
             rec = ChunkRecord(c, None, rec.received, {}, None, rec.activation, rng, rec.key)
         chunks.append(rec)
     with rt.timeline.chunk("fill", -1, True, "output"):  # stages before the last wait here: the bubble
-        full = share_output(rt, mine, start, end, ("train", sig))
+        full = share_output(rt, mine, start, end, ("train", sig), structure)
     rt.comm.flush()
     rt.comm.counting, rt.comm.boundary_dtype = False, None
     if check is not None:
@@ -131,7 +133,8 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
         if stat_history is not None and rt.meter.on:
             stat_history.measure(rt.meter, rt.module_names)
         history.written = step
-    return full[rt.graph.inv], CallRecord(rt, run, chunks, localizer, runner, stat_history)
+    return full[rt.graph.inv], CallRecord(rt, run, chunks, localizer, runner, stat_history,
+                                          rt.output_specs[("train", sig)][2])
 
 
 def drain(grad: Tensor, record: CallRecord) -> None:
@@ -158,9 +161,9 @@ def drain(grad: Tensor, record: CallRecord) -> None:
 
 
 def exact(rt: Runtime, inputs: CallInputs, history: Optional[CallHistory] = None,
-          statistics: Optional[StatisticsHistory] = None) -> Tensor:
+          statistics: Optional[StatisticsHistory] = None) -> Any:
     """One chunk per way, halo rows fresh, stage after stage; with ``history``, also fills it (and
-    ``statistics``, the historical BatchNorm sums of every chunk)."""
+    ``statistics``, the historical BatchNorm sums of every chunk). Returns the model's output, whole."""
     grid = rt.grid
     cgs, w = rt.way_chunked, grid.way
     init = history is not None
@@ -175,11 +178,11 @@ def exact(rt: Runtime, inputs: CallInputs, history: Optional[CallHistory] = None
     rt.sites.record(kind_of(rt.module.training, sig), site_keys(rec.ctx.sites))
     if grid.next is not None:
         rt.link.send(("exact", sig, w), rec.sent, rt.programs.next_activation(inputs))
-    full = share_output(rt, rec.out, lg.start, lg.end, ("exact", sig))
+    full = share_output(rt, rec.out, lg.start, lg.end, ("exact", sig), rec.structure)
     rt.comm.flush()
     if check is not None:
         verdict(rt, check)
-    return full[cgs[0].inv]
+    return unpack_rows(full[cgs[0].inv], rt.output_specs[("exact", sig)][2])
 
 
 def prepare_history(rt: Runtime, inputs: CallInputs, call: int, step: int = 0) -> None:

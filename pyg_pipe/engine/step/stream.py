@@ -50,7 +50,7 @@ from ..runtime.runtime import Runtime
 from ..runtime.sites import same_as_first_chunk, site_keys
 from ..runtime.statistics import Statistics
 from ..runtime.store import Store
-from ..tree import flatten, unflatten
+from ..tree import flatten, pack_rows, unflatten
 from .barriers import StreamHalo, _Barrier
 from .checks import check_output, row_check
 from .chunk import rng_state, same_rng
@@ -69,11 +69,13 @@ class StreamRecord:
     rng: Dict[Tuple[int, int], tuple] = field(default_factory=dict)
     caches: Dict[Tuple[int, int], dict] = field(default_factory=dict)
     received: List[List[str]] = field(default_factory=list)   # per group: the names it receives
+    structure: Any = None                                     # how the model's output unpacks (tree.unpack_rows)
 
 
-def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple[Tensor, Optional[StreamRecord]]:
-    """The model on ``inputs``, group by group over all chunks (module docstring), its values in ``store``.
-    ``train``: keep what the backward needs (random states, the store) and return the record."""
+def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple[Tensor, StreamRecord]:
+    """The model on ``inputs``, group by group over all chunks (module docstring), its values in ``store``:
+    the output (packed: :func:`~..tree.pack_rows`, ``record.structure`` unpacks it) and the record.
+    ``train``: keep what the backward needs (random states, the store)."""
     cg = rt.graph
     runners = rt.programs.stage_runners(inputs)
     record = StreamRecord(rt, inputs, Localizer(inputs, rt.chunked, rt.adjacency), runners, store, [])
@@ -104,7 +106,7 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
                 else:
                     same_as_first_chunk(keys, reference)
                 if g == len(runners) - 1:
-                    out = check_output(rec.out, lg.rows)
+                    out, record.structure = check_output(rec.out, lg.rows), rec.structure
                     if out_full is None:
                         out_full = out.new_empty((cg.num_nodes, *out.shape[1:]))
                     out_full[lg.start:lg.end] = out.detach()
@@ -128,7 +130,7 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
                 store.drop(name)
     if checking:
         rt.rows_checked.add("train" if rt.module.training else "eval")
-    return out_full[cg.inv], record if train else None
+    return out_full[cg.inv], record
 
 
 def backward(grad: Tensor, record: StreamRecord) -> None:
@@ -180,6 +182,7 @@ class _Ran:
     out: Any
     leaves: List[Tuple[str, Tensor, Tensor]]   # (value name, leaf, vertex ids of its rows)
     chunk_leaves: Dict[str, Any]
+    structure: Any = None                      # the last group's output is packed (tree.pack_rows)
 
 
 def _run(rt: Runtime, record: StreamRecord, g: int, c: int, halo: StreamHalo, grad: bool, check, moves: bool) -> _Ran:
@@ -225,7 +228,10 @@ def _run(rt: Runtime, record: StreamRecord, g: int, c: int, halo: StreamHalo, gr
             check.returned(list(received.values()))
             with check:
                 sent, out = runner.run(args, kwargs, received)
-    return _Ran(ctx, sent, out, leaves, chunk_leaves)
+    structure = None
+    if g == len(record.runners) - 1:
+        out, structure = pack_rows(out, lg.rows)
+    return _Ran(ctx, sent, out, leaves, chunk_leaves, structure)
 
 
 def _cache_of(key, c: int) -> bool:

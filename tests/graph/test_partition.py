@@ -168,7 +168,7 @@ def test_cut_edges_counts_columns():
 
 def test_bad_arguments():
     edge_index = torch.tensor([[0, 1], [1, 5]])
-    with pytest.raises(ValueError, match="num_nodes"):
+    with pytest.raises(ValueError, match=r"vertex ids from 0 to 5, but the graph has 4 vertices \(ids 0..3\)"):
         partition_nodes(edge_index, 4, 2)
     with pytest.raises(ValueError, match="method"):
         partition_nodes(edge_index, 6, 2, method="spectral")

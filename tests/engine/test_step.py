@@ -122,8 +122,15 @@ def test_a_new_tensor_at_a_freed_tensors_address_is_not_the_same_object():
     assert new._version == seen[0][1]           # an id-and-version key would have called it the same
 
 
-def test_the_output_has_to_be_one_row_per_vertex():
-    with pytest.raises(Exception, match="must return one tensor with a row per vertex"):
-        step.check_output((torch.zeros(3), torch.zeros(3)), 3)
+def test_the_output_has_to_be_per_vertex():
+    """Per-vertex tensors in a structure pack into one (tree.pack_rows); an auxiliary loss (SuperGAT's example
+    returns one beside the logits) or a row per graph is refused with the fixes that work."""
+    from pyg_pipe.engine.tree import pack_rows, unpack_rows
+    packed, spec = pack_rows({"a": torch.zeros(3, 2), "b": (torch.ones(3), torch.zeros(3, 2, 2))}, 3)
+    assert packed.shape == (3, 2 + 1 + 4)
+    back = unpack_rows(packed, spec)
+    assert back["a"].shape == (3, 2) and back["b"][0].shape == (3,) and back["b"][1].shape == (3, 2, 2)
+    with pytest.raises(Exception, match="must return per-vertex tensors.*compute it after the model.*'ddp'"):
+        step.check_output(pack_rows((torch.zeros(3, 2), torch.tensor(0.5)), 3)[0], 3)
     with pytest.raises(Exception, match=r"shape \(4, 2\) for a chunk of 5 vertices"):
         step.check_output(torch.zeros(4, 2), 5)

@@ -32,7 +32,10 @@ def check_output(out, rows: int) -> Tensor:
     if not isinstance(out, Tensor) or out.dim() == 0 or out.size(0) != rows:
         what = f"a {type(out).__name__}" if not isinstance(out, Tensor) else f"shape {tuple(out.shape)}"
         raise UnsupportedModelError(
-            f"The pipelined model must return one tensor with a row per vertex; its forward returned {what} for a "
-            f"chunk of {rows} vertices. Return the node embeddings or logits only (compute auxiliary losses outside "
-            f"the model).")
+            f"The distributed model must return per-vertex tensors (one tensor, or a tuple, list or dict of them, "
+            f"each with a row per vertex, of one dtype); its forward returned {what} for a chunk of {rows} vertices. "
+            f"A value that is not per vertex (an auxiliary loss, one row per graph) depends on the whole graph, "
+            f"which no process holds: return the per-vertex tensors it is computed from and compute it after the "
+            f"model, on the whole output every rank receives; for a graph-level task on many small graphs, no "
+            f"graph needs splitting: train with Lightning's strategy='ddp'.")
     return out

@@ -178,7 +178,9 @@ class RowCheck(TorchFunctionMode):
                 f"vertices at a time, so this would see only those rows and differ from one device. Combine vertex "
                 f"rows inside a MessagePassing layer (propagate), compute the graph-wide value outside the model and "
                 f"pass it in, or train with one chunk and no graph-parallel ways (strategy='gnnpipe', num_chunks=1), "
-                f"which is exact.")
+                f"which is exact. If it pools each graph to one row (a readout such as global_add_pool: a "
+                f"graph-level task on many small graphs), no graph needs splitting: train with Lightning's "
+                f"strategy='ddp', each process a share of the graphs.")
 
     def verdict(self, comm) -> None:
         """After the pass: shares what this rank found with all (a collective over ``comm``'s world)

@@ -277,6 +277,27 @@ class Heads(nn.Module):
         return {"logits": self.head(z), "embedding": z}
 
 
+class RGCN(nn.Module):
+    """PyG's R-GCN example (examples/rgcn.py): relational layers without features (``x=None``: a learned row
+    per vertex)."""
+
+    def __init__(self, fast: bool = False):
+        super().__init__()
+        conv = gnn.FastRGCNConv if fast else gnn.RGCNConv
+        self.conv1 = conv(64, H, 2, num_bases=2)
+        self.conv2 = conv(H, 3, 2, num_bases=2)
+
+    def forward(self, x, edge_index, edge_type):
+        x = self.conv1(x, edge_index, edge_type).relu()
+        return self.conv2(x, edge_index, edge_type)
+
+
+def _typed(g):
+    x, e, _, _ = g
+    assert x.size(0) == 64
+    return dict(x=None, edge_index=e["edge_index"], edge_type=e["edge_type"])
+
+
 def _signed(g):
     """A signed graph: the zoo graph's edges split at random into positive and negative ones."""
     x, e, _, _ = g
@@ -349,4 +370,7 @@ SHAPES = {
     # structured outputs: a tuple (VGAE's encoder) and a dict of per-vertex tensors
     "VGAE-encoder": (VariationalEncoder, _plain),
     "dict-output": (Heads, _plain),
+    # featureless relational layers: x=None stands for the vertex ids
+    "RGCN-featureless": (RGCN, _typed),
+    "FastRGCN-featureless": (lambda: RGCN(fast=True), _typed),
 }

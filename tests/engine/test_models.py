@@ -25,16 +25,21 @@ STATS = ["normalises with statistics over all vertices", "per_chunk_statistics=T
 TOO_SHALLOW = ["1 message-passing layers but the pipeline has 2 stages", "gnnpipe_hybrid"]
 ATTENTION = ["'gps.attn' (MultiheadAttention)", "multiplies the rows of different vertices", "num_chunks=1"]
 
+EDGE_IDS = ["'conv1' (FastRGCNConv) is given integer vertex features", "RGCNConv instead of FastRGCNConv"]
+
 # mode -> case -> words of the expected refusal (every other case must be exact)
 REFUSED = {
-    "graph_parallel": {"GraphUNet": POOLING, "GPSConv": ATTENTION},
+    "graph_parallel": {"GraphUNet": POOLING, "GPSConv": ATTENTION, "FastRGCN-featureless": EDGE_IDS},
     "pipeline": {"GraphUNet": POOLING, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW},
     "chunks": {"GraphUNet": POOLING, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW,
+               "FastRGCN-featureless": EDGE_IDS,
                "GCN-batchnorm": STATS + ["BatchNorm1d"], "GCN-graphnorm": STATS + ["GraphNorm"],
                "GCN-pyg-layernorm-graph": STATS + ["LayerNorm"], "GPSConv": ATTENTION},
     "graph_parallel_chunks": {"GraphUNet": POOLING, "GCN-batchnorm": STATS, "GCN-graphnorm": STATS,
+                              "FastRGCN-featureless": EDGE_IDS,
                               "GCN-pyg-layernorm-graph": STATS, "GPSConv": ATTENTION},
     "streaming": {"GraphUNet": POOLING, "GCN-batchnorm": STATS, "GCN-graphnorm": STATS,
+                  "FastRGCN-featureless": EDGE_IDS,
                   "GCN-pyg-layernorm-graph": STATS, "GPSConv": ATTENTION},
 }
 

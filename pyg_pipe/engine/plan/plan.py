@@ -387,8 +387,12 @@ def root_decides(fn: Callable[[], Tensor], empty: Tensor, comm, root: int, what:
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the others were told
             error = exc
     flag = comm.broadcast(torch.tensor([1.0 if error is not None else 0.0], dtype=torch.float64), root, what)
-    if error is not None:
-        raise error
-    if float(flag) != 0.0:
-        raise RuntimeError(f"pyg_pipe: rank {root} failed while {what}; its error says why.")
+    if float(flag) != 0.0:  # every rank raises the root's error: a refusal stays a refusal everywhere
+        told = comm.all_gather_objects(None if error is None else (type(error).__name__, str(error)), what)
+        if error is not None:
+            raise error
+        kind, message = told[root]
+        if kind == UnsupportedModelError.__name__:
+            raise UnsupportedModelError(message)
+        raise RuntimeError(f"pyg_pipe: rank {root} failed while {what}: {kind}: {message}")
     return comm.broadcast(value, root, what)

@@ -177,3 +177,13 @@ def filler(lg: LocalGraph, device) -> Tensor:
     if fill is None:
         fill = lg.filler = torch.arange(lg.halo.numel(), device=device) % lg.rows
     return fill
+
+
+def vertex_ids(ctx: ChunkContext, cg: ChunkedGraph, lg: LocalGraph) -> Tensor:
+    """The chunk's rows' vertex ids (the user's numbering), as a clean input whose halo rows are the halo
+    vertices' ids: what a featureless layer indexes its per-vertex weights with."""
+    hit = getattr(lg, "_vertex_ids", None)
+    if hit is None:  # new id i holds the user's vertex perm[i]
+        hit = lg._vertex_ids = (cg.perm[lg.start:lg.end], lambda cg2, lg2: cg2.perm[lg2.halo])
+    ctx.add_clean(hit[0], hit[1])
+    return hit[0]

@@ -41,6 +41,7 @@ Layers holding graph-wide statistics (a BatchNorm in a message MLP) also get hoo
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -52,7 +53,7 @@ from ...model.norms import needs_statistics
 from ..context import ChunkContext, Invocation, Site, current
 from . import degrees
 from .arguments import (argument_kind, clean_input, each, edge_chunking, extend, is_sparse, narrow, parameter_names,
-                        relocalise_edges, resolve_graphs, row_graph, vertex_dim)
+                        relocalise_edges, resolve_graphs, row_graph, vertex_dim, vertex_ids)
 
 
 class LayerHooks:
@@ -155,6 +156,11 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
     node_args: List[Tuple[Tensor, int]] = []
     edge_args: Dict[int, Tensor] = {}
     names = parameter_names(module, len(args))
+    if _ids_when_none(module):  # featureless: x=None stands for the vertex ids, which a chunk has its own of
+        if "x" in names and args[names.index("x")] is None:
+            args[names.index("x")] = vertex_ids(ctx, cg, lg)
+        elif kwargs.get("x", 0) is None:
+            kwargs["x"] = vertex_ids(ctx, cg, lg)
 
     def visit(value, param: str):
         """Classifies one tensor argument (edge tensors re-cut for a transposed graph)."""
@@ -212,6 +218,15 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
     _swap_cache(ctx, inv, module)
     ctx.stack.append(inv)
     return tuple(args), kwargs
+
+
+#: layers that take ``x=None`` for "no features: the vertex ids" (PyG's R-GCN layers build ``arange(N)`` then):
+#: on a chunk they are handed the chunk's vertex ids instead (:func:`~.arguments.vertex_ids`)
+IDS_WHEN_NONE = ("RGCNConv", "FastRGCNConv")
+
+
+def _ids_when_none(module: MessagePassing) -> bool:
+    return type(module).__name__ in IDS_WHEN_NONE
 
 
 #: layers whose forward reads node rows at the ends of edges outside ``propagate`` (SuperGATConv's attention
@@ -281,6 +296,13 @@ def _sources(name: str, args_attr: str, stats: bool):
                     f"input) cannot be split into chunks; pass per-vertex features as a forward argument instead, "
                     f"or train on one device.")
             sources.append(arg)
+            if not t.is_floating_point() and cg.num_chunks > 1 and _reads_edge_ids(module):
+                raise UnsupportedModelError(
+                    f"Layer '{inv.name}' ({type(module).__name__}) is given integer vertex features ('{arg}', node "
+                    f"indices) and its message reads the edge_index itself (edge_index_i / edge_index_j) to "
+                    f"look them up; on a cut graph those are positions in the chunk's local graph, not vertex ids. "
+                    f"Use a layer that reads the indices through '{arg}' (RGCNConv instead of FastRGCNConv), or give "
+                    f"float features.")
             if inv.rows_only and clean and clean_input(ctx, t):  # the model's input: its true halo rows
                 joined = extend(ctx, cg, lg, t, vdim, True)
             elif ctx.halo is None or (clean and not inv.rows_only):  # no halo, or true halo rows already
@@ -301,6 +323,19 @@ def _sources(name: str, args_attr: str, stats: bool):
             inv.in_edges = True
         return edge_index, size, kwargs
     return hook
+
+
+_EDGE_IDS: Dict[type, bool] = {}
+
+
+def _reads_edge_ids(module: MessagePassing) -> bool:
+    """Whether the layer's ``message`` takes the edge_index's own entries (``edge_index_i`` / ``edge_index_j``)."""
+    cls = type(module)
+    hit = _EDGE_IDS.get(cls)
+    if hit is None:
+        params = inspect.signature(cls.message).parameters
+        hit = _EDGE_IDS[cls] = "edge_index_j" in params or "edge_index_i" in params
+    return hit
 
 
 def _propagated(module, inputs, output):

@@ -45,7 +45,7 @@ class HaloSource(Protocol):
 
 
 class Observer(Protocol):
-    """Watches the user's operations on one chunk (:class:`.rows.RowCheck`)."""
+    """Watches the user's operations on one chunk (:class:`.step.rows.RowCheck`)."""
 
     def returned(self, value: Any, vdim: Optional[int]) -> None:
         """``value`` (a tensor or nested tuples of them), returned by a layer or a graph-wide module, has
@@ -155,9 +155,9 @@ class ChunkContext:
         lg: the chunk's local view of it.
         halo: where halo rows come from (``None`` when the chunk is the whole graph: no halo).
         graphs: resolves graph arguments: ``graphs.resolve(tensor) -> (cg, lg, local graph) or None``.
-        statistics: graph-wide statistics for this run (:class:`.statistics.Statistics`).
+        statistics: graph-wide statistics for this run (:class:`.runtime.statistics.Statistics`).
         cache: per-chunk store for ``cached=True`` layers and normalisations of unchanged inputs.
-        observer: the row check on a plan's first pass (:mod:`.rows`), else ``None``.
+        observer: the row check on a plan's first pass (:mod:`.step.rows`), else ``None``.
         replay: the run recomputes a chunk's fill in its drain (halo rows are read as the fill read them).
     """
 

@@ -1,6 +1,6 @@
 """The GNNPipe schedule: which chunk each rank runs at each clock, and which halo reads are fresh.
 
-Ranks form a grid of S stages x W ways (:mod:`..grid`); the C chunks are split into W
+Ranks form a grid of S stages x W ways (:mod:`.grid`); the C chunks are split into W
 equal groups, way ``w`` owning chunks ``w·cpw .. (w+1)·cpw - 1`` (``cpw = C / W``). Every step draws
 one permutation ``π`` of ``0 .. cpw-1``, the same on every rank; way ``w`` runs its chunk
 ``w·cpw + π[k]`` at pipeline position ``k`` ("the clock of the chunk"). Stage ``s`` runs position

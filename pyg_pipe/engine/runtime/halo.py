@@ -8,8 +8,8 @@ builds ``[rows | halo]`` for the chunk that runs now:
   chunk of ``w'`` reads (its *mirrors*), and receives theirs; all ways of a stage are at the same
   clock, so what arrives is fresh. ``halo_forward`` bytes: the mirror rows.
 * **history** (more than one chunk per way): the chunk writes its rows (and what it received) into
-  the site's buffer (:mod:`..history`) and reads its halo from it: rows of chunks
-  earlier in the order are fresh, the others historical (:mod:`..schedule`).
+  the site's buffer (:mod:`.history`) and reads its halo from it: rows of chunks
+  earlier in the order are fresh, the others historical (:mod:`..plan.schedule`).
 * one chunk per way (graph parallelism, exact passes): every halo row is received now.
 
 How rows and gradients travel among the ways is ``halo_exchange``: ``"all_to_all"`` (every way sends

@@ -10,7 +10,7 @@ copy, as contrastive methods do) keeps one :class:`CallHistory` per call, so eac
 rows its own earlier chunks and steps wrote, never another call's.
 
 Within a step the buffer of a site holds, for every vertex, the row last written: rows of chunks
-already run this step are fresh, the others historical (:mod:`..schedule`). The
+already run this step are fresh, the others historical (:mod:`..plan.schedule`). The
 drain accumulates, per site, the gradients of fresh cross-chunk reads (``G``), added to the
 owner chunk's rows when its backward runs.
 

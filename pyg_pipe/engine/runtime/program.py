@@ -5,7 +5,7 @@
 * Several stages: :class:`StageProgram` interprets the fx nodes of its stage
   (:mod:`pyg_pipe.model.split`): placeholders take the chunk's inputs, values from the previous stage
   arrive through the stage link, and each node calls the user's module or function unchanged, so the
-  layer hooks (:mod:`..layers`) see every call as in an eager run.
+  layer hooks (:mod:`..step.layers`) see every call as in an eager run.
 
 Both return ``(sent, output)``: the values for the next stage, and the model's output (last stage).
 A traced forward bakes in ``self.training`` and the arguments that are not tensors, so

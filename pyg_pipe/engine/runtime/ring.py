@@ -30,7 +30,7 @@ reader way ``r`` sends (its fresh reads, T3-scaled; what the all-to-all sends fr
     all-to-all  d·b·Σ_o Σ_v readers(v)  =  d·b·Σ_p |halo(p)|
 
 with ``maxdist(v) = max over the ways r reading v of (r - o) mod W`` and ``readers(v)`` their number
-(:func:`..formulas.ring_halo_rows`). A row read only by the next way costs 1 in both, one
+(:func:`..plan.formulas.ring_halo_rows`). A row read only by the next way costs 1 in both, one
 read only by the previous way ``W-1`` in the ring and 1 in all-to-all, one read by every way ``W-1`` in
 both: the ring never sends fewer bytes, and more when rows are read by few far ways. In exchange each
 rank talks to 2 peers (its ring neighbours) instead of ``W-1``, so only neighbour links carry traffic.

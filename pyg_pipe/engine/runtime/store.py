@@ -17,7 +17,7 @@ class Store:
     """Rows of the values crossing group boundaries, and of barrier sites, with their gradients.
 
     Node values (one row per chunk vertex along dimension 0) are kept as one ``[|V|, ...]`` buffer per
-    value (new vertex ids), from :class:`~..tiers.Tiers`; anything else a group passes on
+    value (new vertex ids), from :class:`~.tiers.Tiers`; anything else a group passes on
     (edge rows, an LSTM state) per chunk.
     """
 

@@ -17,10 +17,10 @@ The user's forward runs as ordinary Python on a chunk's rows (tensors with one r
      the *row graph* (the local edges into the chunk's rows, a ``[rows, num_local]`` adjacency), and edge
      tensors are cut to those edges. Nothing is computed for halo vertices.
 
-   Degrees the layer computes are completed by :mod:`..degrees`.
+   Degrees the layer computes are completed by :mod:`.degrees`.
 2. **each propagate / edge_updater call** (pre-hook): the arguments the layer reads at edge sources
    (``x`` for ``x_j``; the matrix of ``message_and_aggregate`` for sparse adjacencies) get their
-   true halo rows (:mod:`..halo`): ``[rows | halo]``. In a rows-only call a source read
+   true halo rows (:mod:`..runtime.halo`): ``[rows | halo]``. In a rows-only call a source read
    at both ends (``x_i`` and ``x_j``) is passed as the pair ``(rows | halo, rows)`` with
    ``size=(num_local, rows)``, as PyG passes bipartite inputs, so messages and aggregation produce the
    chunk's rows. That call is a *call site*, named ``module#invocation.call``; K-hop layers have K sites.

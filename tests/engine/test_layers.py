@@ -73,9 +73,9 @@ def test_node_and_edge_tensors_of_the_same_length_on_a_chunk():
 
 
 def test_parameter_names_are_the_layers_own():
-    assert parameter_names(GraphConv(4, 4), 3) == ["x", "edge_index", "edge_weight"]
-    assert parameter_names(SAGEConv(4, 4), 3) == ["x", "edge_index", "size"]
-    assert parameter_names(GATConv(4, 4), 5)[:3] == ["x", "edge_index", "edge_attr"]
+    assert parameter_names(GraphConv(4, 4), 3) == ("x", "edge_index", "edge_weight")
+    assert parameter_names(SAGEConv(4, 4), 3) == ("x", "edge_index", "size")
+    assert parameter_names(GATConv(4, 4), 5)[:3] == ("x", "edge_index", "edge_attr")
 
 
 def test_another_flow_is_refused_by_name():

@@ -141,7 +141,9 @@ class CallHistory:
         buf = self.buffer(key, rows)
         pos, at = self._span(start, start + rows.size(0), buf)
         rows = rows.detach()
-        buf[at] = (rows if pos is None else rows.index_select(0, pos)).to(buf.device)
+        if pos is not None:
+            rows = rows.index_select(0, pos)
+        buf.narrow(0, at.start, at.stop - at.start).copy_(rows)  # (a slice's copy_: no indexing machinery)
         self.tiers.release(buf)
 
     def write_ids(self, key: str, ids: Tensor, rows: Tensor) -> None:

@@ -76,17 +76,18 @@ def vertex_dim(module: MessagePassing, t: Tensor, size: int) -> Optional[int]:
     return 0 if t.size(0) == size else None
 
 
-_NAMES: Dict[type, List[str]] = {}
+_NAMES: Dict[Tuple[type, int], Tuple[str, ...]] = {}
 
 
-def parameter_names(module: torch.nn.Module, count: int) -> List[str]:
-    """The names of the first ``count`` positional parameters of the layer's ``forward``."""
-    cls = type(module)
-    names = _NAMES.get(cls)
+def parameter_names(module: torch.nn.Module, count: int) -> Tuple[str, ...]:
+    """The names of the first ``count`` positional parameters of the layer's ``forward`` (cached)."""
+    key = (type(module), count)
+    names = _NAMES.get(key)
     if names is None:
-        params = inspect.signature(cls.forward).parameters.values()
-        names = _NAMES[cls] = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
-    return (names + [""] * count)[:count]
+        params = inspect.signature(key[0].forward).parameters.values()
+        names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+        names = _NAMES[key] = tuple((names + [""] * count)[:count])
+    return names
 
 
 def is_sparse(value) -> bool:

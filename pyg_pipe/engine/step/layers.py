@@ -152,7 +152,7 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
             f"and use the default flow.")
     args, kwargs = list(args), dict(kwargs)
     cg, lg, graphs = resolve_graphs(ctx, name, module, args, kwargs)
-    several = len({id(h[0]) for h in graphs.values()}) > 1   # graphs with halos of their own
+    several = len(graphs) > 1 and len({id(h[0]) for h in graphs.values()}) > 1   # graphs with halos of their own
     node_args: List[Tuple[Tensor, int]] = []
     edge_args: Dict[int, Tensor] = {}
     names = parameter_names(module, len(args))
@@ -272,10 +272,7 @@ def _sources(name: str, args_attr: str, stats: bool):
         inv.calls += 1
         clean = inv.clean and not inv.propagated
         fused = args_attr == "_user_args" and module.fuse and is_sparse(edge_index)
-        if fused:
-            names = [a for a in module._fused_user_args if a in kwargs]
-        else:
-            names = sorted({a[:-2] for a in getattr(module, args_attr) if a.endswith("_j") and a[:-2] in kwargs})
+        names = _source_names(module, args_attr, fused, kwargs)
         kwargs = dict(kwargs)
         sources = []
         width = lg.rows if inv.rows_only else lg.num_local   # rows of a source before its halo is joined
@@ -323,6 +320,24 @@ def _sources(name: str, args_attr: str, stats: bool):
             inv.in_edges = True
         return edge_index, size, kwargs
     return hook
+
+
+_SOURCES: Dict[tuple, List[str]] = {}
+
+
+def _source_names(module: MessagePassing, args_attr: str, fused: bool, kwargs: dict) -> List[str]:
+    """The arguments of a propagate / edge_updater call read at edge sources (``x`` for ``x_j``; the
+    matrix of a fused ``message_and_aggregate``): decided once per layer class and call signature."""
+    key = (type(module), getattr(module, "_explain", None), args_attr, fused, tuple(kwargs))  # (explain mode
+    #                                                                   changes the arguments of PyG's message)
+    hit = _SOURCES.get(key)
+    if hit is None:
+        if fused:
+            hit = [a for a in module._fused_user_args if a in kwargs]
+        else:
+            hit = sorted({a[:-2] for a in getattr(module, args_attr) if a.endswith("_j") and a[:-2] in kwargs})
+        hit = _SOURCES[key] = hit
+    return hit
 
 
 _EDGE_IDS: Dict[type, bool] = {}

@@ -1,4 +1,5 @@
-"""The engine facade: what the Lightning strategies call. It replaces ``model.forward`` while installed.
+"""The engine facade: what the Lightning strategies call. It replaces ``model.forward`` while installed, and
+the model's other methods that call its layers (a link predictor's ``encode``, :func:`~pyg_pipe.model.find.layer_methods`).
 
 Every rank runs its part of the rank grid (:mod:`.plan.grid`): stage ``s`` of the model for way ``w``.
 A call of the model is
@@ -16,6 +17,12 @@ On one device with several chunks (or an offload tier) the model is **streamed**
 (:mod:`.step.stream`, NGra): every layer group over all chunks in turn, exact, with the values between
 groups in the memory tiers; the same autograd Function carries its forward and backward.
 
+**Which method.** ``forward`` is distributed, and so is any other method of the model whose code calls its
+layers, when it is called with a graph (``z = model.encode(x, edge_index)`` in PyG's link prediction; the
+decoder then runs unchanged on the whole ``z``). A call made while another is running (``forward`` calling
+``self.encode``, the engine tracing) runs as written, inside the outer one. One method is distributed per
+model: the first one called; the layers run through another later are refused by name.
+
 The first call with a graph makes a plan (:mod:`.plan.plan`) and its runtime (:mod:`.runtime.runtime`); later
 calls with the same graph reuse them. Every rank returns the whole output, so the user's loss and
 metrics run unchanged and identically everywhere. The model object is not wrapped: an instance
@@ -23,6 +30,7 @@ attribute ``forward`` is set while installed and removed after.
 """
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional
@@ -31,11 +39,13 @@ import torch
 from torch import Tensor
 
 from ..model.errors import UnsupportedModelError
-from ..model.inputs import CallInputs
+from ..model.find import layer_methods, routes_forward
+from ..model.inputs import CallInputs, is_graph_tensor
 from ..model.trace import forward_function
 from .step import pipeline as steps
 from .step import stream
 from .comm import Comm
+from .context import current, in_backward
 from .runtime.staleness import StalenessMeter
 from .runtime.timeline import Timeline
 from .config import PipelineConfig
@@ -113,6 +123,9 @@ class GNNPipeEngine:
         self._steps_only = False
         self._in_step = False
         self._structure = None                      # how the last training call's output unpacks
+        self._methods: Dict[str, object] = {}       # the other methods routed (name -> plain function)
+        self._entry: Optional[str] = None           # the method distributed: the first one called
+        self._depth = 0                             # > 0 while a routed call runs (calls inside run as written)
         self.timeline = Timeline(comm, on=comm.device.type == "cpu", keep=config.timeline_trace is not None)
         self.meter = StalenessMeter(on=config.staleness_meter)
 
@@ -145,14 +158,24 @@ class GNNPipeEngine:
     # ------------------------------------------------------------------ install / steps
     def install(self) -> None:
         """Routes ``module(...)`` through the engine and hooks its layers."""
-        self._fn = forward_function(self.module)
+        forward = forward_function(self.module)
+        self._fn = self._fn if self._entry not in (None, "forward") else forward
         self._instance_forward = self.module.__dict__.get("forward")
-        self.module.forward = Rerouted(self.module, self.__call__, self._fn)
+        self.module.forward = Rerouted(self.module, functools.partial(self._routed, "forward", forward), forward)
+        self._methods = self._methods or layer_methods(self.module)
+        if not routes_forward(self.module, forward, self._methods):  # forward reaches the layers through those methods
+            self.module.__dict__.pop("forward")
+            if self._instance_forward is not None:
+                self.module.forward = self._instance_forward
+        for name, fn in self._methods.items():
+            self.module.__dict__[name] = Rerouted(self.module, functools.partial(self._routed, name, fn), fn)
         self.layer_hooks.install()
         self.stat_hooks.install()
 
     def uninstall(self) -> None:
         self.module.__dict__.pop("forward", None)
+        for name in self._methods:
+            self.module.__dict__.pop(name, None)
         if self._instance_forward is not None:
             self.module.forward = self._instance_forward
         self.layer_hooks.remove()
@@ -177,20 +200,52 @@ class GNNPipeEngine:
 
     def _outside(self, name: str, layer: torch.nn.Module) -> None:
         """A layer of the model ran without the engine. Inside a training step with gradients (under a
-        strategy) that is a layer the user calls through another method than ``forward`` (a link predictor's
-        ``model.encode(...)``): every process would train it on the whole graph, undistributed. Refused."""
+        strategy) that is a layer the user calls past the methods the engine routes (from the training step
+        itself, or through a method not handed the graph): every process would train it on the whole graph,
+        undistributed. Refused."""
         if not (self._steps_only and self._in_step and torch.is_grad_enabled()):
             return
         raise UnsupportedModelError(
-            f"Layer '{name}' ({type(layer).__name__}) ran in a training step outside the forward of "
-            f"{type(self.module).__name__}, the module pyg_pipe distributes (it was called through "
-            f"{_caller(self.module)}). pyg_pipe routes only that module's forward, so this layer would train "
-            f"undistributed on every process. Run the message-passing layers through the forward (e.g. "
-            f"def forward(self, x, edge_index): return self.encode(x, edge_index), and call model(x, edge_index) "
-            f"in training_step), or pass model='<attribute>' to the strategy to name a submodule whose forward "
-            f"runs them (a GAE's 'model.encoder').")
+            f"Layer '{name}' ({type(layer).__name__}) ran in a training step outside the methods of "
+            f"{type(self.module).__name__} that pyg_pipe distributes (it was called through "
+            f"{_caller(self.module)}). pyg_pipe distributes the module's forward, or another method of it that "
+            f"calls the layers and is handed the graph (edge_index, adj_t or a Data), such as encode(x, "
+            f"edge_index); this layer would train undistributed on every process. Call the layers through such a "
+            f"method of {type(self.module).__name__}, or pass model='<attribute>' to the strategy to name the "
+            f"submodule whose forward runs them (a GAE's 'model.encoder').")
 
     # ------------------------------------------------------------------ calls
+    def _routed(self, name: str, fn, *args, **kwargs):
+        """A call of the routed method ``name`` (plain function ``fn``): distributed when it is the outermost
+        one and, for a method other than forward, handed a graph; else run as written."""
+        if self._depth or current() is not None or in_backward() or (
+                name != "forward" and not _takes_graph(args, kwargs)):
+            return fn(self.module, *args, **kwargs)
+        if self._entry is None:
+            self._entry, self._fn = name, fn
+        elif name != self._entry:
+            cls = type(self.module).__name__
+            raise UnsupportedModelError(
+                f"{cls}.{name} runs the message-passing layers, but pyg_pipe already distributes {cls}.{self._entry} "
+                f"(the first method called with the graph); it distributes one method per model. Call the layers "
+                f"through one method: e.g. call model.{self._entry}(...) in every step, or make {name} call "
+                f"self.{self._entry}(...).")
+        before = _tensor_attributes(self.module)
+        self._depth += 1
+        try:
+            out = self(*args, **kwargs)
+        finally:
+            self._depth -= 1
+        stored = [k for k, v in _tensor_attributes(self.module).items() if before.get(k) is not v]
+        if stored:  # a value stored on the model by each chunk: the last chunk's would be read after
+            cls = type(self.module).__name__
+            raise UnsupportedModelError(
+                f"{cls}.{name} stores tensors on the model ({', '.join('self.' + k for k in stored)}); pyg_pipe runs "
+                f"{name} once per chunk, so what a later call reads there would be one chunk's rows, not the whole "
+                f"graph's. Return them from {name} instead (a tuple or dict of per-vertex tensors), or move "
+                f"{name}'s layers into a submodule and pass model='<its attribute>' to the strategy.")
+        return out
+
     def __call__(self, *args, **kwargs):
         inputs = CallInputs(args, kwargs)
         runtime = self._runtime_for(inputs)
@@ -281,7 +336,7 @@ class GNNPipeEngine:
         if self._shape is None:
             self._shape = decide_shape(self.module, inputs, comm.world_size, *self.requested, self.min_ways,
                                        self.config.split_points, self.config.streaming
-                                       if self.config.streams(comm.world_size) else False)
+                                       if self.config.streams(comm.world_size) else False, fn=self._fn)
             self.notes += [n for n in self._shape.notes if n not in self.notes]
             self.grid = RankGrid(comm.rank, comm.world_size, self._shape.stages, self._shape.ways)
         shape, grid = self._shape, self.grid
@@ -315,6 +370,22 @@ class GNNPipeEngine:
         self._saved = state
         # planned already: plan again on the next call, from the saved decisions
         self.runtime, self._runtimes, self._sizes, self._grads = None, [], None, None
+
+
+def _tensor_attributes(module: torch.nn.Module) -> Dict[str, Tensor]:
+    """The plain tensor attributes of ``module`` (not parameters or buffers)."""
+    return {k: v for k, v in vars(module).items() if isinstance(v, Tensor)}
+
+
+def _takes_graph(args: tuple, kwargs: dict) -> bool:
+    """Whether a call's arguments include a graph (an ``edge_index``, an adjacency, a ``Data``)."""
+    from torch_geometric.data import Data
+    for value in list(args) + list(kwargs.values()):
+        if is_graph_tensor(value) or isinstance(value, Data):
+            return True
+        if isinstance(value, (tuple, list)) and _takes_graph(tuple(value), {}):
+            return True
+    return False
 
 
 def _caller(module: torch.nn.Module) -> str:

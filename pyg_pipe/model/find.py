@@ -1,7 +1,9 @@
-"""Which part of a user's module pyg_pipe runs: the submodule holding the message-passing layers."""
+"""Which part of a user's module pyg_pipe runs: the submodule holding the message-passing layers, and the
+methods of it through which they are called (``forward``; a link predictor's ``encode``)."""
 from __future__ import annotations
 
-from typing import Optional
+import types
+from typing import Dict, Optional
 
 import torch
 from torch_geometric.nn import MessagePassing
@@ -40,3 +42,53 @@ def count_layers(module: torch.nn.Module) -> int:
     """Message-passing layers of a model (those not inside another message-passing layer)."""
     names = [n for n, m in module.named_modules() if isinstance(m, MessagePassing)]
     return sum(1 for n in names if not any(n.startswith(o + ".") for o in names))
+
+
+def routes_forward(module: torch.nn.Module, fn, methods: Dict[str, types.FunctionType]) -> bool:
+    """Whether ``forward`` (plain function ``fn``) itself is distributed: unless its code reaches the layers
+    only through other methods that call them (``decode(self.encode(x, edge_index), pairs)``: then those
+    are, inside it, and the rest of forward runs as written on their whole output)."""
+    if not isinstance(fn, types.FunctionType) or not methods:
+        return True
+    names = _names(fn.__code__)
+    return bool(_holders(module) & names) or not (set(methods) & names)
+
+
+def _holders(module: torch.nn.Module) -> set:
+    """The names of the children that hold a message-passing layer."""
+    return {name for name, child in module.named_children()
+            if any(isinstance(m, MessagePassing) for m in child.modules())}
+
+
+def layer_methods(module: torch.nn.Module) -> Dict[str, types.FunctionType]:
+    """The methods of ``module`` other than ``forward`` that call its message-passing layers themselves
+    (PyG's link predictors train through ``encode(x, edge_index)`` and never call ``forward``): those whose
+    code names a child module that holds a ``MessagePassing`` layer. Found from the code, not by running it,
+    so every rank finds the same; methods of ``torch.nn`` and of PyG's layers, dunders, properties and
+    static or class methods are not candidates. Whether a call is distributed is decided per call (it must
+    be handed a graph, :mod:`pyg_pipe.engine.engine`)."""
+    holders = _holders(module)
+    found: Dict[str, types.FunctionType] = {}
+    seen = set()
+    for cls in type(module).__mro__:
+        if cls is object or cls.__module__.startswith("torch.") or issubclass(cls, MessagePassing):
+            continue
+        for name, value in vars(cls).items():
+            if name in seen:
+                continue
+            seen.add(name)
+            if (name == "forward" or name.startswith("__") or not isinstance(value, types.FunctionType)
+                    or name in module.__dict__):
+                continue
+            if holders & _names(value.__code__):
+                found[name] = value
+    return found
+
+
+def _names(code: types.CodeType) -> set:
+    """The attribute and global names a function's code (and the functions and comprehensions in it) loads."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names

@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 import torch.fx as fx
@@ -132,10 +132,11 @@ class _Tracer(fx.Tracer):
             raise
 
 
-def trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> Program:
+def trace(model: torch.nn.Module, args: tuple, kwargs: dict, fn: Optional[Callable] = None) -> Program:
     """Traces ``model`` for a call with ``args`` / ``kwargs`` (tensors and ``Data`` become inputs;
-    ``None`` and Python values are baked in, as fx's ``concrete_args``)."""
-    fn = forward_function(model)
+    ``None`` and Python values are baked in, as fx's ``concrete_args``). ``fn``: the method traced (a plain
+    function of ``model``; ``None``: its forward), such as a link predictor's ``encode``."""
+    fn = forward_function(model) if fn is None else fn
     if _is_generic_sequential(model, fn):
         graph = _sequential_graph(model)
     else:
@@ -151,7 +152,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> Program:
             splits.append(node)
     if not units:
         raise UnsupportedModelError(
-            f"{type(model).__name__} calls no MessagePassing layer in its forward, so there is nothing to "
+            f"{type(model).__name__} calls no MessagePassing layer in its {fn.__name__}, so there is nothing to "
             f"pipeline. pyg_pipe splits models whose layers are torch_geometric MessagePassing modules.")
     return Program(model, graph, units, splits, modules)
 

@@ -3,8 +3,6 @@ import time
 
 import lightning.pytorch as pl
 import pytest
-import torch
-import torch.nn.functional as F
 from torch_geometric.loader import DataLoader as PygDataLoader
 from torch_geometric.nn import GCN
 
@@ -98,52 +96,6 @@ def test_pooling_is_refused_before_any_worker_starts(data):
                    logger=False, enable_checkpointing=False)
     with pytest.raises(Exception, match=r"'pools.0' \(TopKPooling\) builds a new graph"):
         t.fit(NodeClassifier(GraphUNet(8, 16, 3, depth=2)), train_dataloaders=graph_loader(data))
-
-
-class LinkNet(torch.nn.Module):
-    """PyG's link prediction example's model (examples/link_pred.py): ``encode`` and ``decode``, no forward."""
-
-    def __init__(self):
-        super().__init__()
-        from torch_geometric.nn import GCNConv
-        self.conv1, self.conv2 = GCNConv(8, 16), GCNConv(16, 8)
-
-    def encode(self, x, edge_index):
-        return self.conv2(self.conv1(x, edge_index).relu(), edge_index)
-
-    def decode(self, z, edge_label_index):
-        return (z[edge_label_index[0]] * z[edge_label_index[1]]).sum(dim=-1)
-
-
-class LinkPredictor(pl.LightningModule):
-    """Its training step, as in the example: ``model.encode`` and ``model.decode``, never ``forward``."""
-
-    def __init__(self):
-        super().__init__()
-        self.model = LinkNet()
-
-    def training_step(self, data, batch_idx):
-        from torch_geometric.utils import negative_sampling
-        z = self.model.encode(data.x, data.edge_index)
-        neg = negative_sampling(data.edge_index, num_nodes=data.num_nodes, num_neg_samples=data.edge_index.size(1))
-        label_index = torch.cat([data.edge_index, neg], dim=-1)
-        label = torch.cat([torch.ones(data.edge_index.size(1)), torch.zeros(neg.size(1))])
-        return F.binary_cross_entropy_with_logits(self.model.decode(z, label_index), label)
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=0.01)
-
-
-@pytest.mark.parametrize("strategy", ["gnnpipe", "graph_parallel"])
-def test_layers_run_outside_forward_are_refused_not_trained_undistributed(data, strategy):
-    """Every rank would train the whole model on the whole graph, silently: refused, naming the method."""
-    from pyg_pipe import GraphParallelStrategy
-    make = GNNPipeStrategy if strategy == "gnnpipe" else GraphParallelStrategy
-    t = pl.Trainer(strategy=make(start_method="spawn", comm_timeout=60), accelerator="cpu", devices=2, max_epochs=1,
-                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(Exception, match=r"Layer 'conv1' \(GCNConv\) ran in a training step outside the forward of "
-                                        r"LinkNet.*called through LinkNet\.encode"):
-        t.fit(LinkPredictor(), train_dataloaders=graph_loader(data))
 
 
 def _spawn_trainer():

@@ -104,11 +104,13 @@ class Shape:
 
 
 def decide_shape(module: torch.nn.Module, inputs: CallInputs, world_size: int, stages: Optional[int],
-                 ways: Optional[int], min_ways: int, split_points, streaming: Union[bool, str] = False) -> Shape:
+                 ways: Optional[int], min_ways: int, split_points, streaming: Union[bool, str] = False,
+                 fn=None) -> Shape:
     """The grid for this model: as configured, or one stage per device with graph-parallel ways added
     when the model has fewer layers than devices; and, with several stages (or streaming on one
     device), the traced program cut into layer groups (the user's split points when marked).
-    ``streaming``: stream on one device (a forward that does not trace streams as one group)."""
+    ``streaming``: stream on one device (a forward that does not trace streams as one group). ``fn``: the
+    method distributed (``None``: forward)."""
     refuse_graph_builders(module)
     S, W = grid_shape(world_size, stages, ways, min_ways)
     if streaming:
@@ -116,7 +118,7 @@ def decide_shape(module: torch.nn.Module, inputs: CallInputs, world_size: int, s
             raise ValueError(f"streaming=True runs on one device, but this run has {S * W}; pass streaming=False "
                              f"(or 'auto') to pipeline over the devices.")
         try:
-            program = trace(module, inputs.args, inputs.kwargs)
+            program = trace(module, inputs.args, inputs.kwargs, fn)
         except UnsupportedModelError as exc:
             note = (f"pyg_pipe: the forward of {type(module).__name__} does not trace into layer groups ({exc}); "
                     f"streaming it as one group, where every propagate of a computed value waits for all chunks "
@@ -127,7 +129,7 @@ def decide_shape(module: torch.nn.Module, inputs: CallInputs, world_size: int, s
         return Shape(1, 1, program, groups, forced, False, streaming=True)
     if S == 1:
         return Shape(S, W, None, None, False, False)
-    program = trace(module, inputs.args, inputs.kwargs)
+    program = trace(module, inputs.args, inputs.kwargs, fn)
     groups, forced = stage_groups(program, split_points)
     L = len(groups)
     if L >= S or forced:

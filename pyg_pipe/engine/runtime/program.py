@@ -156,7 +156,7 @@ class Programs:
         key = signature(self.module, inputs)
         hit = self._cache.get(key)
         if hit is None:
-            hit = self._cache[key] = self._cut(trace(self.module, inputs.args, inputs.kwargs))
+            hit = self._cache[key] = self._cut(trace(self.module, inputs.args, inputs.kwargs, self.fn))
         return hit
 
     def _cut(self, program: Program):

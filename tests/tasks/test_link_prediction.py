@@ -227,3 +227,27 @@ def test_layers_called_past_the_routed_methods_are_refused(tmp_path):
                                         r"DirectLayers\.training_step\)"):
         t.fit(DirectLayers(), train_dataloaders=graph_loader(data))
 
+
+
+class RankNegatives(LinkPredictor):
+    """Negatives drawn differently on each process (an unseeded negative_sampling after the model)."""
+
+    def training_step(self, data, batch_idx):
+        gen = torch.Generator().manual_seed(self.global_rank)
+        neg = torch.randint(0, data.num_nodes, data.edge_index.shape, generator=gen)
+        z = self.model.encode(data.x, data.edge_index)
+        scores = self.model.decode(z, torch.cat([data.edge_index, neg], dim=-1))
+        label = torch.cat([torch.ones(data.edge_index.size(1)), torch.zeros(neg.size(1))])
+        return F.binary_cross_entropy_with_logits(scores, label)
+
+
+def test_a_loss_that_differs_between_processes_is_refused(tmp_path):
+    """Each way takes its rows' gradient from its own loss: different losses would train the rows on
+    different objectives, silently. Refused on every rank, naming the seed as the fix."""
+    data = as_data(*small_graph())
+    t = pl.Trainer(strategy=GraphParallelStrategy(start_method="spawn", comm_timeout=60), accelerator="cpu", devices=2,
+                   max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, default_root_dir=str(tmp_path))
+    with pytest.raises(Exception, match=r"gradient of the loss with respect to the model's output differs between "
+                                        r"processes.*torch\.manual_seed"):
+        t.fit(RankNegatives(LinkNet()), train_dataloaders=graph_loader(data))

@@ -41,7 +41,9 @@ class PipelineConfig:
             several chunks: ``False`` refuses them, ``True`` takes each chunk's own rows (approximate, as
             GPipe does for micro-batches), ``"history"`` (BatchNorm, GraphNorm) the whole graph's, other
             chunks' sums from their latest run (approximate, exact at lr = 0 after the first step; not with
-            streaming; :mod:`.runtime.statistics`). With one chunk per way they are exact.
+            streaming; :mod:`.runtime.statistics`); ``"auto"`` (default): ``"history"`` when every such module
+            is a BatchNorm or GraphNorm and the pipeline runs (one log line), else ``False``. With one chunk
+            per way they are exact.
         split_points: ``{"module.name": SplitPoint.BEGINNING | SplitPoint.END}``: cut the pipeline before /
             after that module (the convention of ``torch.distributed.pipelining``; calling
             ``pyg_pipe.pipe_split()`` in the forward does the same).
@@ -95,7 +97,7 @@ class PipelineConfig:
     balance: Union[str, Sequence[int]] = "time"
     partition: Union[str, Callable] = "auto"
     seed: int = 0
-    per_chunk_statistics: Union[bool, str] = False
+    per_chunk_statistics: Union[bool, str] = "auto"
     split_points: Optional[Dict[str, SplitPoint]] = None
     recompute: Union[bool, str] = "auto"
     offload: Optional[str] = None
@@ -128,8 +130,9 @@ class PipelineConfig:
                                                  or isinstance(self.snapshot_period, bool) or self.snapshot_period < 1):
             raise ValueError(f"snapshot_period={self.snapshot_period!r} must be a positive integer, or None to "
                              f"turn periodic snapshots off.")
-        if self.per_chunk_statistics not in (True, False, "history"):
-            raise ValueError(f"per_chunk_statistics={self.per_chunk_statistics!r} must be False (refuse graph-wide "
+        if self.per_chunk_statistics not in (True, False, "history", "auto"):
+            raise ValueError(f"per_chunk_statistics={self.per_chunk_statistics!r} must be 'auto' ('history' for "
+                             f"BatchNorm and GraphNorm in the pipeline, else refused), False (refuse graph-wide "
                              f"statistics with several chunks per way), True (each chunk's own rows) or 'history' "
                              f"(the whole graph's: other chunks' sums from their latest run).")
         if self.recompute not in (True, False, "auto"):

@@ -78,7 +78,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         comm_timeout: float = 600.0,
         checkpoint_history: bool = True,
         fused_kernels: bool = True,
-        per_chunk_statistics: Union[bool, str] = False,
+        per_chunk_statistics: Union[bool, str] = "auto",
         split_points: Optional[Dict[str, Any]] = None,
         recompute: Union[bool, str] = "auto",
         offload: Optional[str] = None,

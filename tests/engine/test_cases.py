@@ -244,7 +244,8 @@ def test_validation_after_training_uses_eval_mode(mode):
 
 def _per_chunk_statistics(rank, world):
     """BatchNorm with several chunks per way, opted into per-chunk statistics: it trains (loss falls,
-    running statistics move) although it is approximate by design; without the opt-in it is refused."""
+    running statistics move) although it is approximate by design; with per_chunk_statistics=False it is
+    refused; by default it takes historical statistics, told in a note."""
     from torch_geometric.nn import GCN
 
     from pyg_pipe import UnsupportedModelError
@@ -252,11 +253,19 @@ def _per_chunk_statistics(rank, world):
     ei = g["edge_index"]
     torch.manual_seed(0)
     refused = GCN(8, 12, 3, 3, norm="batch_norm")
-    engine = _engine(refused, "chunks")
+    engine = _engine(refused, "chunks", per_chunk_statistics=False)
     engine.install()
     with pytest.raises(UnsupportedModelError, match="per_chunk_statistics=True"):
         refused(x, ei)
     engine.uninstall()
+    default = GCN(8, 12, 3, 3, norm="batch_norm")
+    engine = _engine(default, "chunks")
+    engine.install()
+    F.cross_entropy(default(x, ei)[mask], y[mask]).backward()
+    engine.uninstall()
+    assert engine.plan.statistics == "history"
+    assert any("BatchNorm/GraphNorm ('norms.0.module', 'norms.1.module')" in n and "per_chunk_statistics='history'" in n
+               for n in engine.notes), engine.notes
     torch.manual_seed(0)
     model = GCN(8, 12, 3, 3, norm="batch_norm")
     engine = _engine(model, "chunks", per_chunk_statistics=True, shuffle_chunks=True)
@@ -279,5 +288,5 @@ def _per_chunk_statistics(rank, world):
     assert losses[-1] < losses[0], losses
 
 
-def test_per_chunk_statistics_is_an_explicit_opt_in():
+def test_per_chunk_statistics_default_history_or_refused_or_per_chunk():
     run_distributed(_per_chunk_statistics, 2, timeout=240)

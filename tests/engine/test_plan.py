@@ -13,7 +13,7 @@ from torch_geometric.nn import GCN, GCNConv, TopKPooling
 from pyg_pipe import UnsupportedModelError
 from pyg_pipe.engine import Comm, PipelineConfig
 from pyg_pipe.engine.plan.plan import (chunk_count, check_resume, decide_shape, graph_digest, make_plan,
-                                  refuse_graph_builders, refuse_statistics)
+                                  refuse_graph_builders, refuse_statistics, resolve_statistics)
 from pyg_pipe.model.inputs import CallInputs
 from tests.harness import ranges
 from tests.zoo import zoo_graph
@@ -138,3 +138,17 @@ def test_structural_refusals():
     with pytest.raises(UnsupportedModelError, match=r"'norms.0' \(LayerNorm\)"):  # PyG's default mode: the graph
         refuse_statistics(GCN(8, 12, 2, 3, norm="layer_norm"), 4, 2)
     refuse_statistics(GCN(8, 12, 2, 3, norm="layer_norm", norm_kwargs={"mode": "node"}), 4, 2)  # per vertex: fine
+
+
+def test_graph_wide_statistics_by_default():
+    """per_chunk_statistics='auto': BatchNorm / GraphNorm take historical statistics with several chunks per way
+    in the pipeline; one chunk per way needs nothing; streaming, or another graph-wide norm, is as False."""
+    notes = []
+    assert resolve_statistics("auto", GCN(8, 12, 2, 3, norm="batch_norm"), 4, False, notes) == "history"
+    assert len(notes) == 1 and "BatchNorm/GraphNorm ('norms.0.module') with 4 chunks per way" in notes[0]
+    assert resolve_statistics("auto", GCN(8, 12, 2, 3, norm="graph_norm"), 4, False) == "history"
+    assert resolve_statistics("auto", GCN(8, 12, 2, 3, norm="batch_norm"), 1, False) is False
+    assert resolve_statistics("auto", GCN(8, 12, 2, 3, norm="batch_norm"), 4, True) is False
+    assert resolve_statistics("auto", GCN(8, 12, 2, 3, norm="layer_norm"), 4, False) is False
+    for explicit in (True, False, "history"):
+        assert resolve_statistics(explicit, GCN(8, 12, 2, 3, norm="batch_norm"), 4, False) == explicit

@@ -51,6 +51,8 @@ class Plan:
         graphs: the input graphs the plan was made for (compared by structure on every call).
         streaming: one device runs every layer group over all chunks in turn (:mod:`..step.stream`); ``sizes``
             then has one group per (virtual) stage.
+        statistics: how graph-wide statistics run with several chunks per way (``per_chunk_statistics``
+            resolved: ``"auto"`` becomes ``"history"`` for BatchNorm / GraphNorm in the pipeline, else ``False``).
     """
 
     stages: int
@@ -65,6 +67,7 @@ class Plan:
     digest: int
     graphs: Tuple[Tensor, ...] = field(repr=False, compare=False)
     streaming: bool = False
+    statistics: Union[bool, str] = False
 
     @property
     def chunks_per_way(self) -> int:
@@ -173,9 +176,9 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
     else:
         C = wanted
         perm, ptr = partition(config, inputs, C, W, comm, root)
-    if C // W > 1 and config.per_chunk_statistics is not True:
-        refuse_statistics(module, C // W, W, history=config.per_chunk_statistics == "history",
-                          streaming=shape.streaming)
+    statistics = resolve_statistics(config.per_chunk_statistics, module, C // W, shape.streaming, notes)
+    if C // W > 1 and statistics is not True:
+        refuse_statistics(module, C // W, W, history=statistics == "history", streaming=shape.streaming)
     stage_sizes: Optional[Tuple[int, ...]] = None
     if shape.streaming:  # every layer group is a stage of its own, all on this device
         stage_sizes = (1,) * len(shape.groups) if shape.groups is not None else None
@@ -197,7 +200,7 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
         owners = {n: {0} for n, _ in list(module.named_parameters()) + list(module.named_buffers())}
     return Plan(S, W, C, inputs.num_nodes, inputs.num_edges, perm.cpu(), ptr.cpu(), stage_sizes,
                 {n: frozenset(s) for n, s in owners.items()}, graph_digest(inputs.primary), tuple(inputs.graphs),
-                shape.streaming)
+                shape.streaming, statistics)
 
 
 def chunk_count(config: PipelineConfig, stages: int, ways: int, num_nodes: int, ways_added: bool = False,
@@ -260,6 +263,32 @@ def refuse_graph_builders(module: torch.nn.Module) -> None:
                 f"Module '{name}' ({type(m).__name__}) builds a new graph from the vertices' values (pooling); "
                 f"pyg_pipe cuts one fixed graph into chunks and cannot follow graphs built during the forward. "
                 f"Train this model on one device (no pyg_pipe strategy).")
+
+
+def resolve_statistics(setting: Union[bool, str], module: torch.nn.Module, chunks_per_way: int, streaming: bool,
+                       notes: Optional[List[str]] = None) -> Union[bool, str]:
+    """``per_chunk_statistics="auto"`` (the default): with several chunks per way in the pipeline, BatchNorm and
+    GraphNorm take historical statistics (``"history"``: measured within 0.1 point of one process,
+    docs/convergence.md), told in one line; anything else is as ``False`` (refused, naming the choices)."""
+    if setting != "auto":
+        return setting
+    if chunks_per_way == 1 or streaming:
+        return False
+    from torch_geometric.nn import BatchNorm as PygBatchNorm
+    from torch_geometric.nn import GraphNorm
+    norms = [name for name, m in module.named_modules() if needs_statistics(m)]
+    covered = [name for name, m in module.named_modules() if isinstance(m, (BATCH_NORM, PygBatchNorm, GraphNorm))]
+    if not norms or not set(norms) <= set(covered):
+        return False
+    named = ", ".join(f"'{n}'" for n in norms[:3]) + (", ..." if len(norms) > 3 else "")
+    note = (f"pyg_pipe: BatchNorm/GraphNorm ({named}) with {chunks_per_way} chunks per way: the whole graph's "
+            f"statistics with other chunks' sums from their latest run "
+            f"(per_chunk_statistics='history'; pass num_chunks equal to the ways for exact statistics, or "
+            f"per_chunk_statistics=False to refuse).")
+    log.info(note)
+    if notes is not None and note not in notes:
+        notes.append(note)
+    return "history"
 
 
 def refuse_statistics(module: torch.nn.Module, chunks_per_way: int, ways: int, history: bool = False,

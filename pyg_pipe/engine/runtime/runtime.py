@@ -94,7 +94,7 @@ class Runtime:
     def statistics_history(self, call: int) -> Optional[StatisticsHistory]:
         """The historical BatchNorm sums of the ``call``-th call of a step (``per_chunk_statistics="history"``
         with several chunks per way), else ``None``."""
-        if self.config.per_chunk_statistics != "history" or self.plan.chunks_per_way == 1:
+        if self.plan.statistics != "history" or self.plan.chunks_per_way == 1:
             return None
         if call not in self._statistics:
             lgs, cpw = self.chunked[0].chunks, self.plan.chunks_per_way

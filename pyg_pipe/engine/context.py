@@ -27,6 +27,17 @@ _STACK: List["ChunkContext"] = []
 _NOTHING = nullcontext()  # reusable: entering it does nothing
 
 
+def _show(table: torch.nn.Module, rows: Tensor, whole: Tensor) -> None:
+    table._parameters["weight"] = rows
+    table.__dict__["forward"] = lambda ids: torch.nn.functional.embedding(
+        ids, whole, table.padding_idx, table.max_norm, table.norm_type, table.scale_grad_by_freq, table.sparse)
+
+
+def _hide(table: torch.nn.Module, whole: Tensor) -> None:
+    table._parameters["weight"] = whole
+    table.__dict__.pop("forward", None)
+
+
 def current() -> Optional["ChunkContext"]:
     """The context of the chunk running now, or ``None`` outside the engine."""
     return _STACK[-1] if _STACK else None
@@ -175,13 +186,25 @@ class ChunkContext:
         self.stack: List[Invocation] = []
         self.counts: Dict[str, int] = {}
         self.clean_calls: Dict[Tuple[str, int], bool] = {}
+        self.tables: List[Tuple[torch.nn.Module, Tensor, Tensor]] = []
 
     def __enter__(self) -> "ChunkContext":
         _STACK.append(self)
+        for table, rows, whole in self.tables:
+            _show(table, rows, whole)
         return self
 
     def __exit__(self, *exc) -> None:
         _STACK.remove(self)
+        for table, _, whole in reversed(self.tables):
+            _hide(table, whole)
+
+    def swap_table(self, table: torch.nn.Module, rows: Tensor, whole: Tensor) -> None:
+        """While this context is entered, the embedding ``table`` (a row per vertex) shows the chunk's
+        ``rows`` as its ``weight`` (read as ``table.weight``, as LightGCN reads it); calling the table
+        (``table(ids)``) still looks the ids up in the whole table ``whole``."""
+        self.tables.append((table, rows, whole))
+        _show(table, rows, whole)
 
     def recomputing(self) -> bool:
         """True while a layer of this run is recomputed in a backward pass (checkpointing, reversible

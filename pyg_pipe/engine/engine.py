@@ -398,8 +398,9 @@ class GNNPipeEngine:
 
 
 def _tensor_attributes(module: torch.nn.Module) -> Dict[str, Tensor]:
-    """The plain tensor attributes of ``module`` (not parameters or buffers)."""
-    return {k: v for k, v in vars(module).items() if isinstance(v, Tensor)}
+    """The plain tensor attributes of ``module`` (not parameters or buffers; nor the constants torch.fx keeps on
+    a module it traces, ``_tensor_constant0`` ...)."""
+    return {k: v for k, v in vars(module).items() if isinstance(v, Tensor) and not k.startswith("_tensor_constant")}
 
 
 def _takes_graph(args: tuple, kwargs: dict) -> bool:

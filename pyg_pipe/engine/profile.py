@@ -42,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, fx
 
-from ..model.inputs import CallInputs, Localizer
+from ..model.inputs import CallInputs, Localizer, vertex_tables
 from ..model.split import Stage
 from ..model.trace import Program
 from .context import ChunkContext
@@ -62,7 +62,7 @@ def layer_costs(module: torch.nn.Module, fn: Callable, program: Program, groups:
     N = inputs.num_nodes
     perm, ptr = chunking if chunking is not None else (torch.arange(N), torch.tensor([0, N]))
     cgs = chunk_graphs(inputs.graphs, N, perm, ptr, 1, device)
-    localizer = Localizer(inputs, cgs)
+    localizer = Localizer(inputs, cgs, tables=vertex_tables(module, N))
     lg = cgs[0].chunks[0]
     derived: Dict[tuple, object] = {}
 

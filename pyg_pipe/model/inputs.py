@@ -15,7 +15,7 @@ unchanged gets its true halo rows from the whole input, with no exchange (:mod:`
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -180,10 +180,15 @@ class Localizer:
     Args:
         inputs: the call's arguments.
         chunked: the :class:`ChunkedGraph` of every graph in ``inputs.graphs`` (same order).
+        tables: the model's embedding tables with a row per vertex (:func:`vertex_tables`): a chunk sees its
+            rows as the table's ``weight``, clean inputs like the features (their halo rows the true ones), and
+            the gradient reaches the table's rows through them.
     """
 
-    def __init__(self, inputs: CallInputs, chunked: List[ChunkedGraph], cache: Optional[Dict] = None):
+    def __init__(self, inputs: CallInputs, chunked: List[ChunkedGraph], cache: Optional[Dict] = None,
+                 tables: Sequence[torch.nn.Module] = ()):
         self.inputs = inputs
+        self.tables = tables
         self.chunked = chunked
         self.cg = chunked[0]
         self._adjacency: Dict = {} if cache is None else cache  # local sparse adjacencies, kept across calls
@@ -194,6 +199,11 @@ class Localizer:
         memo: Dict[int, Any] = {}
         args = tuple(self._cut(v, lg, ctx, memo) for v in self.inputs.args)
         kwargs = {k: self._cut(v, lg, ctx, memo, name=k) for k, v in self.inputs.kwargs.items()}
+        for table in self.tables:
+            whole = table.weight
+            rows = whole.index_select(0, _rows_index(self.cg, lg))
+            ctx.add_clean(rows, _extender(whole))
+            ctx.swap_table(table, rows, whole)
         return args, kwargs
 
     def _cut(self, value, lg: LocalGraph, ctx, memo: Dict[int, Any], name: str = "", kind: Optional[str] = None):
@@ -364,6 +374,13 @@ def _same_storage(a: Tensor, b: Tensor) -> bool:
     if a.layout == torch.sparse_coo:
         return a._indices().data_ptr() == b._indices().data_ptr()
     return False
+
+
+def vertex_tables(module: torch.nn.Module, num_nodes: int) -> List[torch.nn.Embedding]:
+    """The embedding tables of ``module`` with one row per vertex (``nn.Embedding(num_nodes, d)``: learned
+    node features, LightGCN's embeddings), found by their type and size, never their values."""
+    return [m for m in module.modules() if isinstance(m, torch.nn.Embedding) and m.num_embeddings == num_nodes
+            and m.weight.dim() == 2]
 
 
 def _rows_index(cg: ChunkedGraph, lg: LocalGraph) -> Tensor:

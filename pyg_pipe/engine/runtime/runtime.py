@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ...graph.chunks import ChunkedGraph, way_ptr
-from ...model.inputs import CallInputs, graph_edges
+from ...model.inputs import CallInputs, graph_edges, vertex_tables
 from ..comm import Comm
 from ..config import PipelineConfig
 from ..plan.grid import RankGrid
@@ -86,6 +86,7 @@ class Runtime:
         self.sites = CallSites(comm, grid.stage_group if W > 1 else None)
         self.layer_cache: Dict = {}
         self.adjacency: Dict = {}
+        self.tables = vertex_tables(module, plan.num_nodes)  # embedding tables with a row per vertex
         self.output_specs: Dict = {}
         self.rows_checked: Set[str] = set()
         self._derived: Dict = {}

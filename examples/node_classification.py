@@ -2,6 +2,7 @@
 
     python examples/node_classification.py                  # Cora when online, else a generated graph
     python examples/node_classification.py --offline --devices 4 --epochs 100
+    python examples/node_classification.py --offline --precision bf16-mixed
 
 The LightningModule is an ordinary single-device one; ``import pyg_pipe`` and ``strategy="gnnpipe"`` are
 the only changes. On GPUs: ``--accelerator gpu`` (one process per GPU).
@@ -55,10 +56,12 @@ if __name__ == "__main__":
     p.add_argument("--num-nodes", type=int, default=1, help="machines (under torchrun or SLURM)")
     p.add_argument("--epochs", type=int, default=50)
     p.add_argument("--offline", action="store_true", help="skip the download, use a generated graph")
+    p.add_argument("--precision", default="32-true", help="bf16-mixed: Lightning's autocast, through the pipeline")
     args = p.parse_args()
     data = load(args.offline)
     trainer = pl.Trainer(strategy="gnnpipe", accelerator=args.accelerator, devices=args.devices,
-                         num_nodes=args.num_nodes, max_epochs=args.epochs, logger=False, enable_checkpointing=False)
+                         num_nodes=args.num_nodes, max_epochs=args.epochs, precision=args.precision, logger=False,
+                         enable_checkpointing=False)
     model = NodeClassifier(data.num_features, int(data.y.max()) + 1)
     trainer.fit(model, datamodule=pyg_pipe.FullGraphDataModule(data))
     result = trainer.test(model, datamodule=pyg_pipe.FullGraphDataModule(data))

@@ -14,7 +14,7 @@ not reach.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol, Tuple
 
@@ -41,6 +41,22 @@ def _hide(table: torch.nn.Module, whole: Tensor) -> None:
 def current() -> Optional["ChunkContext"]:
     """The context of the chunk running now, or ``None`` outside the engine."""
     return _STACK[-1] if _STACK else None
+
+
+def autocast_state(device: torch.device) -> tuple:
+    """The autocast settings in force now (mixed precision: Lightning's ``precision="bf16-mixed"``), for the
+    device's type and the CPU: what a fill ran under, which its drain's recomputations must run under too."""
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in dict.fromkeys((device.type,
+                                                                                                          "cpu")))
+
+
+@contextmanager
+def autocast_as(state: tuple):
+    """Runs the block under the autocast settings ``state`` (:func:`autocast_state`)."""
+    with ExitStack() as stack:
+        for device_type, enabled, dtype in state:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+        yield
 
 
 def in_backward() -> bool:

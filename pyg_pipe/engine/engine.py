@@ -45,7 +45,7 @@ from ..model.trace import forward_function
 from .step import pipeline as steps
 from .step import stream
 from .comm import Comm
-from .context import current, in_backward
+from .context import autocast_as, autocast_state, current, in_backward
 from .runtime.staleness import StalenessMeter
 from .runtime.timeline import Timeline
 from .config import PipelineConfig
@@ -70,6 +70,7 @@ class _Fill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, engine: "GNNPipeEngine", runtime: Runtime, inputs: CallInputs, call: int, anchor: Tensor):
         ctx.engine = engine
+        ctx.autocast = autocast_state(engine.comm.device)  # mixed precision: the drain recomputes under it too
         if runtime.plan.streaming:
             out, ctx.record = stream.forward(runtime, inputs, True, runtime.store(call))
         else:
@@ -82,7 +83,8 @@ class _Fill(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         engine, record = ctx.engine, ctx.record
         ctx.record = None
-        engine._drained(grad, record)
+        with autocast_as(ctx.autocast):
+            engine._drained(grad, record)
         return None, None, None, None, None
 
 

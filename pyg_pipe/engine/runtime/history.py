@@ -188,7 +188,7 @@ class CallHistory:
             else:  # offloaded: the same files every step (two for the late ones: this step's and the last)
                 role = f"late{self._step % 2}" if late else "grads"
                 g = store[key] = self._reused(role, key, shape, grad.dtype).zero_()
-        g.index_add_(0, self._at(ids, g), grad.to(g.device), alpha=alpha)
+        g.index_add_(0, self._at(ids, g), grad.to(g.device, g.dtype), alpha=alpha)
         self.tiers.release(g)
 
     def take_grad(self, key: str, start: int, end: int) -> Optional[Tensor]:

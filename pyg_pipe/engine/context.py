@@ -198,6 +198,7 @@ class ChunkContext:
         self.observer = observer
         self.sites: List[Site] = []
         self.clean: Dict[int, Tuple[Tensor, int, Callable]] = {}
+        self.extended: Dict[int, Tuple[Tensor, Tensor, int]] = {}
         self.edge_inputs: Dict[int, Tuple[Tensor, int, Tensor, Any]] = {}
         self.stack: List[Invocation] = []
         self.counts: Dict[str, int] = {}
@@ -232,9 +233,20 @@ class ChunkContext:
         return _NOTHING if self.observer is None else self.observer.paused()
 
     # ------------------------------------------------------------------ inputs, registered by the localiser
-    def add_clean(self, local: Tensor, extend: Callable) -> None:
-        """``local`` is an input's chunk rows; ``extend(cg, lg)`` gives its rows beyond them."""
+    def add_clean(self, local: Tensor, extend: Callable, whole: Optional[Tensor] = None) -> None:
+        """``local`` is an input's chunk rows; ``extend(cg, lg)`` gives its rows beyond them. ``whole``: when
+        ``local`` is the first rows of a tensor ``[rows | halo]`` of this context's chunk (streaming's values
+        gathered from the store), that tensor, handed out as it is instead of joined again."""
         self.clean[id(local)] = (local, local._version, extend)
+        if whole is not None:
+            self.extended[id(local)] = (local, whole, whole._version)
+
+    def clean_extended(self, t: Tensor, lg) -> Optional[Tensor]:
+        """The registered ``[rows | halo]`` of the clean input ``t`` for this context's chunk ``lg``, else ``None``."""
+        hit = self.extended.get(id(t))
+        if hit is None or lg is not self.lg or hit[0] is not t or hit[1]._version != hit[2]:
+            return None
+        return hit[1]
 
     def add_edge_input(self, local: Tensor, whole: Tensor, cg=None) -> None:
         """``local`` holds the chunk's local edges of the edge input ``whole``, cut with the chunked graph

@@ -192,6 +192,12 @@ class Localizer:
         self.chunked = chunked
         self.cg = chunked[0]
         self._adjacency: Dict = {} if cache is None else cache  # local sparse adjacencies, kept across calls
+        # a chunk's rows of each node input, kept across calls while the input is the same, unchanged tensor
+        # (full-graph training hands the same features every step): cut once, not once per chunk and layer group
+        self._kept: Dict[tuple, tuple] = self._adjacency.setdefault("node rows", {})
+        live = {id(t) for t in _tensors(inputs)}
+        for key in [k for k, hit in self._kept.items() if id(hit[0]) not in live]:
+            del self._kept[key]
 
     def localize(self, c: int, ctx) -> Tuple[tuple, dict]:
         """``(args, kwargs)`` for chunk ``c``; registers clean node inputs, edge inputs and local graphs in ``ctx``."""
@@ -230,13 +236,25 @@ class Localizer:
         elif isinstance(value, Tensor) and value.dim() > 0 and value.layout == torch.strided:
             kind = kind or self._kind(value, name)
             if kind == "node":
-                out = value.index_select(0, _rows_index(self.cg, lg))
+                out = self._rows(value, lg)
                 ctx.add_clean(out, _extender(value))
             elif kind == "edge" and value.size(0) in self.inputs.edge_counts:
                 cg = self._edge_chunking(value)
                 out = cg.local_edges(cg.chunks[lg.index], value)
                 ctx.add_edge_input(out, value, cg)
         memo[id(value)] = out
+        return out
+
+    def _rows(self, value: Tensor, lg: LocalGraph) -> Tensor:
+        """The chunk's rows of the node input ``value`` (kept while neither it nor they change)."""
+        if value.requires_grad:
+            return value.index_select(0, _rows_index(self.cg, lg))
+        key = (id(value), id(self.cg), lg.index)
+        hit = self._kept.get(key)
+        if hit is not None and hit[0] is value and hit[1] == value._version and hit[2]._version == hit[3]:
+            return hit[2]
+        out = value.index_select(0, _rows_index(self.cg, lg))
+        self._kept[key] = (value, value._version, out, out._version)
         return out
 
     def _edge_chunking(self, value: Tensor) -> ChunkedGraph:
@@ -374,6 +392,14 @@ def _same_storage(a: Tensor, b: Tensor) -> bool:
     if a.layout == torch.sparse_coo:
         return a._indices().data_ptr() == b._indices().data_ptr()
     return False
+
+
+def _tensors(inputs: CallInputs) -> List[Tensor]:
+    """The tensors of a call, top level and in its ``Data`` objects."""
+    values = list(inputs.args) + list(inputs.kwargs.values())
+    for d in inputs.data:
+        values += [v for _, v in d.items()]
+    return [v for v in values if isinstance(v, Tensor)]
 
 
 def vertex_tables(module: torch.nn.Module, num_nodes: int) -> List[torch.nn.Embedding]:

@@ -114,9 +114,12 @@ def _as_one_process(make, x, edge_index, y, mask, steps=2):
 
 
 def _several_chunks_per_way(x, edge_index, y, mask):
-    for make in (BatchNormBetween, BatchNormInMessage, GraphNormBetween):
+    # per_chunk_statistics=False; by default ("auto") the two between layers take historical statistics, and the one
+    # in a message function (inside a layer) is refused the same way
+    for make, setting in ((BatchNormBetween, False), (BatchNormInMessage, False), (GraphNormBetween, False),
+                          (BatchNormInMessage, "auto")):
         model = _build(make)
-        engine = _engine(model, 4)
+        engine = _engine(model, 4, per_chunk_statistics=setting)
         engine.install()
         try:
             with pytest.raises(UnsupportedModelError, match=r"with 2 chunks per way.*per_chunk_statistics=True"):

@@ -273,8 +273,9 @@ class HaloPass:
     def backward(self, token: tuple, g_rows: Tensor, g_halo: Tensor) -> Tensor:
         key, cg, lg = token
         r = self._route(cg, lg)
-        pending = self.history.take_grad(key, lg.start, lg.end) if self.history is not None else None
-        g_rows = g_rows + pending.to(g_rows.dtype) if pending is not None else g_rows.clone()
+        g_rows = g_rows.clone()
+        if self.history is not None:  # what other chunks' reads of these rows sent back
+            self.history.take_grad(key, lg.start, lg.end, g_rows)
         if r.own_pos is not None:
             fresh = g_halo.index_select(0, r.own_pos)
             if isinstance(r.own_scale, float):  # T3's scale applied as the gradient is added (one call less)

@@ -141,9 +141,13 @@ class CallHistory:
         buf = self.buffer(key, rows)
         pos, at = self._span(start, start + rows.size(0), buf)
         rows = rows.detach()
-        if pos is not None:
-            rows = rows.index_select(0, pos)
-        buf.narrow(0, at.start, at.stop - at.start).copy_(rows)  # (a slice's copy_: no indexing machinery)
+        into = buf.narrow(0, at.start, at.stop - at.start)
+        if pos is None:
+            into.copy_(rows)
+        elif rows.device == buf.device and rows.dtype == buf.dtype:
+            torch.index_select(rows, 0, pos, out=into)  # the held rows gathered straight into the buffer
+        else:
+            into.copy_(rows.index_select(0, pos))
         self.tiers.release(buf)
 
     def write_ids(self, key: str, ids: Tensor, rows: Tensor) -> None:
@@ -191,21 +195,20 @@ class CallHistory:
         g.index_add_(0, self._at(ids, g), grad.to(g.device, g.dtype), alpha=alpha)
         self.tiers.release(g)
 
-    def take_grad(self, key: str, start: int, end: int) -> Optional[Tensor]:
-        """The gradient of rows ``start .. end-1`` that reads by other chunks sent back: this step's fresh
-        reads, and the last step's stale ones with ``late_gradients`` (``None`` if nothing reached them)."""
-        rows = None
+    def take_grad(self, key: str, start: int, end: int, into: Tensor) -> None:
+        """Adds to ``into`` (the gradient of rows ``start .. end-1``) what reads by other chunks sent back: this
+        step's fresh reads, and the last step's stale ones with ``late_gradients``."""
         for store in (self.grads, self.late_in):
             g = store.get(key)
             if g is None:
                 continue
             pos, at = self._span(start, end, g)
-            part = self.tiers.to_device(g[at])
+            part = self.tiers.to_device(g[at]).to(into.dtype)
             self.tiers.release(g)
-            if pos is not None:
-                part = part.new_zeros((end - start, *part.shape[1:])).index_copy_(0, pos, part)
-            rows = part if rows is None else rows + part
-        return rows
+            if pos is None:
+                into.add_(part)
+            else:
+                into.index_add_(0, pos, part)
 
     def clear_grads(self) -> None:
         self.grads = {}

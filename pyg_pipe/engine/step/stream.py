@@ -210,7 +210,7 @@ def _run(rt: Runtime, record: StreamRecord, g: int, c: int, halo: StreamHalo, gr
                     ext.requires_grad_()
                     leaves.append((name, ext, lg.nodes))
                 rows = ext[:lg.rows]
-                ctx.add_clean(rows, _extender(store, name, ext, lg, leaves, grad))
+                ctx.add_clean(rows, _extender(store, name, ext, lg, leaves, grad), ext)
                 received[name] = rows
             else:
                 value = store.chunks[name][lg.index]

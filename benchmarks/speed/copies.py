@@ -1,0 +1,91 @@
+"""Row copies per (chunk, layer): how many gathers, joins and copies one training step makes, and where.
+
+Every tensor operation that copies rows (``copy_``, ``index_select``, ``index``, ``cat``, ``index_copy_``,
+``clone``, ``_to_copy``, ``index_put_``) is counted through a ``TorchDispatchMode`` during one training step
+(forward and backward) of a 16-layer GCNII on one process with C chunks, by the innermost line of pyg_pipe or
+PyG that made it; the total is divided by C x L. On a GPU each of these is a device copy (a kernel launch),
+so this is the count the GPU profile reports (docs/benchmarks.md, "On a GPU"), measured on the CPU.
+
+    python benchmarks/speed/copies.py                      # streaming (NGra) and history, 4 chunks
+    python benchmarks/speed/copies.py --nodes 20000 --chunks 8 --out copies.json
+"""
+import argparse
+import collections
+import json
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+COPIES = {"copy_", "index_select", "cat", "index_copy_", "clone", "index", "_to_copy", "index_put_"}
+
+
+def count(streaming: bool, nodes: int, chunks: int, layers: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
+    from pyg_pipe.graph import sbm_graph
+    from pyg_pipe.models import gcnii
+
+    data = sbm_graph(nodes, num_classes=4, avg_degree=8, num_features=16, seed=0)
+    torch.manual_seed(0)
+    model = gcnii(16, 32, 4, num_layers=layers, dropout=0.0)
+    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, streaming=streaming), Comm(torch.device("cpu")),
+                           num_stages=1)
+    engine.install()
+
+    def step():
+        out = model(data.x, data.edge_index)
+        F.cross_entropy(out[data.train_mask], data.y[data.train_mask]).backward()
+
+    for _ in range(3):  # planning, the history pass, kept inputs: a steady step is counted
+        step()
+    where = collections.Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if name in COPIES:
+                frames = [f for f in traceback.extract_stack() if "pyg_pipe" in f.filename
+                          or "torch_geometric" in f.filename]
+                at = "autograd"
+                if frames:
+                    f = frames[-1].filename
+                    at = f"{f[f.rindex('pyg_pipe/') if 'pyg_pipe/' in f else f.rindex('torch_geometric/'):]}:" \
+                         f"{frames[-1].lineno}"
+                where[f"{name} {at}"] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    engine.uninstall()
+    total = sum(where.values())
+    return {"mode": "streaming" if streaming else "history", "nodes": nodes, "chunks": chunks, "layers": layers,
+            "copies_per_step": total, "per_chunk_layer": total / (chunks * layers),
+            "sites": dict(where.most_common())}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=4000)
+    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    import torch
+    torch.set_num_threads(1)
+    results = [count(s, args.nodes, args.chunks, args.layers) for s in (True, False)]
+    for r in results:
+        print(f"{r['mode']}: {r['copies_per_step']} row copies per step, {r['per_chunk_layer']:.2f} per (chunk, layer)")
+        for site, n in list(r["sites"].items())[:6]:
+            print(f"  {n:5d}  {site}")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

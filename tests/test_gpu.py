@@ -3,7 +3,8 @@ them with the GPU benchmarks where one is).
 
 * one GPU: the engine streaming a GCNII over 4 chunks (NGra) trains exactly like plain PyG on the same
   device (float64, 3 Adam steps), with the fused kernels routed in for a sparse ``adj_t``;
-* one GPU through Lightning: ``strategy="gnnpipe"``, ``devices=1``, equals plain training;
+* one GPU through Lightning: ``strategy="gnnpipe"``, ``devices=1``, equals plain training, also under
+  ``precision="bf16-mixed"`` (with and without recomputation);
 * two GPUs (when there are two): gnnpipe over NCCL with one chunk per way (exact) equals one process,
   and with 4 chunks trains (history on the device, grouped p2p, no host syncs in the chunk loop);
 * two processes on one GPU over gloo, the transport staging CUDA tensors through host memory: the same
@@ -89,6 +90,34 @@ def test_lightning_fit_on_one_gpu_equals_plain_training(tmp_path):
     t.fit(lit, train_dataloaders=graph_loader(data))
     for p, q in zip(lit.model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.to(CUDA), q, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_bf16_mixed_on_one_gpu_equals_plain_training(recompute, tmp_path):
+    """``precision="bf16-mixed"`` through the engine on CUDA (streaming 4 chunks, exact): the parameters plain
+    training reaches under the same autocast (not run on a GPU yet; on CPU: tests/strategies/test_precision.py)."""
+    import lightning.pytorch as pl
+
+    from pyg_pipe import GNNPipeStrategy
+    data = as_data(*small_graph())
+    torch.manual_seed(0)
+    model = gcnii(8, 16, 3, 4)
+    ref = copy.deepcopy(model).to(CUDA)
+    d = data.clone().to(CUDA)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(3):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(ref(d.x, d.edge_index)[d.train_mask], d.y[d.train_mask])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    lit = NodeClassifier(model)
+    t = pl.Trainer(strategy=GNNPipeStrategy(num_chunks=4, recompute=recompute), accelerator="gpu", devices=1,
+                   max_epochs=3, precision="bf16-mixed", default_root_dir=str(tmp_path), logger=False,
+                   enable_checkpointing=False)
+    t.fit(lit, train_dataloaders=graph_loader(data))
+    for p, q in zip(lit.model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.to(CUDA), q, atol=2e-3, rtol=0)
 
 
 def _two_gpus(rank, world, chunks, one_gpu=False):

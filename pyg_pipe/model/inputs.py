@@ -183,12 +183,15 @@ class Localizer:
         tables: the model's embedding tables with a row per vertex (:func:`vertex_tables`): a chunk sees its
             rows as the table's ``weight``, clean inputs like the features (their halo rows the true ones), and
             the gradient reaches the table's rows through them.
+        keep: keep each chunk's rows of the node inputs in ``cache`` across calls (one more copy of the inputs,
+            and of their halo rows once joined; the runtime decides from the free memory).
     """
 
     def __init__(self, inputs: CallInputs, chunked: List[ChunkedGraph], cache: Optional[Dict] = None,
-                 tables: Sequence[torch.nn.Module] = ()):
+                 tables: Sequence[torch.nn.Module] = (), keep: bool = False):
         self.inputs = inputs
         self.tables = tables
+        self.keep = keep
         self.chunked = chunked
         self.cg = chunked[0]
         self._adjacency: Dict = {} if cache is None else cache  # local sparse adjacencies, kept across calls
@@ -247,7 +250,7 @@ class Localizer:
 
     def _rows(self, value: Tensor, lg: LocalGraph) -> Tensor:
         """The chunk's rows of the node input ``value`` (kept while neither it nor they change)."""
-        if value.requires_grad:
+        if not self.keep or value.requires_grad:
             return value.index_select(0, _rows_index(self.cg, lg))
         key = (id(value), id(self.cg), lg.index)
         hit = self._kept.get(key)
@@ -392,6 +395,12 @@ def _same_storage(a: Tensor, b: Tensor) -> bool:
     if a.layout == torch.sparse_coo:
         return a._indices().data_ptr() == b._indices().data_ptr()
     return False
+
+
+def node_input_bytes(inputs: CallInputs) -> int:
+    """The bytes of a call's tensors with a row per vertex (what keeping their chunk rows costs)."""
+    return sum(t.numel() * t.element_size() for t in _tensors(inputs)
+               if t.layout == torch.strided and t.dim() > 0 and t.size(0) == inputs.num_nodes)
 
 
 def _tensors(inputs: CallInputs) -> List[Tensor]:

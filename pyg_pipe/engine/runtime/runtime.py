@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ...graph.chunks import ChunkedGraph, way_ptr
-from ...model.inputs import CallInputs, graph_edges, vertex_tables
+from ...model.inputs import CallInputs, graph_edges, node_input_bytes, vertex_tables
 from ..comm import Comm
 from ..config import PipelineConfig
 from ..plan.grid import RankGrid
@@ -38,7 +38,7 @@ from .link import StageLink
 from ..plan.plan import Plan
 from .program import Programs
 from ..plan.schedule import Schedule
-from .tiers import Tiers
+from .tiers import Tiers, free_memory
 from .staleness import StalenessMeter
 from .statistics import StatisticsHistory
 from .store import Store
@@ -87,6 +87,9 @@ class Runtime:
         self.layer_cache: Dict = {}
         self.adjacency: Dict = {}
         self.tables = vertex_tables(module, plan.num_nodes)  # embedding tables with a row per vertex
+        # the inputs' chunk rows (and joined halos) kept across calls, when twice the inputs fit an eighth of the
+        # free memory (decided once; results are the same either way, only copies differ)
+        self.keep_inputs = 2 * node_input_bytes(inputs) <= free_memory(comm.device) // 8
         self.output_specs: Dict = {}
         self.rows_checked: Set[str] = set()
         self._derived: Dict = {}

@@ -81,7 +81,7 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
         history.begin_step(step, rt.config.snapshot_period, keep_start=True,  # replays read the start rows
                            smoothing=rt.config.smoothing)
     run = rt.halo.begin(history, rt.schedule.clocks(step), use_history, use_history)
-    localizer = Localizer(inputs, rt.chunked, rt.adjacency, rt.tables)
+    localizer = Localizer(inputs, rt.chunked, rt.adjacency, rt.tables, rt.keep_inputs)
     sig = signature(rt.module, inputs)
     runner, activation = rt.programs.runner(inputs), rt.programs.next_activation(inputs)
     start, end = rt.way_bounds[grid.way], rt.way_bounds[grid.way + 1]
@@ -172,7 +172,7 @@ def exact(rt: Runtime, inputs: CallInputs, history: Optional[CallHistory] = None
     sig = signature(rt.module, inputs)
     lg = cgs[0].chunks[w]
     check = row_check(rt, lg.rows)
-    rec = run_chunk(rt, run, Localizer(inputs, cgs, rt.adjacency, rt.tables), cgs, w, rt.programs.runner(inputs),
+    rec = run_chunk(rt, run, Localizer(inputs, cgs, rt.adjacency, rt.tables, rt.keep_inputs), cgs, w, rt.programs.runner(inputs),
                     ("exact", sig, w), True, init=init, check=check, train=False,
                     statistics=statistics if init else None)
     rt.sites.record(kind_of(rt.module.training, sig), site_keys(rec.ctx.sites))

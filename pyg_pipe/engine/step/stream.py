@@ -78,7 +78,7 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
     ``train``: keep what the backward needs (random states, the store)."""
     cg = rt.graph
     runners = rt.programs.stage_runners(inputs)
-    record = StreamRecord(rt, inputs, Localizer(inputs, rt.chunked, rt.adjacency, rt.tables), runners, store, [])
+    record = StreamRecord(rt, inputs, Localizer(inputs, rt.chunked, rt.adjacency, rt.tables, rt.keep_inputs), runners, store, [])
     checking = row_check(rt, cg.chunks[0].rows) is not None  # the first pass of this mode checks every group
     out_full = None
     for g, runner in enumerate(runners):

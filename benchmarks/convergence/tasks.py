@@ -1,0 +1,159 @@
+"""Task metrics with chunks: link prediction's AUC and LightGCN's recall@20, one process against the engine
+with C chunks (history for the other chunks' rows, T1-T3 on), on generated graphs (offline).
+
+Whether a read is fresh depends on the chunks' clocks only, not on which stage runs the layer, so one process
+with one stage and C chunks (``streaming=False``) reads history as gnnpipe does with C chunks on its stages
+(docs/convergence.md, "gradient fidelity"); the metric is what gnnpipe's staleness costs this task.
+
+* link prediction: PyG's link_pred model (2 GCN layers, encode / decode), a 2,708-vertex community graph,
+  RandomLinkSplit 85/5/10, Adam 0.01, negatives seeded per step, test AUC after the epochs;
+* recommendation: PyG's ``LightGCN`` (3 layers, 64 dimensions) on a generated user-item graph (1,000 users
+  in 10 taste groups, 500 items), 20 % of each user's items held out, BPR loss with one random negative per
+  positive, Adam 0.01, recall@20 over all items the user did not train on.
+
+    python benchmarks/convergence/tasks.py --chunks 8 --seeds 0 1 2 --out docs/results/tasks.json
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _engine(model, chunks):
+    import torch
+
+    from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
+    if chunks is None:
+        return None
+    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, streaming=False), Comm(torch.device("cpu")),
+                           num_stages=1)
+    engine.install()
+    return engine
+
+
+def link_prediction(chunks, seed: int, epochs: int) -> float:
+    import torch
+    import torch.nn.functional as F
+    from torch_geometric.data import Data
+    from torch_geometric.nn import GCNConv
+    from torch_geometric.transforms import RandomLinkSplit
+    from torch_geometric.utils import negative_sampling
+    from torchmetrics.functional.classification import binary_auroc
+
+    from pyg_pipe.graph import sbm_graph
+
+    class Net(torch.nn.Module):
+        def __init__(self, i, h, o):
+            super().__init__()
+            self.conv1, self.conv2 = GCNConv(i, h), GCNConv(h, o)
+
+        def encode(self, x, edge_index):
+            return self.conv2(self.conv1(x, edge_index).relu(), edge_index)
+
+        def decode(self, z, edge_label_index):
+            return (z[edge_label_index[0]] * z[edge_label_index[1]]).sum(dim=-1)
+
+    g = sbm_graph(2708, num_classes=7, avg_degree=4, num_features=64, seed=0)
+    torch.manual_seed(0)
+    random.seed(0)
+    train, _, test = RandomLinkSplit(num_val=0.05, num_test=0.1, is_undirected=True,
+                                     add_negative_train_samples=False)(Data(x=g.x, edge_index=g.edge_index))
+    torch.manual_seed(seed)
+    model = Net(64, 128, 64)
+    engine = _engine(model, chunks)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for epoch in range(epochs):
+        z = model.encode(train.x, train.edge_index)
+        torch.manual_seed(1000 * seed + epoch)
+        random.seed(1000 * seed + epoch)
+        neg = negative_sampling(train.edge_index, num_nodes=train.num_nodes, num_neg_samples=train.edge_index.size(1))
+        label_index = torch.cat([train.edge_index, neg], dim=-1)
+        label = torch.cat([torch.ones(train.edge_index.size(1)), torch.zeros(neg.size(1))])
+        loss = F.binary_cross_entropy_with_logits(model.decode(z, label_index), label)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        z = model.encode(train.x, train.edge_index)
+        auc = float(binary_auroc(model.decode(z, test.edge_label_index).sigmoid(), test.edge_label.long()))
+    if engine is not None:
+        engine.uninstall()
+    return auc
+
+
+def recommendation(chunks, seed: int, epochs: int, users: int = 1000, items: int = 500, groups: int = 10) -> float:
+    import torch
+    from torch_geometric.nn import LightGCN
+
+    gen = torch.Generator().manual_seed(0)
+    taste = torch.randint(0, groups, (users,), generator=gen)
+    kind = torch.randint(0, groups, (items,), generator=gen)
+    pairs = []
+    for u in range(users):
+        liked = torch.nonzero(kind == taste[u]).view(-1)
+        others = torch.nonzero(kind != taste[u]).view(-1)
+        pick = liked[torch.randperm(liked.numel(), generator=gen)[:12]]
+        noise = others[torch.randperm(others.numel(), generator=gen)[:3]]
+        pairs += [(u, int(i)) for i in torch.cat([pick, noise])]
+    pairs = torch.tensor(pairs).t()
+    held = torch.rand(pairs.size(1), generator=gen) < 0.2
+    train, test = pairs[:, ~held], pairs[:, held]
+    n = users + items
+    edge_index = torch.cat([torch.stack([train[0], train[1] + users]), torch.stack([train[1] + users, train[0]])], 1)
+    torch.manual_seed(seed)
+    model = LightGCN(n, 64, num_layers=3)
+    engine = _engine(model, chunks)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for epoch in range(epochs):
+        g = torch.Generator().manual_seed(1000 * seed + epoch)
+        pos = torch.stack([train[0], train[1] + users])
+        neg = torch.stack([train[0], torch.randint(0, items, (train.size(1),), generator=g) + users])
+        label_index = torch.cat([pos, neg], dim=1)
+        pos_rank, neg_rank = model(edge_index, label_index).chunk(2)
+        loss = model.recommendation_loss(pos_rank, neg_rank, node_id=label_index.unique())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        emb = model.get_embedding(edge_index)
+    if engine is not None:
+        engine.uninstall()
+    scores = emb[:users] @ emb[users:].t()
+    scores[train[0], train[1]] = float("-inf")  # items the user trained on are not recommended again
+    top = scores.topk(20, dim=1).indices
+    hits = torch.zeros(users, items, dtype=torch.bool)
+    hits[test[0], test[1]] = True
+    found = hits.gather(1, top).sum(1).float()
+    want = hits.sum(1).float()
+    has = want > 0
+    return float((found[has] / want[has].clamp(max=20)).mean())
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--chunks", type=int, nargs="+", default=[8])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--epochs", type=int, default=100)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    import torch
+    torch.set_num_threads(1)
+    results = {}
+    for task, run in (("link_prediction_auc", link_prediction), ("lightgcn_recall@20", recommendation)):
+        for chunks in [None] + args.chunks:
+            name = "one process" if chunks is None else f"{chunks} chunks"
+            values = [run(chunks, s, args.epochs) for s in args.seeds]
+            results[f"{task} / {name}"] = values
+            print(f"{task:22s} {name:12s} mean {statistics.mean(values):.4f}  "
+                  f"({', '.join(f'{v:.4f}' for v in values)})", flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"epochs": args.epochs, "seeds": args.seeds, "results": results}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

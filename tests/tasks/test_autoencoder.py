@@ -1,16 +1,13 @@
 """Other task shapes through a real Trainer: PyG's own ``VGAE`` (examples/autoencoder.py), whose encoder returns
 ``(mu, logstd)`` and whose training step calls ``model.encode(...)``, trains under ``graph_parallel`` and
 ``gnnpipe`` (one chunk per device: exact) to the parameters one process reaches."""
-import copy
-
 import lightning.pytorch as pl
 import pytest
 import torch
 from torch_geometric.nn import GCNConv, VGAE
 
-from pyg_pipe import GNNPipeStrategy, GraphParallelStrategy
-from tests.lit import graph_loader
 from tests.models import as_data, small_graph
+from tests.tasks.common import assert_same_parameters, fit_exact, trained_on_one_process
 
 
 class VariationalGCNEncoder(torch.nn.Module):
@@ -52,18 +49,7 @@ def test_pyg_vgae_trains_as_on_one_device(strategy, tmp_path):
     data.neg_edge_index = torch.randint(0, data.num_nodes, (2, data.edge_index.size(1)), generator=gen)
     torch.manual_seed(0)
     model = VGAE(VariationalGCNEncoder(data.num_features, 8))
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    for epoch in range(3):
-        loss = vgae_loss(ref, data, epoch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    make = GraphParallelStrategy if strategy == "graph_parallel" else GNNPipeStrategy
-    kw = {} if strategy == "graph_parallel" else dict(num_chunks=1)  # one chunk through 2 stages: exact
+    ref = trained_on_one_process(model, vgae_loss, data, lr=0.05)
     lit = AutoEncoder(model)
-    pl.Trainer(strategy=make(start_method="spawn", comm_timeout=60, **kw), accelerator="cpu", devices=2,
-               max_epochs=3, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False).fit(lit, train_dataloaders=graph_loader(data))
-    for (name, p), q in zip(lit.model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
+    fit_exact(lit, strategy, data, tmp_path)
+    assert_same_parameters(lit.model, ref)

@@ -14,12 +14,11 @@ import torch
 from torch import nn
 from torch_geometric.nn import GCNConv, LightGCN
 
-from pyg_pipe import GNNPipeStrategy, GraphParallelStrategy
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
 from pyg_pipe.model.inputs import vertex_tables
 from tests.harness import ranges
-from tests.lit import graph_loader
 from tests.models import as_data, small_graph
+from tests.tasks.common import assert_same_parameters, fit_exact, trained_on_one_process
 from tests.zoo import zoo_graph
 
 
@@ -110,19 +109,8 @@ def test_pyg_lightgcn_trains_as_on_one_device(strategy, tmp_path):
     data = as_data(*small_graph())
     torch.manual_seed(0)
     model = LightGCN(data.num_nodes, 8, num_layers=2)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
-    for epoch in range(3):
-        loss = bpr_loss(ref, data, epoch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    make = GraphParallelStrategy if strategy == "graph_parallel" else GNNPipeStrategy
-    kw = {} if strategy == "graph_parallel" else dict(num_chunks=1)  # one chunk through 2 stages: exact
+    ref = trained_on_one_process(model, bpr_loss, data, lr=0.5)
     lit = Recommender(model)
-    pl.Trainer(strategy=make(start_method="spawn", comm_timeout=60, **kw), accelerator="cpu", devices=2,
-               max_epochs=3, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False).fit(lit, train_dataloaders=graph_loader(data))
-    for (name, p), q in zip(lit.model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
+    fit_exact(lit, strategy, data, tmp_path)
+    assert_same_parameters(lit.model, ref)
     assert set(lit.model.state_dict()) == set(ref.state_dict())

@@ -39,10 +39,11 @@ import torch
 from torch import Tensor
 
 from ..model.errors import UnsupportedModelError
-from ..model.find import layer_methods, routes_forward
-from ..model.inputs import CallInputs, is_graph_tensor
+from ..model.find import layer_methods, routes_forward, takes_graph, tensor_attributes
+from ..model.inputs import CallInputs
 from ..model.trace import forward_function
 from .step import pipeline as steps
+from .step.checks import same_loss
 from .step import stream
 from .comm import Comm
 from .context import autocast_as, autocast_state, current, in_backward
@@ -221,7 +222,7 @@ class GNNPipeEngine:
         """A call of the routed method ``name`` (plain function ``fn``): distributed when it is the outermost
         one and, for a method other than forward, handed a graph; else run as written."""
         if self._depth or current() is not None or in_backward() or (
-                name != "forward" and not _takes_graph(args, kwargs)):
+                name != "forward" and not takes_graph(args, kwargs)):
             return fn(self.module, *args, **kwargs)
         if self._entry is None:
             self._entry, self._fn = name, fn
@@ -232,13 +233,13 @@ class GNNPipeEngine:
                 f"(the first method called with the graph); it distributes one method per model. Call the layers "
                 f"through one method: e.g. call model.{self._entry}(...) in every step, or make {name} call "
                 f"self.{self._entry}(...).")
-        before = _tensor_attributes(self.module)
+        before = tensor_attributes(self.module)
         self._depth += 1
         try:
             out = self(*args, **kwargs)
         finally:
             self._depth -= 1
-        stored = [k for k, v in _tensor_attributes(self.module).items() if before.get(k) is not v]
+        stored = [k for k, v in tensor_attributes(self.module).items() if before.get(k) is not v]
         if stored:  # a value stored on the model by each chunk: the last chunk's would be read after
             cls = type(self.module).__name__
             raise UnsupportedModelError(
@@ -277,35 +278,12 @@ class GNNPipeEngine:
             self._ending = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if self.grid.ways > 1:
-            self._same_loss(grad)
+            same_loss(self.comm, grad)
         with self._grads.collecting():
             if isinstance(record, stream.StreamRecord):
                 stream.backward(grad, record)
             else:
                 steps.drain(grad, record)
-
-    def _same_loss(self, grad: Tensor) -> None:
-        """Every rank computed the loss from the whole output, and the ways each take the gradient of their own
-        rows from theirs: the gradients must agree, or the rows would train on different losses (a random draw
-        after the model, such as negative sampling, made differently on each rank). Checked once per call
-        (a position-weighted sum, its largest and smallest over the ranks in one all-reduce of two numbers), with
-        room for the order a device sums in."""
-        g = grad.detach().reshape(-1).to(torch.float64)
-        pos = torch.arange(1, g.numel() + 1, dtype=torch.float64, device=g.device) % 997 + 1
-        total = (g * pos).sum()
-        both = torch.stack([total, -total])
-        self.comm.all_reduce(both, None, "the loss check", op="max")
-        hi, lo = float(both[0]), -float(both[1])
-        room = float(g.abs().sum()) * 997 * 1e-6 + 1e-12
-        if abs(hi - lo) > room and abs(hi - lo) == abs(hi - lo):  # (not NaN: a NaN loss is the user's to see)
-            raise UnsupportedModelError(
-                f"The gradient of the loss with respect to the model's output differs between processes (a checksum "
-                f"of it is {lo:.6g} on one and {hi:.6g} on another): pyg_pipe hands every process the "
-                f"whole output, and each takes the gradient of its own vertices from its own loss, so the loss "
-                f"must be computed the same on every process. A random draw after the model (negative sampling, "
-                f"dropout in a decoder) must give the same values on every rank: seed it per step, e.g. "
-                f"torch.manual_seed(seed + self.global_step) before negative_sampling, or draw with a "
-                f"torch.Generator seeded so.")
 
     def _end_backward(self) -> None:
         """The backward pass is over: weight gradients summed over their ranks, the step ends."""
@@ -397,23 +375,6 @@ class GNNPipeEngine:
         self._saved = state
         # planned already: plan again on the next call, from the saved decisions
         self.runtime, self._runtimes, self._sizes, self._grads = None, [], None, None
-
-
-def _tensor_attributes(module: torch.nn.Module) -> Dict[str, Tensor]:
-    """The plain tensor attributes of ``module`` (not parameters or buffers; nor the constants torch.fx keeps on
-    a module it traces, ``_tensor_constant0`` ...)."""
-    return {k: v for k, v in vars(module).items() if isinstance(v, Tensor) and not k.startswith("_tensor_constant")}
-
-
-def _takes_graph(args: tuple, kwargs: dict) -> bool:
-    """Whether a call's arguments include a graph (an ``edge_index``, an adjacency, a ``Data``)."""
-    from torch_geometric.data import Data
-    for value in list(args) + list(kwargs.values()):
-        if is_graph_tensor(value) or isinstance(value, Data):
-            return True
-        if isinstance(value, (tuple, list)) and _takes_graph(tuple(value), {}):
-            return True
-    return False
 
 
 def _caller(module: torch.nn.Module) -> str:

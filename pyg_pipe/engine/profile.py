@@ -42,7 +42,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, fx
 
-from ..model.inputs import CallInputs, Localizer, vertex_tables
+from ..model.find import vertex_tables
+from ..model.inputs import CallInputs, Localizer
 from ..model.split import Stage
 from ..model.trace import Program
 from .context import ChunkContext

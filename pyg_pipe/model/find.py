@@ -1,14 +1,17 @@
-"""Which part of a user's module pyg_pipe runs: the submodule holding the message-passing layers, and the
-methods of it through which they are called (``forward``; a link predictor's ``encode``)."""
+"""Which part of a user's module pyg_pipe runs: the submodule holding the message-passing layers, the methods
+of it through which they are called (``forward``; a link predictor's ``encode``), whether a call is handed a
+graph, and its embedding tables with a row per vertex."""
 from __future__ import annotations
 
 import types
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
+from torch import Tensor
 from torch_geometric.nn import MessagePassing
 
 from .errors import UnsupportedModelError
+from .inputs import is_graph_tensor
 
 
 def pipelined_module(root: torch.nn.Module, attr: Optional[str] = None) -> torch.nn.Module:
@@ -92,3 +95,27 @@ def _names(code: types.CodeType) -> set:
         if isinstance(const, types.CodeType):
             names |= _names(const)
     return names
+
+
+def vertex_tables(module: torch.nn.Module, num_nodes: int) -> List[torch.nn.Embedding]:
+    """The embedding tables of ``module`` with one row per vertex (``nn.Embedding(num_nodes, d)``: learned
+    node features, LightGCN's embeddings), found by their type and size, never their values."""
+    return [m for m in module.modules() if isinstance(m, torch.nn.Embedding) and m.num_embeddings == num_nodes
+            and m.weight.dim() == 2]
+
+
+def tensor_attributes(module: torch.nn.Module) -> Dict[str, Tensor]:
+    """The plain tensor attributes of ``module`` (not parameters or buffers; nor the constants torch.fx keeps on
+    a module it traces, ``_tensor_constant0`` ...)."""
+    return {k: v for k, v in vars(module).items() if isinstance(v, Tensor) and not k.startswith("_tensor_constant")}
+
+
+def takes_graph(args: tuple, kwargs: dict) -> bool:
+    """Whether a call's arguments include a graph (an ``edge_index``, an adjacency, a ``Data``)."""
+    from torch_geometric.data import Data
+    for value in list(args) + list(kwargs.values()):
+        if is_graph_tensor(value) or isinstance(value, Data):
+            return True
+        if isinstance(value, (tuple, list)) and takes_graph(tuple(value), {}):
+            return True
+    return False

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..graph.chunks import ChunkedGraph, LocalGraph
 from .errors import UnsupportedModelError
+from .resolve import GraphResolver
 
 EDGE_NAMES = ("edge_weight", "edge_attr", "edge_type", "edge_label", "edge_mask")
 
@@ -180,7 +181,7 @@ class Localizer:
     Args:
         inputs: the call's arguments.
         chunked: the :class:`ChunkedGraph` of every graph in ``inputs.graphs`` (same order).
-        tables: the model's embedding tables with a row per vertex (:func:`vertex_tables`): a chunk sees its
+        tables: the model's embedding tables with a row per vertex (:func:`~.find.vertex_tables`): a chunk sees its
             rows as the table's ``weight``, clean inputs like the features (their halo rows the true ones), and
             the gradient reaches the table's rows through them.
         keep: keep each chunk's rows of the node inputs in ``cache`` across calls (one more copy of the inputs,
@@ -327,74 +328,8 @@ class Localizer:
         return hit[2]
 
     def resolver(self, c: int, derived: Callable[[ChunkedGraph, str], ChunkedGraph]):
-        """The graph resolver for chunk ``c`` (see :class:`GraphResolver`)."""
+        """The graph resolver for chunk ``c`` (see :class:`~.resolve.GraphResolver`)."""
         return GraphResolver(self, c, derived)
-
-
-class GraphResolver:
-    """Tells which local graph a layer's graph argument is, for one chunk.
-
-    Known: the local graphs handed out with the inputs, the whole input graphs themselves (a layer
-    given ``data.edge_index`` directly), and transposes of the local edge lists (``flip(0)``), which
-    map to the chunking of the transposed whole graph (``derived(cg, "flip")``).
-    """
-
-    def __init__(self, localizer: Localizer, c: int, derived: Callable[[ChunkedGraph, str], ChunkedGraph]):
-        self.localizer, self.c, self.derived = localizer, c, derived
-        self.known: Dict[int, Tuple[Any, ChunkedGraph, LocalGraph, Any]] = {}
-        primary = localizer.cg.chunks[c]
-        for graph, cg in zip(localizer.inputs.graphs, localizer.chunked):
-            lg = cg.chunks[c]
-            local = localizer.local_graph(graph, primary)
-            self.known[id(local)] = (local, cg, lg, local)
-            self.known[id(graph)] = (graph, cg, lg, local)
-
-    def row_graph(self, cg: ChunkedGraph, lg: LocalGraph, local):
-        """The row graph of the local graph ``local`` (:mod:`pyg_pipe.graph.chunks`): the edges into the
-        chunk's rows, for a layer that computes those rows only."""
-        if local.layout == torch.strided:
-            return lg.row_edge_index
-        return self.localizer.row_adjacency(cg, lg, local)
-
-    def resolve(self, value):
-        """``(cg, lg, local graph)`` for a layer's graph argument, or ``None`` (a graph computed in forward).
-
-        A graph is recognised by what it is, not by the Python object: besides the tensors handed out,
-        a copy sharing their storage (what a reversible block or a recomputation hands the layer, dense
-        or sparse) and a transpose of a local ``edge_index`` are understood."""
-        hit = self.known.get(id(value))
-        if hit is not None and hit[0] is value:
-            return hit[1], hit[2], hit[3]
-        if not isinstance(value, Tensor):
-            return None
-        for obj, cg, lg, local in list(self.known.values()):
-            if _same_storage(obj, value):
-                self.known[id(value)] = (value, cg, lg, local)
-                return cg, lg, local
-        if value.layout == torch.strided:
-            for obj, cg, lg, local in list(self.known.values()):
-                if obj is local and local.layout == torch.strided and local.shape == value.shape \
-                        and torch.equal(local.flip(0), value):
-                    tcg = self.derived(cg, "flip")
-                    tlg = tcg.chunks[self.c]
-                    self.known[id(value)] = (value, tcg, tlg, tlg.edge_index)
-                    return tcg, tlg, tlg.edge_index
-        return None
-
-
-def _same_storage(a: Tensor, b: Tensor) -> bool:
-    """Whether ``b`` is ``a`` under another Python object (a detached copy): same layout, shape and the
-    same index storage (for sparse tensors), or the same data (dense)."""
-    if a.layout != b.layout or a.shape != b.shape:
-        return False
-    if a.layout == torch.strided:
-        return a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
-    if a.layout == torch.sparse_csr:
-        return a.crow_indices().data_ptr() == b.crow_indices().data_ptr() and \
-            a.col_indices().data_ptr() == b.col_indices().data_ptr()
-    if a.layout == torch.sparse_coo:
-        return a._indices().data_ptr() == b._indices().data_ptr()
-    return False
 
 
 def node_input_bytes(inputs: CallInputs) -> int:
@@ -409,13 +344,6 @@ def _tensors(inputs: CallInputs) -> List[Tensor]:
     for d in inputs.data:
         values += [v for _, v in d.items()]
     return [v for v in values if isinstance(v, Tensor)]
-
-
-def vertex_tables(module: torch.nn.Module, num_nodes: int) -> List[torch.nn.Embedding]:
-    """The embedding tables of ``module`` with one row per vertex (``nn.Embedding(num_nodes, d)``: learned
-    node features, LightGCN's embeddings), found by their type and size, never their values."""
-    return [m for m in module.modules() if isinstance(m, torch.nn.Embedding) and m.num_embeddings == num_nodes
-            and m.weight.dim() == 2]
 
 
 def _rows_index(cg: ChunkedGraph, lg: LocalGraph) -> Tensor:

@@ -15,7 +15,7 @@ from torch import nn
 from torch_geometric.nn import GCNConv, LightGCN
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
-from pyg_pipe.model.inputs import vertex_tables
+from pyg_pipe.model.find import vertex_tables
 from tests.harness import ranges
 from tests.models import as_data, small_graph
 from tests.tasks.common import assert_same_parameters, fit_exact, trained_on_one_process

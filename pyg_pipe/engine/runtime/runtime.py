@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from ...graph.chunks import ChunkedGraph, way_ptr
-from ...model.inputs import CallInputs, graph_edges, node_input_bytes, vertex_tables
+from ...model.find import vertex_tables
+from ...model.inputs import CallInputs, graph_edges, node_input_bytes
 from ..comm import Comm
 from ..config import PipelineConfig
 from ..plan.grid import RankGrid

@@ -2,7 +2,7 @@
 becomes (:mod:`.layers` calls these from its hooks).
 
 * **graphs** (``edge_index`` / ``adj_t``) are resolved to the chunk's local graph of the input graph they
-  are (:meth:`pyg_pipe.model.inputs.GraphResolver.resolve`); a layer may be given several, each with a
+  are (:meth:`pyg_pipe.model.resolve.GraphResolver.resolve`); a layer may be given several, each with a
   halo of its own;
 * **node tensors** have one row per chunk vertex along the layer's ``node_dim``; in a call on the whole
   local graph they are extended to ``[rows | halo]`` (:func:`extend`);

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from torch import Tensor
 
 from ...model.errors import UnsupportedModelError
@@ -39,3 +41,27 @@ def check_output(out, rows: int) -> Tensor:
             f"model, on the whole output every rank receives; for a graph-level task on many small graphs, no "
             f"graph needs splitting: train with Lightning's strategy='ddp'.")
     return out
+
+
+def same_loss(comm, grad: Tensor) -> None:
+    """Every rank computed the loss from the whole output ``grad`` is the gradient of, and the ways each take the gradient of their own
+    rows from theirs: the gradients must agree, or the rows would train on different losses (a random draw
+    after the model, such as negative sampling, made differently on each rank). Checked once per call
+    (a position-weighted sum, its largest and smallest over the ranks in one all-reduce of two numbers), with
+    room for the order a device sums in."""
+    g = grad.detach().reshape(-1).to(torch.float64)
+    pos = torch.arange(1, g.numel() + 1, dtype=torch.float64, device=g.device) % 997 + 1
+    total = (g * pos).sum()
+    both = torch.stack([total, -total])
+    comm.all_reduce(both, None, "the loss check", op="max")
+    hi, lo = float(both[0]), -float(both[1])
+    room = float(g.abs().sum()) * 997 * 1e-6 + 1e-12
+    if abs(hi - lo) > room and abs(hi - lo) == abs(hi - lo):  # (not NaN: a NaN loss is the user's to see)
+        raise UnsupportedModelError(
+            f"The gradient of the loss with respect to the model's output differs between processes (a checksum "
+            f"of it is {lo:.6g} on one and {hi:.6g} on another): pyg_pipe hands every process the "
+            f"whole output, and each takes the gradient of its own vertices from its own loss, so the loss "
+            f"must be computed the same on every process. A random draw after the model (negative sampling, "
+            f"dropout in a decoder) must give the same values on every rank: seed it per step, e.g. "
+            f"torch.manual_seed(seed + self.global_step) before negative_sampling, or draw with a "
+            f"torch.Generator seeded so.")

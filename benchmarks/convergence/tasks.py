@@ -12,6 +12,10 @@ with one stage and C chunks (``streaming=False``) reads history as gnnpipe does 
   positive, Adam 0.01, recall@20 over all items the user did not train on.
 
     python benchmarks/convergence/tasks.py --chunks 8 --seeds 0 1 2 --out docs/results/tasks.json
+    python benchmarks/convergence/tasks.py --bytes --out docs/results/tasks_bytes.json   # bytes per step, 2 processes
+
+``--bytes``: the bytes one training step sends, summed over 2 processes, by category, for both models in
+``graph_parallel`` (2 ways) and ``gnnpipe`` (2 stages, 8 chunks), from the transport's counters.
 """
 import argparse
 import json
@@ -133,15 +137,72 @@ def recommendation(chunks, seed: int, epochs: int, users: int = 1000, items: int
     return float((found[has] / want[has].clamp(max=20)).mean())
 
 
+def _bytes_worker(rank, world, out_path):
+    import torch
+    import torch.nn.functional as F
+    from torch_geometric.nn import GCNConv, LightGCN
+
+    from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
+    from pyg_pipe.graph import sbm_graph
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.conv2 = GCNConv(64, 128), GCNConv(128, 64)
+
+        def encode(self, x, edge_index):
+            return self.conv2(self.conv1(x, edge_index).relu(), edge_index)
+
+    g = sbm_graph(2708, num_classes=7, avg_degree=4, num_features=64, seed=0)
+    results = {}
+    for task in ("link_prediction", "lightgcn"):
+        for mode, (stages, ways, chunks) in (("graph_parallel", (1, 2, 2)), ("gnnpipe 8 chunks", (2, 1, 8))):
+            torch.manual_seed(0)
+            model = Net() if task == "link_prediction" else LightGCN(g.num_nodes, 64, num_layers=3)
+            engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks), Comm(torch.device("cpu")),
+                                   num_stages=stages, ways=ways)
+            engine.install()
+            for step in range(2):  # the first plans (and fills history): the second is counted
+                engine.comm.reset_counters()
+                if task == "link_prediction":
+                    z = model.encode(g.x, g.edge_index)
+                else:
+                    z = model.get_embedding(g.edge_index)
+                F.mse_loss(z, torch.zeros_like(z)).backward()
+            results[f"{task} / {mode}"] = engine.comm.totals()
+            engine.uninstall()
+    if rank == 0:
+        import json
+        with open(out_path, "w") as fh:
+            json.dump(results, fh, indent=1)
+
+
+def measure_bytes(out: str) -> None:
+    import tempfile
+
+    from tests.dist import run_distributed
+    path = out or tempfile.mktemp(suffix=".json")
+    run_distributed(_bytes_worker, 2, path, timeout=1200)
+    with open(path) as fh:
+        results = json.load(fh)
+    for name, totals in results.items():
+        parts = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in totals.items() if v and k != "total")
+        print(f"{name:36s} {totals['total'] / 2**20:8.2f} MiB per step ({parts})")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--chunks", type=int, nargs="+", default=[8])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--epochs", type=int, default=100)
     p.add_argument("--out", default=None)
+    p.add_argument("--bytes", action="store_true", help="measure the bytes per step on 2 processes instead")
     args = p.parse_args()
     import torch
     torch.set_num_threads(1)
+    if args.bytes:
+        measure_bytes(args.out)
+        return
     results = {}
     for task, run in (("link_prediction_auc", link_prediction), ("lightgcn_recall@20", recommendation)):
         for chunks in [None] + args.chunks:

@@ -67,8 +67,10 @@ class FullGraphDataModule(pl.LightningDataModule):
             if isinstance(data, HeteroData):
                 raise TypeError(
                     "`data` is a HeteroData: heterogeneous graphs are not supported by pyg_pipe's strategies yet. "
-                    "Train a heterogeneous model on one device (or with Lightning's 'ddp' over several graphs), "
-                    "or convert the graph with data.to_homogeneous() for a homogeneous model.")
+                    "Convert the graph with data.to_homogeneous() (it keeps node_type and edge_type vectors) and "
+                    "train a model with typed layers that take edge_type (RGCNConv, RGATConv; x=None "
+                    "gives RGCNConv the vertex ids), which pyg_pipe runs exactly; or train the heterogeneous model "
+                    "on one device.")
             raise TypeError(
                 "`data` must be a torch_geometric.data.Data or a zero-argument callable returning one, "
                 f"got {type(data).__name__}")

@@ -45,7 +45,9 @@ def check_batch(batch: Any) -> None:
     fix = ("pyg_pipe trains on one whole graph per step: the dataloader must yield a single "
            "torch_geometric.data.Data, e.g. pyg_pipe.FullGraphDataModule(data) or DataLoader([data], batch_size=None).")
     if isinstance(batch, HeteroData):
-        raise TypeError(f"The dataloader yielded a HeteroData; heterogeneous graphs are not supported yet. {fix}")
+        raise TypeError(f"The dataloader yielded a HeteroData; heterogeneous graphs are not supported yet. Convert it "
+                        f"with data.to_homogeneous() (node_type and edge_type kept) and use typed layers that take "
+                        f"edge_type (RGCNConv, RGATConv). {fix}")
     if isinstance(batch, Batch) and batch.num_graphs != 1:
         raise ValueError(f"The dataloader yielded a Batch of {batch.num_graphs} graphs. {fix}")
     if not isinstance(batch, Data):

@@ -17,6 +17,7 @@ CASES = {
     "hybrid": [sys.executable, "examples/hybrid.py", "--nodes", "1000", "--layers", "4", "--epochs", "2"],
     "train_gcnii": [sys.executable, "examples/train_gcnii.py", "--devices", "2", "--layers", "4", "--nodes", "1000",
                     "--epochs", "2"],
+    "heterogeneous": [sys.executable, "examples/heterogeneous.py", "--devices", "2", "--epochs", "2"],
     "link_prediction": [sys.executable, "examples/link_prediction.py", "--offline", "--devices", "2", "--epochs", "2"],
     "torchrun": ["bash", "examples/multi_node/torchrun.sh", "--offline", "--epochs", "2"],
 }

@@ -164,12 +164,9 @@ class GNNPipeEngine:
         forward = forward_function(self.module)
         self._fn = self._fn if self._entry not in (None, "forward") else forward
         self._instance_forward = self.module.__dict__.get("forward")
-        self.module.forward = Rerouted(self.module, functools.partial(self._routed, "forward", forward), forward)
         self._methods = self._methods or layer_methods(self.module)
-        if not routes_forward(self.module, forward, self._methods):  # forward reaches the layers through those methods
-            self.module.__dict__.pop("forward")
-            if self._instance_forward is not None:
-                self.module.forward = self._instance_forward
+        if routes_forward(self.module, forward, self._methods):  # (not when it reaches the layers through those)
+            self.module.forward = Rerouted(self.module, functools.partial(self._routed, "forward", forward), forward)
         for name, fn in self._methods.items():
             self.module.__dict__[name] = Rerouted(self.module, functools.partial(self._routed, name, fn), fn)
         self.layer_hooks.install()

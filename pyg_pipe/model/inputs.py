@@ -50,6 +50,22 @@ def graph_edges(graph: Tensor) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     return src, dst, coo.values()
 
 
+def same_graph(a: Tensor, b: Tensor) -> bool:
+    """Whether graph tensors ``a`` and ``b`` hold the same edges with the same values (a new tensor of the same
+    graph every step, as Lightning's move of the batch to the device gives)."""
+    if a is b:
+        return True
+    if a.layout != b.layout or a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if a.layout == torch.strided:
+        return torch.equal(a, b)
+    if a.layout == torch.sparse_csr:
+        return (torch.equal(a.crow_indices(), b.crow_indices()) and torch.equal(a.col_indices(), b.col_indices())
+                and torch.equal(a.values(), b.values()))
+    a, b = a.coalesce(), b.coalesce()
+    return torch.equal(a.indices(), b.indices()) and torch.equal(a.values(), b.values())
+
+
 def fingerprint(value: Tensor) -> tuple:
     """Tells a tensor's values apart from other values: shape, dtype, the count of non-finite values and
     two sums (plain and position-weighted), computed block by block in float64 (a few MB extra at most).
@@ -199,6 +215,7 @@ class Localizer:
         # a chunk's rows of each node input, kept across calls while the input is the same, unchanged tensor
         # (full-graph training hands the same features every step): cut once, not once per chunk and layer group
         self._kept: Dict[tuple, tuple] = self._adjacency.setdefault("node rows", {})
+        self._same: Dict[tuple, bool] = {}  # (id of a graph cut before, id of this call's): the same graph
         live = {id(t) for t in _tensors(inputs)}
         for key in [k for k, hit in self._kept.items() if id(hit[0]) not in live]:
             del self._kept[key]
@@ -295,7 +312,7 @@ class Localizer:
         lg = cg.chunks[lg_primary.index]
         key = (id(cg), lg.index)
         hit = self._adjacency.get(key)
-        if hit is None or hit[0] is not graph or hit[1] != graph._version:  # new values: cut again
+        if hit is None or not self._serves(hit, graph):  # new values: cut again
             values = self._values(graph, cg)
             hit = (graph, graph._version, cg.local_adjacency(lg, values, graph.layout, values.dtype), values)
             self._adjacency[key] = hit
@@ -321,11 +338,25 @@ class Localizer:
         shared by every chunk (a copy: a view would keep the whole coalesced index tensor alive)."""
         key = (id(cg), "values")
         hit = self._adjacency.get(key)
-        if hit is None or hit[0] is not graph or hit[1] != graph._version:
+        if hit is None or not self._serves(hit, graph):
             _, _, values = graph_edges(graph)
             dtype = values.dtype if values.is_floating_point() else torch.get_default_dtype()
             hit = self._adjacency[key] = (graph, graph._version, values.to(dtype, copy=True))
         return hit[2]
+
+    def _serves(self, hit: tuple, graph: Tensor) -> bool:
+        """Whether a cut kept from ``hit[0]`` at version ``hit[1]`` serves ``graph``: the same tensor unchanged,
+        or an unchanged one with the same edges and values (compared once per call; its cut is then kept for
+        ``graph``, so a new tensor of the same graph each step is not cut again each step)."""
+        if hit[0] is graph:
+            return hit[1] == graph._version
+        if hit[1] != hit[0]._version:
+            return False
+        key = (id(hit[0]), id(graph))
+        same = self._same.get(key)
+        if same is None:
+            same = self._same[key] = same_graph(hit[0], graph)
+        return same
 
     def resolver(self, c: int, derived: Callable[[ChunkedGraph, str], ChunkedGraph]):
         """The graph resolver for chunk ``c`` (see :class:`~.resolve.GraphResolver`)."""

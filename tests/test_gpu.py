@@ -73,7 +73,8 @@ def test_streaming_on_one_gpu_equals_plain_pyg(sparse):
 def test_lightning_fit_on_one_gpu_equals_plain_training(precision, recompute, tmp_path):
     """Through Lightning on one GPU (streaming 4 chunks, exact): the parameters plain training reaches, also
     under ``precision="bf16-mixed"`` (the same autocast in the reference; with recomputation the drain runs
-    under the fill's autocast). bf16 not run on a GPU yet; on CPU: tests/strategies/test_precision.py."""
+    under the fill's autocast). Five steps: the last three are replayed from CUDA graphs (step/capture.py),
+    so capture under autocast is checked too. On CPU: tests/strategies/test_precision.py."""
     import lightning.pytorch as pl
 
     from pyg_pipe import GNNPipeStrategy
@@ -83,19 +84,25 @@ def test_lightning_fit_on_one_gpu_equals_plain_training(precision, recompute, tm
     ref = copy.deepcopy(model).to(CUDA)
     d = data.clone().to(CUDA)
     opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    for _ in range(3):
+    for _ in range(5):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
             loss = F.cross_entropy(ref(d.x, d.edge_index)[d.train_mask], d.y[d.train_mask])
         opt.zero_grad()
         loss.backward()
         opt.step()
     lit = NodeClassifier(model)
+
+    class Keep(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            self.captured = trainer.strategy.engine.runtime.captured
+    keep = Keep()
     t = pl.Trainer(strategy=GNNPipeStrategy(num_chunks=4, recompute=recompute), accelerator="gpu", devices=1,
-                   max_epochs=3, precision=precision, default_root_dir=str(tmp_path), logger=False,
-                   enable_checkpointing=False)
+                   max_epochs=5, precision=precision, default_root_dir=str(tmp_path), logger=False,
+                   enable_checkpointing=False, callbacks=[keep])
     t.fit(lit, train_dataloaders=graph_loader(data))
     for p, q in zip(lit.model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.to(CUDA), q, atol=1e-4 if precision == "32-true" else 2e-3, rtol=0)
+    assert keep.captured is not None and keep.captured.replays == 3, keep.captured and keep.captured.off
 
 
 def _two_gpus(rank, world, chunks, one_gpu=False):

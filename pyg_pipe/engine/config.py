@@ -50,7 +50,9 @@ class PipelineConfig:
         recompute: keep only each chunk's stage inputs during the fill and recompute its activations in the
             drain (bit-identical; ``"auto"``: when a way runs several chunks and keeping all of their
             activations would take more than a quarter of the device's free memory, measured at the first
-            step; docs/memory.md).
+            step; docs/memory.md). Streaming replays each chunk's forward in the backward the same way;
+            ``False`` keeps every chunk's activations instead (a third less compute), ``"auto"`` keeps them
+            when they fit a quarter of the free memory (measured in the first step's replays).
         offload, offload_budget, offload_dir: historical embeddings (and, streaming, the values between
             layer groups) beyond ``offload_budget`` bytes on the device (``"auto"``: half the free memory;
             ``None``: none once ``offload`` is set) go to ``"host"`` memory or ``"disk"`` (memory-mapped files
@@ -59,6 +61,10 @@ class PipelineConfig:
             streaming, :mod:`.step.stream`): exact like plain PyG, holding one chunk of one layer on the
             device, with the values between groups in the memory tiers (``"auto"``: on one device with
             several chunks or an offload tier; ``False``: one pipeline stage with historical embeddings).
+        cuda_graphs: streaming on one CUDA device, capture the training step as CUDA graphs after two eager
+            steps and replay it (:mod:`.step.capture`: the host's Python per chunk and layer leaves the step;
+            the same results). Models drawing random numbers (dropout), offload tiers and captures that fail
+            stay uncaptured, with one log line saying why. ``False``: never capture.
         overlap: post the receives of the next chunk's values (fill) and gradients (drain) before computing
             the current chunk, so transfers between stages run during compute (:mod:`.runtime.link`); the
             same results, bit for bit.
@@ -104,6 +110,7 @@ class PipelineConfig:
     offload_budget: Union[None, int, str] = None
     offload_dir: Optional[str] = None
     streaming: Union[bool, str] = "auto"
+    cuda_graphs: bool = True
     overlap: bool = True
     boundary_dtype: Optional["torch.dtype"] = None
     timeline_trace: Optional[str] = None
@@ -172,6 +179,9 @@ class PipelineConfig:
         if not isinstance(self.late_gradients, bool):
             raise ValueError(f"late_gradients={self.late_gradients!r} must be True (stale reads' gradients reach their "
                              f"owners one step late) or False (dropped; T3 scales the fresh ones).")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs={self.cuda_graphs!r} must be True (capture the streamed step on one CUDA "
+                             f"device) or False.")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap={self.overlap!r} must be True (post the next chunk's receives before "
                              f"computing the current one) or False.")

@@ -44,7 +44,7 @@ from ..model.inputs import CallInputs
 from ..model.trace import forward_function
 from .step import pipeline as steps
 from .step.checks import same_loss
-from .step import stream
+from .step import capture, stream
 from .comm import Comm
 from .context import autocast_as, autocast_state, current, in_backward
 from .runtime.staleness import StalenessMeter
@@ -72,8 +72,8 @@ class _Fill(torch.autograd.Function):
     def forward(ctx, engine: "GNNPipeEngine", runtime: Runtime, inputs: CallInputs, call: int, anchor: Tensor):
         ctx.engine = engine
         ctx.autocast = autocast_state(engine.comm.device)  # mixed precision: the drain recomputes under it too
-        if runtime.plan.streaming:
-            out, ctx.record = stream.forward(runtime, inputs, True, runtime.store(call))
+        if runtime.plan.streaming:  # (captured as CUDA graphs where it can be: step/capture.py)
+            out, ctx.record = capture.forward(runtime, inputs, call, engine.config.cuda_graphs)
         else:
             with torch.enable_grad():
                 out, ctx.record = steps.fill(runtime, inputs, engine.step, call)
@@ -277,8 +277,8 @@ class GNNPipeEngine:
         if self.grid.ways > 1:
             same_loss(self.comm, grad)
         with self._grads.collecting():
-            if isinstance(record, stream.StreamRecord):
-                stream.backward(grad, record)
+            if isinstance(record, (stream.StreamRecord, capture.Replay)):
+                capture.backward(grad, record)
             else:
                 steps.drain(grad, record)
 

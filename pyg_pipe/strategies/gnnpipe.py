@@ -42,7 +42,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
     Args:
         num_chunks, shuffle_chunks, snapshot_period, unbiased_gradients, late_gradients, balance, partition,
         seed, per_chunk_statistics, split_points, recompute, offload, offload_budget, offload_dir, streaming,
-        overlap, boundary_dtype, timeline_trace, staleness_meter, max_age, max_staleness, smoothing,
+        cuda_graphs, overlap, boundary_dtype, timeline_trace, staleness_meter, max_age, max_staleness, smoothing,
         halo_exchange: the engine's knobs, each documented in :class:`pyg_pipe.engine.PipelineConfig` (and
             when to use which in docs/gnnpipe.md).
         model: attribute name of the module to pipeline inside the LightningModule; by default the
@@ -85,6 +85,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         offload_budget: Union[None, int, str] = None,
         offload_dir: Optional[str] = None,
         streaming: Union[bool, str] = "auto",
+        cuda_graphs: bool = True,
         overlap: bool = True,
         boundary_dtype: Optional[torch.dtype] = None,
         timeline_trace: Optional[str] = None,
@@ -112,7 +113,8 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
                                      balance=balance, partition=partition, seed=seed,
                                      per_chunk_statistics=per_chunk_statistics, split_points=split_points,
                                      recompute=recompute, offload=offload, offload_budget=offload_budget,
-                                     offload_dir=offload_dir, streaming=streaming, overlap=overlap,
+                                     offload_dir=offload_dir, streaming=streaming, cuda_graphs=cuda_graphs,
+                                     overlap=overlap,
                                      boundary_dtype=boundary_dtype, timeline_trace=timeline_trace,
                                      staleness_meter=staleness_meter, max_age=max_age, max_staleness=max_staleness,
                                      smoothing=smoothing, halo_exchange=halo_exchange)

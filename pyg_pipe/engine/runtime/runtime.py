@@ -74,12 +74,16 @@ class Runtime:
         self.way_rows: List[int] = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         self.recompute = plan.chunks_per_way > 1 and config.recompute is not False  # (:mod:`..step.pipeline`)
         self.recompute_pending = self.recompute and config.recompute == "auto"  # decided after the first step
+        # streaming: keep each chunk's activations from the forward to the backward instead of replaying it
+        # (None: decided after the first step, ..step.stream.decide_keep)
+        self.stream_keep = {True: False, False: True}.get(config.recompute)
         self.schedule = Schedule(plan.num_chunks, W, config.shuffle_chunks, config.seed,
                                  config.unbiased_gradients and not config.late_gradients)  # late: nothing dropped
         self.tiers = Tiers(dev, config.offload, config.offload_budget, config.offload_dir)
         held = boundary(self.chunked, *bounds[grid.way:grid.way + 2])
         self.history = HistoryStore(plan.num_nodes, dev, self.tiers, held if held.numel() < plan.num_nodes else None)
         self.stores: Dict[int, Store] = {}
+        self.captured = None  # streaming on one CUDA device: the captured step (..step.capture.CapturedStep)
         self._statistics: Dict[int, StatisticsHistory] = {}  # call -> historical BatchNorm sums (:mod:`.statistics`)
         self.halo = HaloExchange(grid, comm, self.schedule, config.halo_exchange, config.late_gradients)
         self.link = StageLink(comm, grid.prev, grid.next)

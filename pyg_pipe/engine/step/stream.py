@@ -53,7 +53,7 @@ from ..runtime.store import Store
 from ..tree import flatten, pack_rows, unflatten
 from .barriers import StreamHalo, _Barrier
 from .checks import check_output, row_check
-from .chunk import rng_state, same_rng
+from .chunk import SavedBytes, rng_state, same_rng
 
 
 @dataclass
@@ -70,6 +70,8 @@ class StreamRecord:
     caches: Dict[Tuple[int, int], dict] = field(default_factory=dict)
     received: List[List[str]] = field(default_factory=list)   # per group: the names it receives
     structure: Any = None                                     # how the model's output unpacks (tree.unpack_rows)
+    kept: Dict[Tuple[int, int], "_Ran"] = field(default_factory=dict)  # (group, chunk) run with autograd kept
+    saved_bytes: int = 0                                      # what the replays saved (deciding rt.stream_keep)
 
 
 def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple[Tensor, StreamRecord]:
@@ -80,6 +82,7 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
     runners = rt.programs.stage_runners(inputs)
     record = StreamRecord(rt, inputs, Localizer(inputs, rt.chunked, rt.adjacency, rt.tables, rt.keep_inputs), runners, store, [])
     checking = row_check(rt, cg.chunks[0].rows) is not None  # the first pass of this mode checks every group
+    keep = train and rt.stream_keep is True
     out_full = None
     for g, runner in enumerate(runners):
         record.received.append(list(runner.stage.inputs) if g > 0 else [])  # (one untraced group: g = 0)
@@ -90,9 +93,11 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
             barrier = None
             for c in range(cg.num_chunks):
                 lg = cg.chunks[c]
+                grad = keep and not complete  # (a group with barrier sites is replayed: its passes differ)
                 try:
-                    rec = _run(rt, record, g, c, StreamHalo(store, complete), grad=False,
-                               check=check if c == 0 else None, moves=not complete)
+                    with torch.set_grad_enabled(grad):
+                        rec = _run(rt, record, g, c, StreamHalo(store, complete), grad=grad,
+                                   check=check if c == 0 else None, moves=not complete)
                 except _Barrier as b:
                     if barrier is not None and b.key != barrier:
                         raise UnsupportedModelError(_differs(b.key, barrier))
@@ -105,6 +110,8 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
                     reference = keys
                 else:
                     same_as_first_chunk(keys, reference)
+                if grad:
+                    record.kept[(g, c)] = rec
                 if g == len(runners) - 1:
                     out, record.structure = check_output(rec.out, lg.rows), rec.structure
                     if out_full is None:
@@ -117,6 +124,8 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
             if barrier is None:
                 break
             complete.append(barrier)
+            for c in range(cg.num_chunks):
+                record.kept.pop((g, c), None)
         if g < len(runners) - 1:
             store.settle([n for n in rec.sent if n not in record.received[g]])
         if check is not None:
@@ -145,7 +154,11 @@ def backward(grad: Tensor, record: StreamRecord) -> None:
             for c in range(cg.num_chunks):
                 with torch.enable_grad():
                     halo = StreamHalo(store, barriers, capture=target)
-                    rec = _run(rt, record, g, c, halo, grad=True, check=None, moves=False)
+                    rec = record.kept.pop((g, c), None)
+                    if rec is None:  # replay the chunk's forward (the same random numbers)
+                        with SavedBytes(rt.stream_keep is None) as saved:
+                            rec = _run(rt, record, g, c, halo, grad=True, check=None, moves=False)
+                        record.saved_bytes += saved.bytes
                     roots, grads = _roots(record, g, rec, cg.chunks[c])
                     if not roots:
                         continue
@@ -166,6 +179,17 @@ def backward(grad: Tensor, record: StreamRecord) -> None:
         for key in barriers:
             store.drop(key)
     store.clear()
+    if rt.stream_keep is None:
+        decide_keep(rt, record.saved_bytes)
+
+
+def decide_keep(rt: Runtime, saved_bytes: int) -> None:
+    """``recompute="auto"`` when streaming: after the first step's backward replayed every chunk, saving
+    ``saved_bytes`` for autograd in all, keep every chunk's activations from the forward to the backward from
+    now on (no replay: a third less compute) if they fit a quarter of the memory the device has free; else go
+    on replaying. Decided once; the results are the same bit for bit either way."""
+    from ..runtime.tiers import free_memory
+    rt.stream_keep = saved_bytes <= free_memory(rt.comm.device) // 4
 
 
 # ---------------------------------------------------------------------------------------------

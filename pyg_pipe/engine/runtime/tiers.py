@@ -126,9 +126,17 @@ class Tiers:
 
 
 def free_memory(device: torch.device) -> int:
-    """Bytes free on ``device`` (available memory of the machine for a CPU)."""
+    """Bytes free on ``device`` (available memory of the machine for a CPU). On a GPU: what this process can
+    still allocate, the allocator's unused reserve included, within ``torch.cuda.set_per_process_memory_fraction``
+    when one is set (the driver's free memory ignores it)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        free += torch.cuda.memory_reserved(device) - allocated
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if fraction is not None:
+            free = min(free, max(0, int(fraction(device) * total) - allocated))
+        return free
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):

@@ -64,10 +64,14 @@ def profile(step, steps: int) -> dict:
     syncs = {e.key: e.count // steps for e in events if e.key in SYNCS}
     copies = {e.key: e.count // steps for e in events if "Memcpy" in e.key or "memcpy" in e.key}
     top = sorted((e for e in events if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)[:15]
+    kernels = sorted((e for e in events if e.device_type.name == "CUDA"),
+                     key=lambda e: -getattr(e, "self_device_time_total", 0))[:15]
     return {"wall_ms": wall * 1e3, "gpu_busy_ms": gpu_us / 1e3 / steps, "syncs_per_step": syncs,
             "copies_per_step": copies,
             "top_host_ops": [(e.key, e.count // steps, round(e.self_cpu_time_total / 1e3 / steps, 3))
-                             for e in top]}
+                             for e in top],
+            "top_gpu_kernels": [(e.key[:120], e.count // steps, round(getattr(e, "self_device_time_total", 0) / 1e3
+                                                                        / steps, 3)) for e in kernels]}
 
 
 def main() -> None:

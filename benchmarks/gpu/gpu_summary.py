@@ -4,8 +4,9 @@ On one CUDA device, a 16-layer GCNII (hidden 64, ``adj_t``, the fused kernels ro
 community graph, plain PyG against the engine on the same GPU:
 
 ``stream_ratio_20k`` / ``stream_ratio_200k``
-    the engine's step streaming 4 chunks (NGra, one device) ÷ plain PyG's step (median of timed steps after
-    a device synchronize, both in this process, one after the other);
+    the engine's step streaming 4 chunks (NGra, one device; captured as CUDA graphs after two eager steps,
+    engine/step/capture.py) ÷ plain PyG's step (median of timed steps after a device synchronize, both in
+    this process, one after the other); ``*_uncaptured``: the same with ``cuda_graphs=False``;
 ``host_ms_per_chunk_layer``
     (streamed step − plain step) ÷ (chunks × layers) at 20k vertices, where the GPU idles most of the step:
     what the engine adds per (chunk, layer), forward and backward;
@@ -114,11 +115,19 @@ def stream_ratio(nodes: int, dev, chunks: int, steps: int, profile: bool) -> dic
     with ops.fused_kernels():
         ops.fuse_messages(plain_model)
         plain = _timed(_step_fn(plain_model, data), dev, steps)
+    uncaptured_model = copy.deepcopy(model)
+    with _Engine(uncaptured_model, dev, num_chunks=chunks, cuda_graphs=False):
+        uncaptured = _timed(_step_fn(uncaptured_model, data), dev, steps, warmup=3)
+    del uncaptured_model
     with _Engine(model, dev, num_chunks=chunks) as engine:
         step = _step_fn(model, data)
-        stream = _timed(step, dev, steps)
+        stream = _timed(step, dev, steps, warmup=3)  # (two eager steps, then the capture: step/capture.py)
         assert engine.plan.streaming
-        out = {"nodes": nodes, "chunks": chunks, "plain_s": plain, "stream_s": stream, "ratio": stream / plain}
+        captured = engine.runtime.captured
+        out = {"nodes": nodes, "chunks": chunks, "plain_s": plain, "stream_s": stream, "ratio": stream / plain,
+               "uncaptured_s": uncaptured, "uncaptured_ratio": uncaptured / plain,
+               "captured": captured is not None and captured.graphs is not None,
+               "uncaptured_because": captured.off if captured is not None else None}
         if profile and dev.type == "cuda":
             from benchmarks.gpu.gpu_profile import profile as run_profile
             prof = run_profile(step, steps)
@@ -278,14 +287,19 @@ def main() -> None:
         r20 = stream_ratio(small, dev, 4, args.steps, profile=False)
         summary["stream_ratio_20k"] = r20["ratio"]
         summary["host_ms_per_chunk_layer"] = (r20["stream_s"] - r20["plain_s"]) * 1e3 / (4 * LAYERS)
+        summary["stream_ratio_20k_uncaptured"] = r20["uncaptured_ratio"]
+        summary["host_ms_per_chunk_layer_uncaptured"] = (r20["uncaptured_s"] - r20["plain_s"]) * 1e3 / (4 * LAYERS)
         summary["detail_20k"] = r20
-        done(f"20k: plain {r20['plain_s'] * 1e3:.1f} ms, streamed {r20['stream_s'] * 1e3:.1f} ms")
+        done(f"20k: plain {r20['plain_s'] * 1e3:.1f} ms, streamed {r20['stream_s'] * 1e3:.1f} ms (captured: "
+             f"{r20['captured']}), uncaptured {r20['uncaptured_s'] * 1e3:.1f} ms")
         r200 = stream_ratio(big, dev, 4, args.steps, profile=True)
         summary["stream_ratio_200k"] = r200["ratio"]
+        summary["stream_ratio_200k_uncaptured"] = r200["uncaptured_ratio"]
         summary["gpu_busy_share_200k"] = r200.get("gpu_busy_share")
         summary["copies_per_step_200k"] = r200.get("copies_per_step")
         summary["detail_200k"] = r200
-        done(f"200k: plain {r200['plain_s'] * 1e3:.1f} ms, streamed {r200['stream_s'] * 1e3:.1f} ms")
+        done(f"200k: plain {r200['plain_s'] * 1e3:.1f} ms, streamed {r200['stream_s'] * 1e3:.1f} ms (captured: "
+             f"{r200['captured']}), uncaptured {r200['uncaptured_s'] * 1e3:.1f} ms")
     if "pipeline" not in args.skip:
         plain_s = summary.get("detail_20k", {}).get("plain_s")
         if plain_s is None:

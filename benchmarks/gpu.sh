@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs a CUDA GPU, in one call, for the day one is lent (about 8 minutes of device time):
 #   1. the tests marked `gpu` (the kernels against their reference on CUDA, the engine streaming on one
-#      GPU and through Lightning equal to plain PyG (also under bf16-mixed), 2 processes on one GPU over gloo with the transport
+#      GPU and through Lightning equal to plain PyG (also under bf16-mixed), the captured streamed step (CUDA graphs)
+#      equal to the uncaptured one, 2 processes on one GPU over gloo with the transport
 #      staging through host memory, gnnpipe over NCCL when there are two GPUs);
 #   2. benchmarks/gpu/gpu_summary.py: the GPU issue's figures in one summary.json (streamed epoch against plain
 #      PyG at 20k and 200k vertices, host time per chunk and layer, GPU busy share and copies per step,

@@ -105,17 +105,19 @@ def _adj_t(ei, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recompute", [True, False], ids=["replayed", "kept"])
 @pytest.mark.parametrize("model,graph,fused", [
     ("gcnii", "edge_index", False), ("gcnii", "adj_t", True), ("GCN", "edge_index", False)])
-def test_captured_training_equals_uncaptured(model, graph, fused):
+def test_captured_training_equals_uncaptured(model, graph, fused, recompute):
     """Seven Adam steps (two eager, the capture, four replays): every output, gradient and weight equals
     the uncaptured run's; with ``adj_t`` and the fused kernels too (a kernel on another stream would be
-    missing from the replays)."""
+    missing from the replays). ``recompute=False``: the uncaptured steps keep each chunk's activations,
+    the captured one replays them."""
     torch.set_default_dtype(torch.float64)
     try:
         make = (lambda: gcnii(8, 12, 3, 4)) if model == "gcnii" else \
             (lambda: GCN(8, 16, num_layers=3, out_channels=3, cached=True))
-        runs = _both(make, _edge_index if graph == "edge_index" else _adj_t, fused=fused)
+        runs = _both(make, _edge_index if graph == "edge_index" else _adj_t, fused=fused, recompute=recompute)
     finally:
         torch.set_default_dtype(torch.float32)
     assert runs[0][2] is None or runs[0][2].graphs is None  # (cuda_graphs=False: nothing captured)

@@ -20,11 +20,13 @@ replay copies the call's inputs into (a new tensor every step, as Lightning's mo
 device gives, is fine). A replay is refused (the call runs eager, and is captured again after ``WARMUP``
 eager steps) when an input's shape or type differs, a graph differs from the captured one or was changed
 in place, a parameter or buffer was replaced, or a module's training flag, a parameter's
-``requires_grad`` or the autocast settings changed. Random numbers are not captured: a model that draws any in its forward
-(dropout) is not captured (one log line); nor a plan whose streamed values are not all on the device
-(``offload``), nor a capture that fails (a host synchronisation, a value-dependent allocation: the
-error is logged). The compiled kernels (``extensions/``) launch on the current stream, so they are part
-of the graphs; the equality of captured and uncaptured training (tests/test_gpu.py) is the check.
+``requires_grad`` or the autocast settings changed. Random numbers are not captured: a model that draws
+any in its forward (dropout) is not captured (one log line); nor a plan whose streamed values are not all
+on the device (``offload``), nor a capture that fails (a host synchronisation, a value-dependent
+allocation: the error is logged). The compiled kernels (``extensions/``) launch on the current stream, so
+they are part of the graphs; the equality of captured and uncaptured training (tests/engine/test_capture.py,
+tests/test_gpu.py) is the check. A captured step replays each chunk's forward in its backward (kept
+activations, ``recompute=False`` in :mod:`.stream`, are not yet checked inside a capture on a GPU).
 """
 from __future__ import annotations
 

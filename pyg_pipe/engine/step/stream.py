@@ -82,7 +82,9 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
     runners = rt.programs.stage_runners(inputs)
     record = StreamRecord(rt, inputs, Localizer(inputs, rt.chunked, rt.adjacency, rt.tables, rt.keep_inputs), runners, store, [])
     checking = row_check(rt, cg.chunks[0].rows) is not None  # the first pass of this mode checks every group
-    keep = train and rt.stream_keep is True
+    # (kept activations inside a CUDA-graph capture, step/capture.py, are not yet checked on a GPU: replayed there)
+    capturing = cg.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    keep = train and rt.stream_keep is True and not capturing
     out_full = None
     for g, runner in enumerate(runners):
         record.received.append(list(runner.stage.inputs) if g > 0 else [])  # (one untraced group: g = 0)

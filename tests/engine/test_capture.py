@@ -38,13 +38,13 @@ def test_no_capture_off_cuda():
 
 
 def _steps(model, x, graph, y, mask, n, change=None, fresh=False):
-    """``n`` Adam steps; the outputs and the gradients of each. ``change(step, x)``: called before each;
+    """``n`` Adam steps; the outputs and the gradients of each. ``change(step, x, model)``: called before each;
     ``fresh``: the model gets a new copy of ``x`` each step (as Lightning moves the batch to the device)."""
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     outs, grads = [], []
     for step in range(n):
         if change is not None:
-            change(step, x)
+            change(step, x, model)
         out = model(x.clone() if fresh else x, graph)
         loss = F.cross_entropy(out[mask], y[mask])
         opt.zero_grad()
@@ -134,7 +134,7 @@ def test_replays_read_the_calls_inputs(fresh):
     step stays captured."""
     torch.set_default_dtype(torch.float64)
     try:
-        def change(step, x):
+        def change(step, x, model):
             if step in (4, 6):
                 x.mul_(0.5)
         runs = _both(lambda: gcnii(8, 12, 3, 3), _edge_index, n=9, change=change, fresh=fresh)
@@ -194,3 +194,28 @@ def test_gradient_accumulation_across_calls():
             torch.testing.assert_close(b, a, atol=1e-9, rtol=0)
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.gpu
+def test_a_changed_plain_attribute_is_not_replayed_stale():
+    """A number the forward reads from the model and the user changes between steps (a scheduled
+    coefficient): the step after the change runs eager and is captured again, as uncaptured training."""
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.conv2, self.scale = GCNConv(8, 16), GCNConv(16, 3), 1.0
+
+        def forward(self, x, edge_index):
+            return self.conv2(self.conv1(x, edge_index).relu() * self.scale, edge_index)
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        def change(step, x, model):
+            if step == 4:
+                model.scale = 0.5
+        runs = _both(Scaled, _edge_index, n=8, change=change)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    captured = runs[1][2]
+    assert captured.off is None and captured.captures == 2
+    _assert_same(runs)

@@ -19,8 +19,10 @@ read the weights where they were at capture, and the inputs from buffers of the 
 replay copies the call's inputs into (a new tensor every step, as Lightning's move of the batch to the
 device gives, is fine). A replay is refused (the call runs eager, and is captured again after ``WARMUP``
 eager steps) when an input's shape or type differs, a graph differs from the captured one or was changed
-in place, a parameter or buffer was replaced, or a module's training flag, a parameter's
-``requires_grad`` or the autocast settings changed. Random numbers are not captured: a model that draws
+in place, a parameter or buffer was replaced, or a module's plain attributes (``training``, a number the
+user changes between steps), a parameter's ``requires_grad`` or the autocast settings changed. Python
+values the forward reads from elsewhere (a global, a closure) are not seen: a model whose forward
+depends on such values between steps needs ``cuda_graphs=False``. Random numbers are not captured: a model that draws
 any in its forward (dropout) is not captured (one log line); nor a plan whose streamed values are not all
 on the device (``offload``), nor a capture that fails (a host synchronisation, a value-dependent
 allocation: the error is logged). The compiled kernels (``extensions/``) launch on the current stream, so
@@ -107,9 +109,10 @@ class CapturedStep:
         if self.graphs is None:
             if self.warm < WARMUP:
                 self.warm += 1
-                before = torch.cuda.get_rng_state(self.device)
+                before = torch.cuda.get_rng_state(self.device), torch.get_rng_state()
                 out, record = stream.forward(self.rt, inputs, True, store)
-                if not torch.equal(before, torch.cuda.get_rng_state(self.device)):
+                if not (torch.equal(before[0], torch.cuda.get_rng_state(self.device))
+                        and torch.equal(before[1], torch.get_rng_state())):
                     self._stop("the model draws random numbers in its forward (dropout), which a replay would "
                                "not redraw as an uncaptured step does")
                 return out, record
@@ -182,9 +185,13 @@ class CapturedStep:
 
     # ------------------------------------------------------------------ validity
     def _now(self) -> tuple:
+        """What a replay depends on besides the inputs: where the weights are, which need gradients, every
+        module's plain attributes (numbers, strings, flags: ``training``, a coefficient the user schedules),
+        the autocast settings and the random number generators' seeds."""
         m = self.rt.module
         return (tuple((p.data_ptr(), p.requires_grad) for p in m.parameters()),
-                tuple(b.data_ptr() for b in m.buffers()), tuple(x.training for x in m.modules()),
+                tuple(b.data_ptr() for b in m.buffers()),
+                tuple((k, v) for x in m.modules() for k, v in x.__dict__.items() if type(v) in _PLAIN),
                 autocast_state(self.device))
 
     def _static_inputs(self, inputs: CallInputs) -> CallInputs:
@@ -249,6 +256,8 @@ class CapturedStep:
 def _flat(inputs: CallInputs) -> list:
     return list(inputs.args) + [inputs.kwargs[k] for k in sorted(inputs.kwargs)]
 
+
+_PLAIN = (int, float, bool, str, type(None))
 
 #: the arguments a replay can check: tensors (the same object, not changed in place) and plain values (equal);
 #: not a ``Data``, say, whose tensors may have been replaced while the object stays the same

@@ -8,6 +8,7 @@ does not depend on). One function per figure; from the command line, the figure'
     python benchmarks/plots.py speed docs/results/speed_p2_bw0.json docs/results/speed_p2_bw1e8.json ...
     python benchmarks/plots.py sweep docs/results/cores/sweep.txt
     python benchmarks/plots.py timeline docs/results/timeline_p4.json
+    python benchmarks/plots.py gpu docs/results/gpu/summary.json
 """
 import json
 import os
@@ -337,8 +338,39 @@ def timeline(path):
     print(out)
 
 
+# --------------------------------------------------------------------------------------------
+# gpu: Draws docs/img/gpu_capture.png from the summary.json benchmarks/gpu/gpu_summary.py wrote.
+# --------------------------------------------------------------------------------------------
+
+def gpu(path):
+    """Draws docs/img/gpu_capture.png: one GPU's training step at 20k and 200k vertices (16-layer GCNII,
+    4 chunks streamed), plain PyG against the engine uncaptured and captured as CUDA graphs.
+
+        python benchmarks/plots.py gpu docs/results/gpu/summary.json
+    """
+    summary = json.load(open(path))
+    sizes = [k for k in ("detail_20k", "detail_200k") if k in summary]
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    bars = [("plain PyG", "plain_s"), ("streamed, uncaptured", "uncaptured_s"), ("streamed, captured", "stream_s")]
+    for i, (label, key) in enumerate(bars):
+        xs = [j + (i - 1) * 0.27 for j in range(len(sizes))]
+        ms = [summary[k][key] * 1e3 for k in sizes]
+        ax.bar(xs, ms, 0.27, label=label)
+        for x, v in zip(xs, ms):
+            ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(sizes)), [f"{summary[k]['nodes'] // 1000}k vertices" for k in sizes])
+    ax.set_ylabel("ms per training step")
+    ax.set_title(f"{summary['device']}, {summary['model']}, 4 chunks", fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "img", "gpu_capture.png")
+    fig.savefig(out, dpi=110)
+    print(out)
+
+
 #: figure name -> (function, whether it takes a list of inputs)
-FIGURES = {"epoch": (epoch, True), "comm": (comm, False), "convergence": (convergence, False), "memory": (memory, False), "speed": (speed, True), "sweep": (sweep, False), "timeline": (timeline, False)}
+FIGURES = {"epoch": (epoch, True), "comm": (comm, False), "convergence": (convergence, False), "memory": (memory, False), "speed": (speed, True), "sweep": (sweep, False), "timeline": (timeline, False),
+           "gpu": (gpu, False)}
 
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] not in FIGURES:

@@ -7,6 +7,8 @@ community graph, plain PyG against the engine on the same GPU:
     the engine's step streaming 4 chunks (NGra, one device; captured as CUDA graphs after two eager steps,
     engine/step/capture.py) ÷ plain PyG's step (median of timed steps after a device synchronize, both in
     this process, one after the other); ``*_uncaptured``: the same with ``cuda_graphs=False``;
+    ``*_kept_inside_capture``: captured and keeping every chunk's activations (``recompute=False`` with
+    ``stream.KEEP_WHEN_CAPTURED``, off by default until measured here);
 ``host_ms_per_chunk_layer``
     (streamed step − plain step) ÷ (chunks × layers) at 20k vertices, where the GPU idles most of the step:
     what the engine adds per (chunk, layer), forward and backward;
@@ -119,6 +121,7 @@ def stream_ratio(nodes: int, dev, chunks: int, steps: int, profile: bool) -> dic
     with _Engine(uncaptured_model, dev, num_chunks=chunks, cuda_graphs=False):
         uncaptured = _timed(_step_fn(uncaptured_model, data), dev, steps, warmup=3)
     del uncaptured_model
+    kept = _kept_inside_capture(model, data, dev, chunks, steps)
     with _Engine(model, dev, num_chunks=chunks) as engine:
         step = _step_fn(model, data)
         stream = _timed(step, dev, steps, warmup=3)  # (two eager steps, then the capture: step/capture.py)
@@ -127,7 +130,8 @@ def stream_ratio(nodes: int, dev, chunks: int, steps: int, profile: bool) -> dic
         out = {"nodes": nodes, "chunks": chunks, "plain_s": plain, "stream_s": stream, "ratio": stream / plain,
                "uncaptured_s": uncaptured, "uncaptured_ratio": uncaptured / plain,
                "captured": captured is not None and captured.graphs is not None,
-               "uncaptured_because": captured.off if captured is not None else None}
+               "uncaptured_because": captured.off if captured is not None else None,
+               "kept_inside_capture_s": kept, "kept_inside_capture_ratio": kept / plain}
         if profile and dev.type == "cuda":
             from benchmarks.gpu.gpu_profile import profile as run_profile
             prof = run_profile(step, steps)
@@ -135,6 +139,19 @@ def stream_ratio(nodes: int, dev, chunks: int, steps: int, profile: bool) -> dic
             out["gpu_busy_share"] = prof["gpu_busy_ms"] / prof["wall_ms"]
             out["copies_per_step"] = sum(n for k, n in prof["copies_per_step"].items() if k.startswith("Memcpy"))
     return out
+
+
+def _kept_inside_capture(model, data, dev, chunks: int, steps: int) -> float:
+    """The captured step keeping every chunk's activations (no replay in the backward; off by default until
+    measured and tested on a GPU: ``stream.KEEP_WHEN_CAPTURED``), on a copy of ``model``: seconds a step."""
+    from pyg_pipe.engine.step import stream
+    model = copy.deepcopy(model)
+    stream.KEEP_WHEN_CAPTURED = True
+    try:
+        with _Engine(model, dev, num_chunks=chunks, recompute=False):
+            return _timed(_step_fn(model, data), dev, steps, warmup=3)
+    finally:
+        stream.KEEP_WHEN_CAPTURED = False
 
 
 def _one_step(nodes: int, dev, plain_max: int | None) -> float:
@@ -288,6 +305,7 @@ def main() -> None:
         summary["stream_ratio_20k"] = r20["ratio"]
         summary["host_ms_per_chunk_layer"] = (r20["stream_s"] - r20["plain_s"]) * 1e3 / (4 * LAYERS)
         summary["stream_ratio_20k_uncaptured"] = r20["uncaptured_ratio"]
+        summary["stream_ratio_20k_kept_inside_capture"] = r20["kept_inside_capture_ratio"]
         summary["host_ms_per_chunk_layer_uncaptured"] = (r20["uncaptured_s"] - r20["plain_s"]) * 1e3 / (4 * LAYERS)
         summary["detail_20k"] = r20
         done(f"20k: plain {r20['plain_s'] * 1e3:.1f} ms, streamed {r20['stream_s'] * 1e3:.1f} ms (captured: "
@@ -295,6 +313,7 @@ def main() -> None:
         r200 = stream_ratio(big, dev, 4, args.steps, profile=True)
         summary["stream_ratio_200k"] = r200["ratio"]
         summary["stream_ratio_200k_uncaptured"] = r200["uncaptured_ratio"]
+        summary["stream_ratio_200k_kept_inside_capture"] = r200["kept_inside_capture_ratio"]
         summary["gpu_busy_share_200k"] = r200.get("gpu_busy_share")
         summary["copies_per_step_200k"] = r200.get("copies_per_step")
         summary["detail_200k"] = r200

@@ -105,14 +105,19 @@ def _adj_t(ei, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recompute", [True, False], ids=["replayed", "kept"])
+@pytest.mark.parametrize("recompute", [True, False, "kept-inside"], ids=["replayed", "kept", "kept-inside"])
 @pytest.mark.parametrize("model,graph,fused", [
     ("gcnii", "edge_index", False), ("gcnii", "adj_t", True), ("GCN", "edge_index", False)])
-def test_captured_training_equals_uncaptured(model, graph, fused, recompute):
+def test_captured_training_equals_uncaptured(model, graph, fused, recompute, monkeypatch):
     """Seven Adam steps (two eager, the capture, four replays): every output, gradient and weight equals
     the uncaptured run's; with ``adj_t`` and the fused kernels too (a kernel on another stream would be
     missing from the replays). ``recompute=False``: the uncaptured steps keep each chunk's activations,
-    the captured one replays them."""
+    the captured one replays them; ``"kept-inside"``: the captured one keeps them too (not on by default
+    until this has passed on a GPU: ``stream.KEEP_WHEN_CAPTURED``)."""
+    from pyg_pipe.engine.step import stream
+    if recompute == "kept-inside":
+        monkeypatch.setattr(stream, "KEEP_WHEN_CAPTURED", True)
+        recompute = False
     torch.set_default_dtype(torch.float64)
     try:
         make = (lambda: gcnii(8, 12, 3, 4)) if model == "gcnii" else \

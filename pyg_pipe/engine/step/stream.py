@@ -56,6 +56,11 @@ from .checks import check_output, row_check
 from .chunk import SavedBytes, rng_state, same_rng
 
 
+#: whether a step captured as CUDA graphs (:mod:`.capture`) keeps activations too; off until the GPU tests and
+#: benchmark that set it (tests/engine/test_capture.py, benchmarks/gpu/gpu_summary.py) have run on a GPU
+KEEP_WHEN_CAPTURED = False
+
+
 @dataclass
 class StreamRecord:
     """What the forward of one call keeps for its backward."""
@@ -82,9 +87,8 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
     runners = rt.programs.stage_runners(inputs)
     record = StreamRecord(rt, inputs, Localizer(inputs, rt.chunked, rt.adjacency, rt.tables, rt.keep_inputs), runners, store, [])
     checking = row_check(rt, cg.chunks[0].rows) is not None  # the first pass of this mode checks every group
-    # (kept activations inside a CUDA-graph capture, step/capture.py, are not yet checked on a GPU: replayed there)
     capturing = cg.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    keep = train and rt.stream_keep is True and not capturing
+    keep = train and rt.stream_keep is True and (KEEP_WHEN_CAPTURED or not capturing)
     out_full = None
     for g, runner in enumerate(runners):
         record.received.append(list(runner.stage.inputs) if g > 0 else [])  # (one untraced group: g = 0)

@@ -80,6 +80,18 @@ class Store:
         self.tiers.release(buf)
         return out
 
+    def gather_local(self, name: str, lg: LocalGraph) -> Tensor:
+        """``[rows | halo]`` of node value ``name`` for chunk ``lg``, on the device: the chunk's rows are a
+        contiguous range of the buffer (new vertex ids), copied as one block; only the halo is gathered
+        (the same values as ``gather(name, lg.nodes)``, in a fraction of the time of a gather of every row)."""
+        buf = self.rows[name]
+        out = buf.new_empty((lg.num_local, *buf.shape[1:]))
+        out[:lg.rows].copy_(buf[lg.start:lg.end])
+        if lg.halo.numel():
+            torch.index_select(buf, 0, lg.halo.to(buf.device), out=out[lg.rows:])
+        self.tiers.release(buf)
+        return self.tiers.to_device(out)
+
     def add_grad(self, name: str, ids: Tensor, grad: Tensor) -> None:
         """Adds ``grad`` to the gradient of rows ``ids`` of node value ``name``."""
         g = self.grads.get(name)
@@ -87,6 +99,19 @@ class Store:
             like = self.rows[name]
             g = self.grads[name] = self.tiers.zeros(like.shape, like.dtype)
         g.index_add_(0, ids.to(g.device), grad.to(g.device, g.dtype))
+        self.tiers.release(g)
+
+    def add_grad_local(self, name: str, lg: LocalGraph, grad: Tensor) -> None:
+        """Adds ``grad`` (``[rows | halo]`` of chunk ``lg``) to the gradient of node value ``name``: the rows'
+        part as one block, the halo's by index (the same sums as ``add_grad(name, lg.nodes, grad)``)."""
+        g = self.grads.get(name)
+        if g is None:
+            like = self.rows[name]
+            g = self.grads[name] = self.tiers.zeros(like.shape, like.dtype)
+        grad = grad.to(g.device, g.dtype)
+        g[lg.start:lg.end] += grad[:lg.rows]
+        if lg.halo.numel():
+            g.index_add_(0, lg.halo.to(g.device), grad[lg.rows:])
         self.tiers.release(g)
 
     def grad_rows(self, name: str, lg: LocalGraph) -> Optional[Tensor]:

@@ -235,7 +235,7 @@ def _run(rt: Runtime, record: StreamRecord, g: int, c: int, halo: StreamHalo, gr
         args, kwargs = record.localizer.localize(c, ctx)
         for name in record.received[g]:
             if name in store.rows:
-                ext = store.gather(name, lg.nodes)
+                ext = store.gather_local(name, lg)
                 if grad and ext.is_floating_point():
                     ext.requires_grad_()
                     leaves.append((name, ext, lg.nodes))
@@ -328,7 +328,10 @@ def _collect(record: StreamRecord, g: int, rec: _Ran, lg: LocalGraph) -> None:
     store = record.store
     for name, leaf, ids in rec.leaves:
         if leaf.grad is not None:
-            store.add_grad(name, ids, leaf.grad)
+            if ids is lg.nodes:  # (the chunk's [rows | halo]; else another graph's halo)
+                store.add_grad_local(name, lg, leaf.grad)
+            else:
+                store.add_grad(name, ids, leaf.grad)
     for name, value in rec.chunk_leaves.items():
         ls, spec = flatten(value)
         gs = [t.grad if isinstance(t, Tensor) and t.requires_grad else None for t in ls]

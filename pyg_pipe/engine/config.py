@@ -71,6 +71,10 @@ class PipelineConfig:
         boundary_dtype: ``torch.bfloat16`` (or ``torch.float16``) for the activations and gradients crossing
             stage cuts and halos in training passes: half the bytes, approximate (docs/gnnpipe.md measures
             it); validation, test, predict and the exact pass keep the values' own dtype. ``None``: as computed.
+        history_dtype: ``torch.bfloat16`` (or ``torch.float16``) for the historical rows kept between steps (and
+            their snapshots): half the history's memory, the stale rows read rounded to it (approximate;
+            docs/gnnpipe.md measures it); fresh rows, gradients and exact results are unchanged. ``None``: as
+            computed.
         timeline_trace: a file path: every rank's chunks (compute, waits for transfers, the bubble) written
             there as one Chrome trace when training ends (Perfetto or ``chrome://tracing``;
             :mod:`.runtime.timeline`). The per-step sums are logged as ``time/compute``, ``time/wait``,
@@ -113,6 +117,7 @@ class PipelineConfig:
     cuda_graphs: bool = True
     overlap: bool = True
     boundary_dtype: Optional["torch.dtype"] = None
+    history_dtype: Optional["torch.dtype"] = None
     timeline_trace: Optional[str] = None
     staleness_meter: bool = True
     max_age: Optional[int] = None
@@ -149,6 +154,9 @@ class PipelineConfig:
             raise ValueError(f"boundary_dtype={self.boundary_dtype!r} must be torch.bfloat16 or torch.float16 (the "
                              f"dtype activations and gradients travel in between stages and ways), or None to send "
                              f"them as computed.")
+        if self.history_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"history_dtype={self.history_dtype!r} must be torch.bfloat16 or torch.float16 (the "
+                             f"dtype historical rows are kept in), or None to keep them as computed.")
         if self.timeline_trace is not None and not isinstance(self.timeline_trace, (str, os.PathLike)):
             raise ValueError(f"timeline_trace={self.timeline_trace!r} must be a file path (the Chrome trace to "
                              f"write) or None.")

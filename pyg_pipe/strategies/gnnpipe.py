@@ -42,7 +42,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
     Args:
         num_chunks, shuffle_chunks, snapshot_period, unbiased_gradients, late_gradients, balance, partition,
         seed, per_chunk_statistics, split_points, recompute, offload, offload_budget, offload_dir, streaming,
-        cuda_graphs, overlap, boundary_dtype, timeline_trace, staleness_meter, max_age, max_staleness, smoothing,
+        cuda_graphs, overlap, boundary_dtype, history_dtype, timeline_trace, staleness_meter, max_age, max_staleness, smoothing,
         halo_exchange: the engine's knobs, each documented in :class:`pyg_pipe.engine.PipelineConfig` (and
             when to use which in docs/gnnpipe.md).
         model: attribute name of the module to pipeline inside the LightningModule; by default the
@@ -88,6 +88,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         cuda_graphs: bool = True,
         overlap: bool = True,
         boundary_dtype: Optional[torch.dtype] = None,
+        history_dtype: Optional[torch.dtype] = None,
         timeline_trace: Optional[str] = None,
         staleness_meter: bool = True,
         max_age: Optional[int] = None,
@@ -115,7 +116,8 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
                                      recompute=recompute, offload=offload, offload_budget=offload_budget,
                                      offload_dir=offload_dir, streaming=streaming, cuda_graphs=cuda_graphs,
                                      overlap=overlap,
-                                     boundary_dtype=boundary_dtype, timeline_trace=timeline_trace,
+                                     boundary_dtype=boundary_dtype, history_dtype=history_dtype,
+                                     timeline_trace=timeline_trace,
                                      staleness_meter=staleness_meter, max_age=max_age, max_staleness=max_staleness,
                                      smoothing=smoothing, halo_exchange=halo_exchange)
         self.config.validate()

@@ -70,3 +70,43 @@ def test_bf16_halves_boundary_bytes_and_leaves_inference_exact():
 def test_a_bad_boundary_dtype_names_the_knob(bad):
     with pytest.raises(ValueError, match="boundary_dtype="):
         PipelineConfig(boundary_dtype=bad).validate()
+
+
+def test_history_in_bf16_halves_its_bytes_and_stays_close():
+    """``history_dtype=torch.bfloat16`` (one process, one stage, 4 chunks: every cross-chunk read is historical
+    or fresh): the buffers take half the bytes; at lr = 0 the training output is the fp32 history's within
+    bf16 rounding (the stale rows read are rounded), and inference, an exact pass, equals it bit for bit."""
+    x, g, y, mask = zoo_graph(sizes=(24, 40, 40))
+    ei = g["edge_index"]
+    outs, sizes = {}, {}
+    for dtype in (None, torch.bfloat16):
+        torch.manual_seed(0)
+        model = gcnii(8, 16, 3, 4, dropout=0.0)
+        engine = GNNPipeEngine(model, PipelineConfig(num_chunks=4, streaming=False, history_dtype=dtype),
+                               Comm(torch.device("cpu")), num_stages=1)
+        engine.install()
+        try:
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)
+            for _ in range(3):
+                out = model(x, ei)
+                loss = F.cross_entropy(out[mask], y[mask])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            buffers = engine.runtime.history.of(0).buffers
+            sizes[dtype] = sum(b.numel() * b.element_size() for b in buffers.values())
+            assert buffers and all(b.dtype == (dtype or torch.float32) for b in buffers.values())
+            model.eval()
+            with torch.no_grad():
+                outs[dtype] = (out.detach(), model(x, ei))
+        finally:
+            engine.uninstall()
+    assert sizes[torch.bfloat16] * 2 == sizes[None]
+    torch.testing.assert_close(outs[torch.bfloat16][0], outs[None][0], atol=3e-2, rtol=2e-2)
+    assert not torch.equal(outs[torch.bfloat16][0], outs[None][0])  # (the rounding is really there)
+    assert torch.equal(outs[torch.bfloat16][1], outs[None][1])
+
+
+def test_a_bad_history_dtype_names_the_knob():
+    with pytest.raises(ValueError, match="history_dtype"):
+        PipelineConfig(history_dtype=torch.int8).validate()

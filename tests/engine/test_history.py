@@ -321,3 +321,36 @@ def test_an_empty_or_none_calls_entry_leaves_every_call_uninitialised():
         dst = HistoryStore(3, CPU)
         dst.load_state_dict(state)
         assert dst.of(0).initialised is False
+
+
+# ---------------------------------------------------------------------------------------------- history_dtype
+def test_rows_kept_in_bf16_are_read_in_the_dtype_they_stand_for():
+    h = CallHistory(4, CPU, dtype=torch.bfloat16)
+    rows = torch.tensor([[1.0 + 2 ** -10, 3.0], [0.1, -7.25]])
+    h.write(KEY, 1, rows)
+    assert h.buffer(KEY, rows).dtype == torch.bfloat16
+    got = h.read(KEY, torch.tensor([1, 2]), rows)
+    assert got.dtype == torch.float32 and torch.equal(got, rows.to(torch.bfloat16).float())
+    out = torch.empty(2, 2)
+    assert h.read(KEY, torch.tensor([1, 2]), rows, out=out) is out and torch.equal(out, got)
+    h.begin_step(0, period=2, keep_start=True)
+    assert h.snapshot[KEY].dtype == torch.bfloat16
+    assert torch.equal(h.read_start(KEY, torch.tensor([2]), rows), got[1:])
+    h.add_grad(KEY, torch.tensor([1]), torch.ones(1, 2))
+    assert h.grads[KEY].dtype == torch.float32            # gradients keep theirs
+    ints = torch.tensor([[3], [4]])
+    h.write("k:index", 0, ints)
+    assert h.buffer("k:index", ints).dtype == torch.long  # only floating-point rows are narrowed
+
+
+def test_a_checkpoint_resumed_with_another_history_dtype_keeps_rows_in_the_new_one():
+    h = CallHistory(3, CPU)
+    h.write(KEY, 0, torch.tensor([[1.0 + 2 ** -10], [2.0], [3.0]]))
+    h.initialised = True
+    buf = io.BytesIO()
+    torch.save(h.state_dict(), buf)
+    buf.seek(0)
+    h16 = CallHistory(3, CPU, dtype=torch.bfloat16)
+    h16.load_state_dict(torch.load(buf))
+    assert h16.initialised and h16.buffers[KEY].dtype == torch.bfloat16
+    assert seen(h16, n=3) == [1.0, 2.0, 3.0]

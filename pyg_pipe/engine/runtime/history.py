@@ -55,6 +55,8 @@ class CallHistory:
         tiers: where buffers are allocated (:mod:`.tiers`; default: the device).
         rows: the vertex ids (new, ascending) this rank's buffers hold (``None``: all of them); every halo
             row of this rank's chunks must be among them.
+        dtype: the dtype floating-point rows are kept in (``history_dtype``; ``None``: as computed). Reads hand
+            them out in the dtype of the rows they stand for.
 
     Attributes:
         initialised: whether the buffers were filled by an exact pass (or restored from a checkpoint).
@@ -63,9 +65,10 @@ class CallHistory:
     """
 
     def __init__(self, num_nodes: int, device: torch.device, tiers: Optional[Tiers] = None,
-                 rows: Optional[Tensor] = None):
+                 rows: Optional[Tensor] = None, dtype: Optional[torch.dtype] = None):
         self.num_nodes = num_nodes
         self.device = device
+        self.dtype = dtype
         self.tiers = tiers if tiers is not None else Tiers(device)
         self.size, self.local = num_nodes, None          # buffer rows; vertex id -> buffer row (None: the same)
         self._spans: Dict[tuple, tuple] = {}
@@ -97,7 +100,8 @@ class CallHistory:
         """The buffer of ``key``, created (zeros) with ``like``'s trailing shape and dtype."""
         buf = self.buffers.get(key)
         if buf is None:
-            buf = self.buffers[key] = self.tiers.zeros((self.size, *like.shape[1:]), like.dtype)
+            dtype = self.dtype if self.dtype is not None and like.is_floating_point() else like.dtype
+            buf = self.buffers[key] = self.tiers.zeros((self.size, *like.shape[1:]), dtype)
         return buf
 
     def _at(self, ids: Tensor, buf: Tensor) -> Tensor:
@@ -163,7 +167,7 @@ class CallHistory:
         if out is not None and buf.device == out.device and buf.dtype == out.dtype:
             rows = torch.index_select(buf, 0, at, out=out)
         else:
-            rows = self.tiers.to_device(buf.index_select(0, at))
+            rows = self.tiers.to_device(buf.index_select(0, at)).to(like.dtype)
             if out is not None:
                 rows = out.copy_(rows)
         self.tiers.release(buf)
@@ -175,7 +179,7 @@ class CallHistory:
         start = self.start.get(key)
         if start is None:
             return like.new_zeros((ids.numel(), *like.shape[1:]))
-        rows = self.tiers.to_device(start.index_select(0, self._at(ids, start)))
+        rows = self.tiers.to_device(start.index_select(0, self._at(ids, start))).to(like.dtype)
         self.tiers.release(start)
         return rows
 
@@ -298,11 +302,17 @@ class CallHistory:
     def load_state_dict(self, state: dict) -> None:
         """Restores saved buffers, snapshot, smoothed rows and late gradients (the last two may be absent)."""
         for name in ("buffers", "snapshot", "smooth", "late"):
-            setattr(self, name, {k: self.tiers.copy(v) for k, v in (state.get(name) or {}).items()})
+            setattr(self, name, {k: self.tiers.copy(self._kept_as(v) if name != "late" else v)
+                                 for k, v in (state.get(name) or {}).items()})
         # the steps whose weights computed the rows (ages, smoothing); unknown in older states: as just refilled
         self.written, self._snapshot_written = state.get("written"), state.get("snapshot_written")
         self.tiers.evict()
         self.initialised = bool(state.get("initialised", False)) and bool(self.buffers)
+
+
+    def _kept_as(self, rows: Tensor) -> Tensor:
+        """Saved rows in the dtype this history keeps rows in (a run resumed with another ``history_dtype``)."""
+        return rows.to(self.dtype) if self.dtype is not None and rows.is_floating_point() else rows
 
 
 class HistoryStore:
@@ -313,11 +323,12 @@ class HistoryStore:
         device: the rank's device.
         tiers: where the buffers live (:mod:`.tiers`).
         rows: the vertex ids this rank's buffers hold (``None``: all; :class:`CallHistory`).
+        dtype: the dtype rows are kept in (``None``: as computed; :class:`CallHistory`).
     """
 
     def __init__(self, num_nodes: int, device: torch.device, tiers: Optional[Tiers] = None,
-                 rows: Optional[Tensor] = None):
-        self.num_nodes, self.device = num_nodes, device
+                 rows: Optional[Tensor] = None, dtype: Optional[torch.dtype] = None):
+        self.num_nodes, self.device, self.dtype = num_nodes, device, dtype
         self.tiers = tiers if tiers is not None else Tiers(device)
         self.rows = rows
         self.calls: Dict[int, CallHistory] = {}
@@ -326,7 +337,7 @@ class HistoryStore:
         """The history of the ``call``-th call of a step (created empty)."""
         hit = self.calls.get(call)
         if hit is None:
-            hit = self.calls[call] = CallHistory(self.num_nodes, self.device, self.tiers, self.rows)
+            hit = self.calls[call] = CallHistory(self.num_nodes, self.device, self.tiers, self.rows, self.dtype)
         return hit
 
     def state_dict(self) -> dict:

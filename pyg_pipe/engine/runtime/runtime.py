@@ -81,7 +81,8 @@ class Runtime:
                                  config.unbiased_gradients and not config.late_gradients)  # late: nothing dropped
         self.tiers = Tiers(dev, config.offload, config.offload_budget, config.offload_dir)
         held = boundary(self.chunked, *bounds[grid.way:grid.way + 2])
-        self.history = HistoryStore(plan.num_nodes, dev, self.tiers, held if held.numel() < plan.num_nodes else None)
+        self.history = HistoryStore(plan.num_nodes, dev, self.tiers, held if held.numel() < plan.num_nodes else None,
+                                    dtype=config.history_dtype)
         self.stores: Dict[int, Store] = {}
         self.captured = None  # streaming on one CUDA device: the captured step (..step.capture.CapturedStep)
         self._statistics: Dict[int, StatisticsHistory] = {}  # call -> historical BatchNorm sums (:mod:`.statistics`)

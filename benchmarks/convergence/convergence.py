@@ -9,7 +9,8 @@ best validation accuracy, mean ± spread (min .. max) over the seeds, and its di
 process. graph_parallel is not run: it is exact (equal to one process within 1e-5, tested), so its
 curves are the one-process ones.
 
-Modes (``PipelineConfig`` knobs; T1 = chunk shuffling, T2 = snapshots every 23 steps, T3 = unbiased
+Modes (``PipelineConfig`` knobs; T1 = chunk shuffling, T2 = snapshots every 11 steps (23
+before 2026-11-26: the tables of docs/convergence.md measured before then say so), T3 = unbiased
 gradient scaling)::
 
     t1-t3     the defaults
@@ -22,7 +23,8 @@ gradient scaling)::
     age0-noT3      max_age=0 without T3 (a probe of the max_age=0 result in docs)
     late      the defaults and late_gradients=True (stale reads' gradients reach their owners next step;
               no T3 scaling then); late-noT1 the same without shuffling; age0-late with max_age=0
-    period5 / period11   the defaults with snapshot_period=5 / 11 (T2's anchor renewed more often than 23)
+    period5 / period11   the defaults with snapshot_period=5 / 11 (measured against the old default 23)
+    hist-bf16 the defaults and history_dtype=torch.bfloat16 (historical rows kept in bf16)
     smooth    the defaults and smoothing=0.5 (stale rows read as a moving average over steps, PipeGCN)
     smooth-none    smoothing=0.5 without T1-T3 (PipeGCN's setting)
     bn-chunk  the defaults and per_chunk_statistics=True (each chunk's own statistics)
@@ -76,6 +78,7 @@ MODES = {
     "smooth-none": dict(shuffle_chunks=False, snapshot_period=None, unbiased_gradients=False, smoothing=0.5),
     "period5": dict(snapshot_period=5),
     "period11": dict(snapshot_period=11),
+    "hist-bf16": dict(history_dtype=torch.bfloat16),
     "bn-chunk": dict(per_chunk_statistics=True),
     "bn-history": dict(per_chunk_statistics="history"),
 }

@@ -68,7 +68,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         self,
         num_chunks: Optional[int] = None,
         shuffle_chunks: bool = True,
-        snapshot_period: Optional[int] = 23,
+        snapshot_period: Optional[int] = 11,
         unbiased_gradients: bool = True,
         late_gradients: bool = False,
         balance: Union[str, Sequence[int]] = "time",

@@ -162,6 +162,7 @@ def run_pipe(args) -> None:
                 self.sizes = list(engine.plan.sizes)
 
     memory = dict(recompute={"on": True, "off": False}.get(args.recompute, "auto"),
+                  history_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.history_dtype),
                   offload=None if args.offload == "none" else args.offload,
                   offload_budget=None if args.offload_budget < 0 else args.offload_budget)
     fused = dict(fused_kernels=bool(args.fused_kernels))
@@ -190,7 +191,7 @@ def run_pipe(args) -> None:
 def launch(args, mode: str, **extra) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode]
     for k in ("graph", "model", "nodes", "degree", "features", "classes", "layers", "hidden", "epochs", "procs",
-              "threads_single", "snapshot_period", "trace", "device", "input", "fused_kernels"):
+              "threads_single", "snapshot_period", "trace", "device", "input", "fused_kernels", "history_dtype"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k, ""))]
     for k, v in extra.items():
         cmd += [f"--{k}", str(v)]
@@ -225,6 +226,8 @@ def main():
     p.add_argument("--strategy", choices=["gnnpipe", "graph_parallel", "hybrid"], default="gnnpipe",
                    help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--history-dtype", dest="history_dtype", choices=["none", "bf16", "fp16"], default="none",
+                   help="GNNPipeStrategy(history_dtype=...)")
     p.add_argument("--recompute", choices=["auto", "on", "off"], default="auto",
                    help="GNNPipeStrategy(recompute=...)")
     p.add_argument("--offload", choices=["none", "host", "disk"], default="none",

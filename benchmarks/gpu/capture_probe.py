@@ -1,6 +1,6 @@
 """Can a training step be captured as a CUDA graph, and what would a captured step cost? (a probe)
 
-Before building captured chunk programs (design.md §12) this asks the device three questions, on the
+Before building captured chunk programs (design.md §12) this asks the device two questions, on the
 16-layer GCNII of ``gpu_summary.py`` (20k-vertex community graph, ``adj_t``, fused kernels):
 
 1. plain PyG's forward + backward captured whole (``torch.cuda.graph``) against the same uncaptured: the
@@ -9,9 +9,10 @@ Before building captured chunk programs (design.md §12) this asks the device th
 2. the engine streaming 4 chunks on one device, forward + backward captured whole the same way: whether the
    capture succeeds (a host synchronisation or a value-dependent allocation inside the engine's step makes
    it raise; the error and the engine frame that caused it are printed), and if it does, the replay's time
-   and its gradients against the uncaptured step;
-3. one chunk-sized layer call (a GCN2Conv on a quarter of the graph) captured against uncaptured: the
-   floor of a captured (chunk, layer) program's cost.
+   and its gradients against the uncaptured step.
+
+(A third question, one chunk-sized GCN2Conv call captured alone, was dropped after its first run: PyG's
+layer copied a CPU tensor during the capture, which a capture refuses; docs/benchmarks.md, third GPU run.)
 
     python benchmarks/gpu/capture_probe.py --out docs/results/gpu/capture_probe.json
 
@@ -104,36 +105,6 @@ def capture_step(model, x, graph, y, idx) -> dict:
     return result
 
 
-def layer_call(nodes: int, chunks: int, dev) -> dict:
-    """One GCN2Conv call on a chunk-sized graph, captured against uncaptured (forward + backward)."""
-    import torch
-    from torch_geometric.nn import GCN2Conv
-    from torch_geometric.utils import to_torch_csr_tensor
-
-    from pyg_pipe.graph import sbm_graph
-    n = nodes // chunks
-    data = sbm_graph(n, num_classes=max(n // 125, 8), avg_degree=20.0, homophily=0.9, num_features=64, seed=0)
-    adj = to_torch_csr_tensor(data.edge_index.flip(0), size=(n, n)).to(dev)
-    conv = GCN2Conv(64, alpha=0.1, theta=0.5, layer=3, cached=True).to(dev)
-    x = torch.randn(n, 64, device=dev, requires_grad=True)
-    x0 = torch.randn(n, 64, device=dev)
-
-    def call():
-        conv(x, x0, adj).sum().backward()
-
-    eager = _median_ms(call, 20)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        conv(x, x0, adj).sum().backward()
-    return {"rows": n, "eager_ms": eager, "replay_ms": _median_ms(g.replay, 20)}
-
-
 def main() -> None:
     import torch
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -171,8 +142,6 @@ def main() -> None:
             report("stream_whole_step", capture_step(model, data.x, data.adj_t, y, idx))
     except Exception as exc:  # noqa: BLE001
         report("stream_whole_step", {"captured": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-    torch.cuda.synchronize()
-    report("layer_call", layer_call(args.nodes, args.chunks, dev))
 
 
 if __name__ == "__main__":

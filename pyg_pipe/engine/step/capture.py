@@ -185,9 +185,9 @@ class CapturedStep:
 
     # ------------------------------------------------------------------ validity
     def _now(self) -> tuple:
-        """What a replay depends on besides the inputs: where the weights are, which need gradients, every
-        module's plain attributes (numbers, strings, flags: ``training``, a coefficient the user schedules),
-        the autocast settings and the random number generators' seeds."""
+        """What a replay depends on besides the inputs: where the weights and buffers are, which weights need
+        gradients, every module's plain attributes (numbers, strings, flags: ``training``, a coefficient the
+        user schedules) and the autocast settings."""
         m = self.rt.module
         return (tuple((p.data_ptr(), p.requires_grad) for p in m.parameters()),
                 tuple(b.data_ptr() for b in m.buffers()),

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ...model.errors import UnsupportedModelError
-from ...model.inputs import CallInputs, graph_edges
+from ...model.inputs import CallInputs, graph_edges, same_structure
 from ...model.split import balance, parameter_stages, split, stage_groups
 from ...model.trace import Program, trace
 from ..config import PipelineConfig
@@ -82,7 +82,7 @@ class Plan:
         """Whether ``inputs`` carry the graphs this plan was made for (same structure)."""
         if len(inputs.graphs) != len(self.graphs) or inputs.num_nodes != self.num_nodes:
             return False
-        return all(_same_structure(a, b) for a, b in zip(self.graphs, inputs.graphs))
+        return all(same_structure(a, b) for a, b in zip(self.graphs, inputs.graphs))
 
     def state(self) -> dict:
         """The decisions, for checkpoints (:func:`make_plan` takes them back as ``saved``)."""
@@ -269,18 +269,6 @@ def graph_digest(graph: Tensor) -> int:
     """A checksum of a graph's structure (to recognise it in a checkpoint)."""
     src, dst, _ = graph_edges(graph)
     return zlib.crc32(torch.stack([src, dst]).cpu().numpy().tobytes())
-
-
-def _same_structure(a: Tensor, b: Tensor) -> bool:
-    if a is b:
-        return True
-    if a.layout != b.layout or a.shape != b.shape or a.device != b.device:
-        return False
-    if a.layout == torch.strided:
-        return torch.equal(a, b)
-    if a.layout == torch.sparse_csr:
-        return torch.equal(a.crow_indices(), b.crow_indices()) and torch.equal(a.col_indices(), b.col_indices())
-    return torch.equal(a.coalesce().indices(), b.coalesce().indices())
 
 
 def check_resume(saved: dict, stages: int, ways: int, num_chunks: int, inputs: CallInputs) -> None:

@@ -6,6 +6,8 @@ import lightning.pytorch as pl
 import torch
 
 from pyg_pipe import GNNPipeStrategy, GraphParallelStrategy
+from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
+from tests.harness import ranges
 from tests.lit import graph_loader
 
 EPOCHS = 3
@@ -36,3 +38,10 @@ def fit_exact(lit: pl.LightningModule, strategy: str, data, root) -> None:
 def assert_same_parameters(model, ref, atol: float = 1e-5) -> None:
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=atol, rtol=0, msg=name)
+
+
+def chunked_engine(model, chunks: int = 4, streaming: bool = False) -> GNNPipeEngine:
+    """The engine on ``model`` in this process: one stage, ``chunks`` chunks of consecutive vertices
+    (not installed)."""
+    return GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, partition=ranges, streaming=streaming),
+                         Comm(torch.device("cpu")), num_stages=1)

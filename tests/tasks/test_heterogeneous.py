@@ -8,8 +8,7 @@ from torch import nn
 from torch_geometric.data import HeteroData
 from torch_geometric.nn import RGCNConv
 
-from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
-from tests.harness import ranges
+from tests.tasks.common import chunked_engine
 
 
 class TypedNet(nn.Module):
@@ -41,8 +40,7 @@ def test_a_heterogeneous_graph_converted_to_homogeneous_runs_exactly_on_chunks()
     torch.manual_seed(0)
     model = TypedNet(relations)
     plain = copy.deepcopy(model)
-    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=4, partition=ranges, streaming=False),
-                           Comm(torch.device("cpu")), num_stages=1)
+    engine = chunked_engine(model)
     engine.install()
     try:
         with torch.no_grad():

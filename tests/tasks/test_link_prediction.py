@@ -14,13 +14,11 @@ from torch import nn
 from torch_geometric.nn import GCNConv
 
 from pyg_pipe import GraphParallelStrategy
-from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
 from pyg_pipe.model.errors import UnsupportedModelError
 from pyg_pipe.model.find import layer_methods
-from tests.harness import ranges
 from tests.lit import graph_loader
 from tests.models import as_data, small_graph
-from tests.tasks.common import assert_same_parameters, fit_exact, trained_on_one_process
+from tests.tasks.common import assert_same_parameters, chunked_engine, fit_exact, trained_on_one_process
 from tests.zoo import zoo_graph
 
 
@@ -87,11 +85,6 @@ def test_link_predictor_trains_through_encode_as_on_one_device(strategy, tmp_pat
     assert_same_parameters(lit.model, ref)
 
 
-def _engine(model, chunks=4):
-    return GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, partition=ranges, streaming=False),
-                         Comm(torch.device("cpu")), num_stages=1)
-
-
 def test_encode_runs_on_chunks_and_decode_on_the_whole_output():
     """With 4 chunks on one process: inference exact, and the training call goes through the chunks (its
     halo rows come from history: a plan with 4 chunks exists and every chunk ran)."""
@@ -99,7 +92,7 @@ def test_encode_runs_on_chunks_and_decode_on_the_whole_output():
     torch.manual_seed(0)
     model = LinkNet(x.size(1))
     plain = copy.deepcopy(model)
-    engine = _engine(model)
+    engine = chunked_engine(model)
     engine.install()
     try:
         with torch.no_grad():
@@ -123,7 +116,7 @@ def test_a_forward_that_reaches_the_layers_through_encode_runs_as_written():
     torch.manual_seed(0)
     model = Scored(x.size(1))
     plain = copy.deepcopy(model)
-    engine = _engine(model)
+    engine = chunked_engine(model)
     engine.install()
     pairs = g["edge_index"][:, :40]
     try:
@@ -145,7 +138,7 @@ def test_a_method_that_stores_chunk_values_on_the_model_is_refused():
 
     x, g, _, _ = zoo_graph()
     model = Stores(x.size(1))
-    engine = _engine(model)
+    engine = chunked_engine(model)
     engine.install()
     try:
         with torch.no_grad(), pytest.raises(UnsupportedModelError, match=r"Stores\.encode stores tensors on the "
@@ -162,7 +155,7 @@ def test_a_second_method_is_refused_by_name():
 
     x, g, _, _ = zoo_graph()
     model = TwoWays(x.size(1))
-    engine = _engine(model, chunks=1)
+    engine = chunked_engine(model, chunks=1)
     engine.install()
     try:
         with torch.no_grad():
@@ -183,7 +176,7 @@ def test_a_method_not_handed_the_graph_runs_as_written():
             self.conv2.reset_parameters()
 
     model = Resettable()
-    engine = _engine(model)
+    engine = chunked_engine(model)
     engine.install()
     try:
         model.reset_parameters()

@@ -14,11 +14,9 @@ import torch
 from torch import nn
 from torch_geometric.nn import GCNConv, LightGCN
 
-from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
 from pyg_pipe.model.find import vertex_tables
-from tests.harness import ranges
 from tests.models import as_data, small_graph
-from tests.tasks.common import assert_same_parameters, fit_exact, trained_on_one_process
+from tests.tasks.common import assert_same_parameters, chunked_engine, fit_exact, trained_on_one_process
 from tests.zoo import zoo_graph
 
 
@@ -59,8 +57,7 @@ def test_lightgcn_on_chunks_is_exact_at_inference_and_on_the_first_step():
     torch.manual_seed(0)
     model = LightGCN(N, 8, num_layers=3)
     plain = copy.deepcopy(model)
-    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=4, partition=ranges, streaming=False),
-                           Comm(torch.device("cpu")), num_stages=1)
+    engine = chunked_engine(model)
     engine.install()
     pairs = ei[:, :30]
     try:
@@ -93,8 +90,7 @@ def test_features_looked_up_by_vertex_id_still_read_the_whole_table():
     torch.manual_seed(0)
     model = ById(N)
     plain = copy.deepcopy(model)
-    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=4, partition=ranges, streaming=False),
-                           Comm(torch.device("cpu")), num_stages=1)
+    engine = chunked_engine(model)
     engine.install()
     n_id = torch.arange(N)
     try:
@@ -123,8 +119,7 @@ def test_lightgcn_streamed_on_one_device_trains_as_plain_pyg():
     torch.manual_seed(0)
     model = LightGCN(N, 8, num_layers=3)
     plain = copy.deepcopy(model)
-    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=4, partition=ranges, streaming=True),
-                           Comm(torch.device("cpu")), num_stages=1)
+    engine = chunked_engine(model, streaming=True)
     engine.install()
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, plain)]
     pairs = ei[:, :30]

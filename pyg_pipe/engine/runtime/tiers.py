@@ -130,6 +130,8 @@ def free_memory(device: torch.device) -> int:
     still allocate, the allocator's unused reserve included, within ``torch.cuda.set_per_process_memory_fraction``
     when one is set (the driver's free memory ignores it)."""
     if device.type == "cuda":
+        if device.index is None:  # (get_per_process_memory_fraction wants an index)
+            device = torch.device("cuda", torch.cuda.current_device())
         free, total = torch.cuda.mem_get_info(device)
         allocated = torch.cuda.memory_allocated(device)
         free += torch.cuda.memory_reserved(device) - allocated

@@ -24,6 +24,34 @@ def test_knob_is_checked():
         PipelineConfig(cuda_graphs="yes").validate()
 
 
+def test_captured_graphs_own_their_leaves():
+    """``capture._Leaves``: inside the block each parameter that needs a gradient is an alias of its storage
+    in every module that holds it (a tied one in both); gradients land in the aliases, not in ``.grad``;
+    everything is back in place after the block."""
+    from pyg_pipe.engine.step.capture import _Leaves
+    torch.manual_seed(0)
+    model = GCN(8, 16, num_layers=2, out_channels=3)
+    tied = torch.nn.ModuleDict({"a": model, "b": torch.nn.Linear(3, 3)})
+    tied["b"].weight.requires_grad_(False)
+    x, g, y, mask = zoo_graph()
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(x, g["edge_index"]), y).backward()
+    params = dict(tied.named_parameters())
+    old = model(x, g["edge_index"]).sum()  # a graph of an earlier step, still alive
+    with _Leaves(tied) as leaves:
+        for m in tied.modules():
+            for name, p in m._parameters.items():
+                assert not isinstance(p, torch.nn.Parameter) or not p.requires_grad
+        F.cross_entropy(model(x, g["edge_index"]), y).backward()
+    assert dict(tied.named_parameters()) == params and all(p.grad is None for p in params.values())
+    assert len(leaves.pairs) == sum(p.requires_grad for p in tied.parameters())
+    for (p, alias), ref in zip(leaves.pairs, reference.parameters()):
+        assert alias.data_ptr() == p.data_ptr()
+        torch.testing.assert_close(alias.grad, ref.grad, atol=1e-6, rtol=0)
+    old.backward()  # the earlier graph still reaches the parameters themselves
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_no_capture_off_cuda():
     x, g, y, mask = zoo_graph()
     model = gcnii(8, 12, 3, 2)
@@ -39,7 +67,9 @@ def test_no_capture_off_cuda():
 
 def _steps(model, x, graph, y, mask, n, change=None, fresh=False):
     """``n`` Adam steps; the outputs and the gradients of each. ``change(step, x, model)``: called before each;
-    ``fresh``: the model gets a new copy of ``x`` each step (as Lightning moves the batch to the device)."""
+    ``fresh``: the model gets a new copy of ``x`` each step (as Lightning moves the batch to the device).
+    Like any plain loop it holds the last step's ``out`` and ``loss`` (and so that step's autograd graph)
+    while the next forward runs, the capture's included: what broke captures before ``capture._Leaves``."""
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     outs, grads = [], []
     for step in range(n):
@@ -104,11 +134,16 @@ def _adj_t(ei, n):
     return to_torch_csr_tensor(ei.flip(0), size=(n, n))
 
 
+_KEPT_INSIDE_GCN = pytest.mark.xfail(
+    reason="measured on an H100 (2026-11-26): PyG's GCN on edge_index keeping activations inside the capture "
+           "fails to capture; why is not known yet (stream.KEEP_WHEN_CAPTURED stays off)", strict=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recompute", [True, False, "kept-inside"], ids=["replayed", "kept", "kept-inside"])
 @pytest.mark.parametrize("model,graph,fused", [
     ("gcnii", "edge_index", False), ("gcnii", "adj_t", True), ("GCN", "edge_index", False)])
-def test_captured_training_equals_uncaptured(model, graph, fused, recompute, monkeypatch):
+def test_captured_training_equals_uncaptured(model, graph, fused, recompute, monkeypatch, request):
     """Seven Adam steps (two eager, the capture, four replays): every output, gradient and weight equals
     the uncaptured run's; with ``adj_t`` and the fused kernels too (a kernel on another stream would be
     missing from the replays). ``recompute=False``: the uncaptured steps keep each chunk's activations,
@@ -117,6 +152,8 @@ def test_captured_training_equals_uncaptured(model, graph, fused, recompute, mon
     from pyg_pipe.engine.step import stream
     if recompute == "kept-inside":
         monkeypatch.setattr(stream, "KEEP_WHEN_CAPTURED", True)
+        if model == "GCN":
+            request.applymarker(_KEPT_INSIDE_GCN)
         recompute = False
     torch.set_default_dtype(torch.float64)
     try:

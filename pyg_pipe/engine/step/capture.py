@@ -13,8 +13,9 @@ chunk and layer, docs/benchmarks.md "On a GPU"), so it is captured (``torch.cuda
                           backward: the output gradient into B's static input, replay B, then every
                           parameter's gradient += what B left in its static gradient
 
-B runs with every parameter's ``.grad`` set to ``None``, so what it leaves there is this step's gradient
-alone; it is added to (or becomes) the gradient the user holds, as an uncaptured backward does. Replays
+Both are captured on aliases of the parameters (:class:`_Leaves`: the same storage, autograd leaves of
+their own), so B leaves this step's gradient alone in the aliases' ``.grad``; after each replay it is added
+to (or becomes) the gradient the user holds, as an uncaptured backward does. Replays
 read the weights where they were at capture, and the inputs from buffers of the captured step that each
 replay copies the call's inputs into (a new tensor every step, as Lightning's move of the batch to the
 device gives, is fine). A replay is refused (the call runs eager, and is captured again after ``WARMUP``
@@ -27,8 +28,9 @@ any in its forward (dropout) is not captured (one log line); nor a plan whose st
 on the device (``offload``), nor a capture that fails (a host synchronisation, a value-dependent
 allocation: the error is logged). The compiled kernels (``extensions/``) launch on the current stream, so
 they are part of the graphs; the equality of captured and uncaptured training (tests/engine/test_capture.py,
-tests/test_gpu.py) is the check. A captured step replays each chunk's forward in its backward (kept
-activations, ``recompute=False`` in :mod:`.stream`, are not yet checked inside a capture on a GPU).
+tests/test_gpu.py) is the check. A captured step replays each chunk's forward in its backward: keeping
+activations inside the capture (``KEEP_WHEN_CAPTURED`` in :mod:`.stream`) was measured faster on an H100
+(docs/benchmarks.md, "Fourth GPU run") but failed to capture PyG's ``GCN`` there, so it stays off.
 """
 from __future__ import annotations
 
@@ -139,31 +141,23 @@ class CapturedStep:
 
     def _capture(self, inputs: CallInputs, store: Store) -> None:
         rt, dev = self.rt, self.device
-        params = [p for p in rt.module.parameters() if p.requires_grad]
-        held = [p.grad for p in params]
         fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(dev)
         torch.clear_autocast_cache()
-        try:
-            for p in params:
-                p.grad = None
-            static = self._static_inputs(inputs)
-            with _uncached_autocast(dev):
-                with torch.cuda.graph(fwd, pool=pool):
-                    out, record = stream.forward(rt, static, True, store)
-                self.grad_in = torch.zeros_like(out)
-                with torch.cuda.graph(bwd, pool=pool):
-                    stream.backward(self.grad_in, record)
-            self.grads = [(p, p.grad) for p in params if p.grad is not None]
-        finally:
-            for p, g in zip(params, held):
-                p.grad = g
+        static = self._static_inputs(inputs)
+        with _uncached_autocast(dev), _Leaves(rt.module) as leaves:
+            with torch.cuda.graph(fwd, pool=pool):
+                out, record = stream.forward(rt, static, True, store)
+            self.grad_in = torch.zeros_like(out)
+            with torch.cuda.graph(bwd, pool=pool):
+                stream.backward(self.grad_in, record)
+        self.grads = [(p, a.grad) for p, a in leaves.pairs if a.grad is not None]
         self.out, self.structure, self.graphs = out, record.structure, (fwd, bwd)
         # the graphs read tensors made before the capture at their addresses (cached cuts, normalisations, index
         # tensors): hold every one the record and the runtime's caches hold now, so none is freed and reused
-        self._alive = (record, dict(rt.layer_cache), {k: (dict(v) if isinstance(v, dict) else v)
-                                                      for k, v in rt.adjacency.items()})
+        self._alive = (record, leaves, dict(rt.layer_cache), {k: (dict(v) if isinstance(v, dict) else v)
+                                                              for k, v in rt.adjacency.items()})
         self.captures += 1
         self._signature = self._now()
         log.info("pyg_pipe: the streamed step is captured as CUDA graphs (%d chunks; replays from the next call; "
@@ -251,6 +245,39 @@ class CapturedStep:
         self._drop()
         self.off = why
         log.info("pyg_pipe: the streamed step runs uncaptured: %s.", why)
+
+
+class _Leaves:
+    """Inside the block every parameter that needs a gradient is replaced in its module by an alias of its
+    storage (``p.detach().requires_grad_()``): the captured graphs own their autograd leaves. A parameter's
+    own leaf node is shared with whatever graph of an earlier step is still alive (a user who holds the last
+    step's loss, as a plain ``for`` loop does while the next forward runs), and that node belongs to the
+    stream it was made on: a capture reaching it synchronises with the default stream, which breaks the
+    capture. Weights stay where they are (optimisers update them in place; a replay reads them there);
+    gradients land in each alias's ``.grad`` (:meth:`CapturedStep.replay_backward` adds them to the
+    parameter's)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module, self.pairs, self._swapped = module, [], []
+
+    def __enter__(self) -> "_Leaves":
+        alias = {}
+        for p in self.module.parameters():
+            if p.requires_grad:
+                alias[id(p)] = p.detach().requires_grad_()
+                self.pairs.append((p, alias[id(p)]))
+        for m in self.module.modules():
+            for name, p in m._parameters.items():
+                if p is not None and id(p) in alias:
+                    m._parameters[name] = alias[id(p)]
+                    self._swapped.append((m, name, p))
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        for m, name, p in self._swapped:
+            m._parameters[name] = p
+        self._swapped = []
+        return False
 
 
 def _flat(inputs: CallInputs) -> list:

@@ -56,8 +56,9 @@ from .checks import check_output, row_check
 from .chunk import SavedBytes, rng_state, same_rng
 
 
-#: whether a step captured as CUDA graphs (:mod:`.capture`) keeps activations too; off until the GPU tests and
-#: benchmark that set it (tests/engine/test_capture.py, benchmarks/gpu/gpu_summary.py) have run on a GPU
+#: whether a step captured as CUDA graphs (:mod:`.capture`) keeps activations too. Measured on an H100
+#: (docs/benchmarks.md "Fourth GPU run"): 1.4-1.5x faster than a capture that replays, equal results for
+#: GCNII, but PyG's GCN on edge_index failed to capture; off until that is understood
 KEEP_WHEN_CAPTURED = False
 
 

@@ -15,12 +15,15 @@ def main():
     from pyg_pipe import ops
     p = argparse.ArgumentParser()
     p.add_argument("--nodes", type=int, default=200_000)
+    p.add_argument("--keep", action="store_true",
+                   help="also the captured step keeping activations (stream.KEEP_WHEN_CAPTURED)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     dev = torch.device("cuda")
     data, model = build(_ns(a.nodes))
     data, model = data.to(dev), model.to(dev)
     plain = copy.deepcopy(model)
+    kept = copy.deepcopy(model)
     out = {}
     with ops.fused_kernels():
         ops.fuse_messages(plain)
@@ -30,7 +33,17 @@ def main():
         step()  # (profile() runs two more eager steps: the capture is its third)
         out["stream_captured"] = profile(step, 2)
         out["captured"] = engine.runtime.captured.graphs is not None
-    for k in ("plain", "stream_captured"):
+    keys = ["plain", "stream_captured"]
+    if a.keep:
+        from pyg_pipe.engine.step import stream
+        stream.KEEP_WHEN_CAPTURED = True
+        with _Engine(kept, dev, num_chunks=4, recompute=False) as engine:
+            step = _step_fn(kept, data)
+            step()
+            out["stream_captured_kept"] = profile(step, 2)
+            out["captured_kept"] = engine.runtime.captured.graphs is not None
+        keys.append("stream_captured_kept")
+    for k in keys:
         print(k, round(out[k]["gpu_busy_ms"], 1), "ms busy")
         for row in out[k]["top_gpu_kernels"][:12]:
             print("   ", row)

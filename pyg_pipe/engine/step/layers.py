@@ -42,6 +42,7 @@ Layers holding graph-wide statistics (a BatchNorm in a message MLP) also get hoo
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -380,12 +381,24 @@ def _swap_cache(ctx: ChunkContext, inv: Invocation, module) -> None:
     if not getattr(module, "cached", False):
         return
     mine = ctx.cache.get((id(module), id(inv.cg), inv.lg.index), {})
-    for attr in [k for k in vars(module) if k.startswith("_cached")]:
+    for attr in _cache_attrs(module):
         inv.restore.setdefault(attr, getattr(module, attr))
         setattr(module, attr, mine.get(attr))
 
 
 def _store_cache(ctx: ChunkContext, inv: Invocation, module) -> None:
     if getattr(module, "cached", False):
-        ctx.cache[(id(module), id(inv.cg), inv.lg.index)] = {
-            k: getattr(module, k) for k in vars(module) if k.startswith("_cached")}
+        ctx.cache[(id(module), id(inv.cg), inv.lg.index)] = {k: getattr(module, k) for k in _cache_attrs(module)}
+
+
+_CACHE_ATTRS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _cache_attrs(module) -> tuple:
+    """The ``_cached*`` attributes of a ``cached=True`` layer (PyG's ``_cached_edge_index``, ...), looked up
+    once per layer and again only when its attributes change in number."""
+    n = len(vars(module))
+    hit = _CACHE_ATTRS.get(module)
+    if hit is None or hit[0] != n:
+        hit = _CACHE_ATTRS[module] = (n, tuple(k for k in vars(module) if k.startswith("_cached")))
+    return hit[1]

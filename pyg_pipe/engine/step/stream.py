@@ -73,7 +73,7 @@ class StreamRecord:
     store: Store
     barriers: List[List[str]]                             # per group: its barrier sites, in pass order
     rng: Dict[Tuple[int, int], tuple] = field(default_factory=dict)
-    caches: Dict[Tuple[int, int], dict] = field(default_factory=dict)
+    caches: Optional[Dict[int, dict]] = None                  # per chunk: cached=True layers' entries at the start
     received: List[List[str]] = field(default_factory=list)   # per group: the names it receives
     structure: Any = None                                     # how the model's output unpacks (tree.unpack_rows)
     kept: Dict[Tuple[int, int], "_Ran"] = field(default_factory=dict)  # (group, chunk) run with autograd kept
@@ -222,9 +222,9 @@ def _run(rt: Runtime, record: StreamRecord, g: int, c: int, halo: StreamHalo, gr
     lg = cg.chunks[c]
     store = record.store
     stats = Statistics(rt.comm, None, None, lg.rows, update_running=True, replay=not moves)
-    if (g, c) not in record.caches:  # cached=True layers: every run of this step sees the cache as it was
-        record.caches[(g, c)] = {k: v for k, v in rt.layer_cache.items() if _cache_of(k, c)}
-    cache = _CacheView(rt.layer_cache, record.caches[(g, c)], c)
+    if record.caches is None:  # cached=True layers: every run of this step sees the cache as it was
+        record.caches = _by_chunk(rt.layer_cache)
+    cache = _CacheView(rt.layer_cache, record.caches.get(c, {}), c)
     ctx = ChunkContext(cg, lg, halo, record.localizer.resolver(c, rt.derive), stats, cache, check, replay=False)
     leaves: List[Tuple[str, Tensor, Tensor]] = []
     chunk_leaves: Dict[str, Any] = {}
@@ -268,6 +268,18 @@ def _run(rt: Runtime, record: StreamRecord, g: int, c: int, halo: StreamHalo, gr
 def _cache_of(key, c: int) -> bool:
     """Whether ``key`` of the layer cache is a ``cached=True`` layer's entry for chunk ``c`` (:mod:`.layers`)."""
     return isinstance(key, tuple) and len(key) == 3 and key[2] == c and isinstance(key[0], int)
+
+
+def _by_chunk(layer_cache: dict) -> Dict[int, dict]:
+    """The ``cached=True`` layers' entries of the layer cache, per chunk, as they are now (one pass). A layer
+    writes its entry for chunk ``c`` only while it runs on ``c``, so this snapshot at the start of the step
+    is what each (group, chunk) found at its own first run (a layer called in two groups finds no entry of
+    this step's first group in the second: it computes the same normalisation once more)."""
+    out: Dict[int, dict] = {}
+    for k, v in layer_cache.items():
+        if isinstance(k, tuple) and len(k) == 3 and isinstance(k[0], int):
+            out.setdefault(k[2], {})[k] = v
+    return out
 
 
 class _CacheView(dict):

@@ -38,6 +38,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 CUDA = False  # --device cuda: times after a device synchronize, memory = the CUDA allocator's (set in main)
 
 
+
+def _default_snapshot_period() -> int:
+    import inspect
+    from pyg_pipe.strategies.gnnpipe import GNNPipeStrategy
+    return inspect.signature(GNNPipeStrategy).parameters["snapshot_period"].default
+
 def rss_mb() -> float:
     """Memory held now: resident set size (CPU) or what the CUDA allocator holds."""
     if CUDA:
@@ -219,8 +225,8 @@ def main():
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--threads-single", dest="threads_single", type=int, default=2)
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 8])
-    p.add_argument("--snapshot-period", dest="snapshot_period", type=int, default=23,
-                   help="GNNPipeStrategy(snapshot_period=...); 0 turns snapshots off")
+    p.add_argument("--snapshot-period", dest="snapshot_period", type=int, default=_default_snapshot_period(),
+                   help="GNNPipeStrategy(snapshot_period=...), default: the strategy's; 0 turns snapshots off")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--worker", choices=["single", "pipe"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--strategy", choices=["gnnpipe", "graph_parallel", "hybrid"], default="gnnpipe",

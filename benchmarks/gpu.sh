@@ -4,13 +4,15 @@
 #      GPU and through Lightning equal to plain PyG (also under bf16-mixed), the captured streamed step (CUDA graphs)
 #      equal to the uncaptured one, 2 processes on one GPU over gloo with the transport
 #      staging through host memory, gnnpipe over NCCL when there are two GPUs);
-#   2. benchmarks/gpu/gpu_summary.py: the GPU issue's figures in one summary.json (streamed epoch against plain
+#   2. benchmarks/gpu/diagnose_capture.py: the last operations before the one capture measured failing
+#      (PyG's GCN keeping activations inside the capture; prints only);
+#   3. benchmarks/gpu/gpu_summary.py: the GPU issue's figures in one summary.json (streamed epoch against plain
 #      PyG at 20k and 200k vertices, host time per chunk and layer, GPU busy share and copies per step,
 #      the largest graph plain PyG and streaming train under a memory cap, 2 processes on one GPU);
 #   with GPU_FULL=1 also
-#   3. the fused kernels against cuSPARSE (torch.sparse.mm) and PyG's scatter path, with the kernel's
+#   4. the fused kernels against cuSPARSE (torch.sparse.mm) and PyG's scatter path, with the kernel's
 #      achieved bandwidth (benchmarks/kernels/aggregate.py --device cuda);
-#   4. one engine epoch on CUDA (benchmarks/speed/gnnpipe_epoch.py) and a profile of one GPU's step
+#   5. one engine epoch on CUDA (benchmarks/speed/gnnpipe_epoch.py) and a profile of one GPU's step
 #      (benchmarks/gpu/gpu_profile.py: wall time against GPU busy time, host synchronisations and copies).
 # A failing step does not stop the later ones (the script exits non-zero at the end if one failed).
 # Results go to $OUT (default docs/results/gpu). Without a CUDA device it says so and exits 0.
@@ -31,6 +33,7 @@ procs=$(( gpus >= 2 ? 2 : 1 ))
 failed=0
 step() { echo "+ $*"; "$@" || { echo "benchmarks/gpu.sh: failed: $*"; failed=1; }; }
 step bash -c "set -o pipefail; python -m pytest -q -m gpu tests 2>&1 | tee '$out/tests.txt'"
+step bash -c "set -o pipefail; python benchmarks/gpu/diagnose_capture.py 2>&1 | tee '$out/diagnose_capture.txt'"
 step bash -c "set -o pipefail; PYTHONUNBUFFERED=1 python benchmarks/gpu/gpu_summary.py --out '$out/summary.json' \
     --sweep-seconds ${GPU_SWEEP_SECONDS:-75} 2>&1 | tee '$out/summary.txt'"
 if [ "${GPU_FULL:-0}" = "1" ]; then

@@ -134,26 +134,19 @@ def _adj_t(ei, n):
     return to_torch_csr_tensor(ei.flip(0), size=(n, n))
 
 
-_KEPT_INSIDE_GCN = pytest.mark.xfail(
-    reason="measured on an H100 (2026-11-26): PyG's GCN on edge_index keeping activations inside the capture "
-           "fails to capture; why is not known yet (stream.KEEP_WHEN_CAPTURED stays off)", strict=False)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("recompute", [True, False, "kept-inside"], ids=["replayed", "kept", "kept-inside"])
 @pytest.mark.parametrize("model,graph,fused", [
     ("gcnii", "edge_index", False), ("gcnii", "adj_t", True), ("GCN", "edge_index", False)])
-def test_captured_training_equals_uncaptured(model, graph, fused, recompute, monkeypatch, request):
+def test_captured_training_equals_uncaptured(model, graph, fused, recompute, monkeypatch):
     """Seven Adam steps (two eager, the capture, four replays): every output, gradient and weight equals
     the uncaptured run's; with ``adj_t`` and the fused kernels too (a kernel on another stream would be
     missing from the replays). ``recompute=False``: the uncaptured steps keep each chunk's activations,
-    the captured one replays them; ``"kept-inside"``: the captured one keeps them too (not on by default
-    until this has passed on a GPU: ``stream.KEEP_WHEN_CAPTURED``)."""
+    the captured one replays them; ``"kept-inside"``: the captured one keeps them too (not on by default:
+    ``stream.KEEP_WHEN_CAPTURED``), or, where that capture fails, captures again replaying them."""
     from pyg_pipe.engine.step import stream
     if recompute == "kept-inside":
         monkeypatch.setattr(stream, "KEEP_WHEN_CAPTURED", True)
-        if model == "GCN":
-            request.applymarker(_KEPT_INSIDE_GCN)
         recompute = False
     torch.set_default_dtype(torch.float64)
     try:
@@ -164,7 +157,9 @@ def test_captured_training_equals_uncaptured(model, graph, fused, recompute, mon
         torch.set_default_dtype(torch.float32)
     assert runs[0][2] is None or runs[0][2].graphs is None  # (cuda_graphs=False: nothing captured)
     captured = runs[1][2]
-    assert captured.off is None and captured.captures == 1 and captured.replays == 5
+    # a capture keeping activations that fails (measured for PyG's GCN on an H100) is taken again after the
+    # warm-up, replaying them: steps 2-4 eager, the capture at step 5
+    assert captured.off is None and captured.captures == 1 and captured.replays == (5 if captured.keep_inside else 2)
     _assert_same(runs)
 
 

@@ -30,7 +30,8 @@ allocation: the error is logged). The compiled kernels (``extensions/``) launch 
 they are part of the graphs; the equality of captured and uncaptured training (tests/engine/test_capture.py,
 tests/test_gpu.py) is the check. A captured step replays each chunk's forward in its backward: keeping
 activations inside the capture (``KEEP_WHEN_CAPTURED`` in :mod:`.stream`) was measured faster on an H100
-(docs/benchmarks.md, "Fourth GPU run") but failed to capture PyG's ``GCN`` there, so it stays off.
+(docs/benchmarks.md, "Fourth GPU run") but failed to capture PyG's ``GCN`` there, so it stays off; where
+it is on and such a capture fails, the step is captured again after the warm-up, replaying activations.
 """
 from __future__ import annotations
 
@@ -91,6 +92,7 @@ class CapturedStep:
         self.captures = 0
         self.replays = 0
         self.off: Optional[str] = None             # why this plan stays eager
+        self.keep_inside = True                    # False after a capture keeping activations failed
         self.graphs: Optional[Tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]] = None
         self.out: Optional[Tensor] = None
         self.grad_in: Optional[Tensor] = None
@@ -133,11 +135,21 @@ class CapturedStep:
                 torch.cuda.synchronize(self.device)
                 store.clear()
                 self.graphs = None
-                self._stop(f"the capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+                why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                if self._keeps_inside():  # once more after the warm-up, replaying activations as by default
+                    self.keep_inside, self.warm = False, 0
+                    log.info("pyg_pipe: the capture keeping activations failed (%s); capturing again, replaying "
+                             "them", why)
+                else:
+                    self._stop(f"the capture failed ({why})")
                 return stream.forward(self.rt, inputs, True, store)
         self.graphs[0].replay()
         self.replays += 1
         return self.out.clone(), Replay(self)
+
+    def _keeps_inside(self) -> bool:
+        """Whether a capture now keeps activations (:data:`.stream.KEEP_WHEN_CAPTURED`, not yet failed here)."""
+        return stream.KEEP_WHEN_CAPTURED and self.keep_inside and self.rt.stream_keep is True
 
     def _capture(self, inputs: CallInputs, store: Store) -> None:
         rt, dev = self.rt, self.device

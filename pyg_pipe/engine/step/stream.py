@@ -89,7 +89,7 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
     record = StreamRecord(rt, inputs, Localizer(inputs, rt.chunked, rt.adjacency, rt.tables, rt.keep_inputs), runners, store, [])
     checking = row_check(rt, cg.chunks[0].rows) is not None  # the first pass of this mode checks every group
     capturing = cg.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    keep = train and rt.stream_keep is True and (KEEP_WHEN_CAPTURED or not capturing)
+    keep = train and rt.stream_keep is True and (not capturing or (KEEP_WHEN_CAPTURED and rt.captured.keep_inside))
     out_full = None
     for g, runner in enumerate(runners):
         record.received.append(list(runner.stage.inputs) if g > 0 else [])  # (one untraced group: g = 0)

@@ -39,6 +39,10 @@ CUDA = False  # --device cuda: times after a device synchronize, memory = the CU
 
 
 
+
+def _chunks_arg(value: str):
+    return value if value == "auto" else int(value)
+
 def _default_snapshot_period() -> int:
     import inspect
     from pyg_pipe.strategies.gnnpipe import GNNPipeStrategy
@@ -152,6 +156,7 @@ def run_pipe(args) -> None:
     class Timer(pl.Callback):
         times, losses, hwm = [], [], []  # hwm: the process's peak so far after setup and after each step
         sizes = None                      # layer groups per stage (the plan's split)
+        chunks, notes = None, []          # the plan's chunk count, and what num_chunks='auto' said
 
         def on_train_start(self, trainer, *a):
             self.hwm.append(peak_mb())
@@ -166,6 +171,9 @@ def run_pipe(args) -> None:
             engine = getattr(trainer.strategy, "engine", None)
             if self.sizes is None and engine is not None and engine.plan is not None and engine.plan.sizes:
                 self.sizes = list(engine.plan.sizes)
+            if engine is not None and engine.plan is not None:
+                self.chunks = engine.plan.num_chunks
+                self.notes = [n for n in engine.notes if "num_chunks='auto'" in n]
 
     memory = dict(recompute={"on": True, "off": False}.get(args.recompute, "auto"),
                   history_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.history_dtype),
@@ -186,7 +194,7 @@ def run_pipe(args) -> None:
                          enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer])
     trainer.fit(Module(), datamodule=pyg_pipe.FullGraphDataModule(data))
     rank = trainer.global_rank
-    out = {"rank": rank, "times": timer.times, "sizes": timer.sizes, "losses": timer.losses, "hwm_mb": timer.hwm, "peak_mb": peak_mb(),
+    out = {"rank": rank, "times": timer.times, "sizes": timer.sizes, "chunks": timer.chunks, "notes": timer.notes, "losses": timer.losses, "hwm_mb": timer.hwm, "peak_mb": peak_mb(),
            "base_mb": base,
            "comm": strategy.comm_history[-1] if strategy.comm_history else {},
            "timeline": {k[5:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("time/")}}
@@ -224,7 +232,8 @@ def main():
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--threads-single", dest="threads_single", type=int, default=2)
-    p.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--chunks", type=_chunks_arg, nargs="+", default=[1, 4, 8],
+                   help="chunk counts to run, or 'auto' (num_chunks='auto': the plan's cost model chooses)")
     p.add_argument("--snapshot-period", dest="snapshot_period", type=int, default=_default_snapshot_period(),
                    help="GNNPipeStrategy(snapshot_period=...), default: the strategy's; 0 turns snapshots off")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -304,6 +313,10 @@ def main():
             comm = ranks[0]["comm"]
             want = gnnpipe_bytes(args.nodes, args.procs, width=args.hidden, out_width=args.classes,
                                  carried_width=args.hidden if args.model == "gcnii" else 0)  # GCNII carries x0
+            if c == "auto":
+                c = f"auto:{ranks[0]['chunks']}"
+                results["auto_notes"] = ranks[0]["notes"]
+                print(*ranks[0]["notes"], flush=True)
             rows.append((c, t, t / t_single, peak, peak / m_single, net, net / max(net_single, 1e-9),
                          comm.get("total", 0), want["total"], t / t_single_k))
             tl = ranks[0].get("timeline", {})
@@ -312,7 +325,8 @@ def main():
                 results[f"timeline_c{c}"] = tl
                 print(f"gnnpipe, {c} chunks, per step (the largest over the ranks): compute {tl['compute']:.3f} s, "
                       f"wait {tl['wait']:.3f} s, bubble {tl['bubble']:.3f} s; bubble share {tl['bubble_share']:.3f} "
-                      f"(GPipe formula (S-1)/(C+S-1) = {bubble_share(args.procs, c):.3f})", flush=True)
+                      f"(GPipe formula (S-1)/(C+S-1) = {bubble_share(args.procs, int(str(c).split(':')[-1])):.3f})",
+                      flush=True)
     print(f"\nsetting: {results['setting']}")
     graph = "sparse CSR" if args.input == "adj_t" else "edge_index"
     print(f"single process ({args.threads_single} threads, {graph}, cached): epoch {t_single:.3f} s, "

@@ -19,7 +19,9 @@ class PipelineConfig:
     Attributes:
         num_chunks: chunks the graph is cut into (``None``: 4 per stage for each way, one per way for a
             single stage; at most |V|). One chunk per way gives exact model parallelism; more chunks shrink
-            the pipeline bubble but read neighbours from historical embeddings.
+            the pipeline bubble but read neighbours from historical embeddings. ``"auto"``: the fewest chunks
+            a way whose predicted step is within 10 % of the fastest, from the model's layers timed once on
+            two chunkings (:mod:`.plan.chunk_cost`; logged, saved in checkpoints).
         shuffle_chunks: T1, a new chunk order every step (the same on every stage).
         snapshot_period: T2, historical embeddings snapshotted every this many steps and restored in
             between (``None``: off). 11 by default: as good as the GNNPipe authors' 23 or better in every
@@ -100,7 +102,7 @@ class PipelineConfig:
             as many bytes; :mod:`.runtime.ring`, docs/graph_parallel.md). Nothing changes without ways.
     """
 
-    num_chunks: Optional[int] = None
+    num_chunks: Optional[Union[int, str]] = None
     shuffle_chunks: bool = True
     snapshot_period: Optional[int] = 11
     unbiased_gradients: bool = True
@@ -126,19 +128,25 @@ class PipelineConfig:
     smoothing: Optional[float] = None
     halo_exchange: str = "all_to_all"
 
+    @property
+    def chunks_given(self) -> int:
+        """``num_chunks`` when it is a number, else 1 (``None`` or ``"auto"``: decided by the plan)."""
+        return self.num_chunks if isinstance(self.num_chunks, int) else 1
+
     def streams(self, devices: int) -> bool:
         """Whether a run on ``devices`` devices streams (``streaming="auto"``: one device, and several chunks
         or an offload tier or budget asked for)."""
         if self.streaming == "auto":
-            return devices == 1 and ((self.num_chunks or 1) > 1 or self.offload is not None
+            return devices == 1 and (self.chunks_given > 1 or self.offload is not None
                                      or self.offload_budget is not None)
         return bool(self.streaming)
 
     def validate(self) -> None:
         """Raises ``ValueError`` naming the first knob with a value the engine cannot use, and the fix."""
-        if self.num_chunks is not None and (not isinstance(self.num_chunks, int) or isinstance(self.num_chunks, bool)
-                                            or self.num_chunks < 1):
-            raise ValueError(f"num_chunks={self.num_chunks!r} must be a positive integer (or None for 4 per stage).")
+        if self.num_chunks is not None and self.num_chunks != "auto" and (
+                not isinstance(self.num_chunks, int) or isinstance(self.num_chunks, bool) or self.num_chunks < 1):
+            raise ValueError(f"num_chunks={self.num_chunks!r} must be a positive integer, 'auto' (from a measured cost "
+                             f"model) or None (4 per stage).")
         if self.snapshot_period is not None and (not isinstance(self.snapshot_period, int)
                                                  or isinstance(self.snapshot_period, bool) or self.snapshot_period < 1):
             raise ValueError(f"snapshot_period={self.snapshot_period!r} must be a positive integer, or None to "

@@ -66,7 +66,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
 
     def __init__(
         self,
-        num_chunks: Optional[int] = None,
+        num_chunks: Optional[Union[int, str]] = None,
         shuffle_chunks: bool = True,
         snapshot_period: Optional[int] = 11,
         unbiased_gradients: bool = True,

@@ -40,14 +40,14 @@ class HybridStrategy(GNNPipeStrategy):
 
     strategy_name = "gnnpipe_hybrid"
 
-    def __init__(self, stages: Optional[int] = None, ways: Optional[int] = None, num_chunks: Optional[int] = None,
+    def __init__(self, stages: Optional[int] = None, ways: Optional[int] = None, num_chunks: Optional[Union[int, str]] = None,
                  **kwargs: Any) -> None:
         for name, value in (("stages", stages), ("ways", ways)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer (or None to derive it from the "
                                  f"devices).")
         super().__init__(num_chunks=num_chunks, **kwargs)
-        if ways is not None and num_chunks is not None:
+        if ways is not None and isinstance(num_chunks, int):
             check_chunks_per_way(num_chunks, ways)
         self.stages, self.ways = stages, ways
 
@@ -65,11 +65,11 @@ class HybridStrategy(GNNPipeStrategy):
             if v is not None and P % v:
                 raise ValueError(f"{type(self).__name__}: {name}={v} does not divide the {P} devices; choose a "
                                  f"divisor of the device count.")
-        if W is not None and self.config.num_chunks is not None:
-            check_chunks_per_way(self.config.num_chunks, W)
+        chunks = self.config.num_chunks if isinstance(self.config.num_chunks, int) else None  # (None / "auto": the plan's)
+        if W is not None and chunks is not None:
+            check_chunks_per_way(chunks, W)
         if W is None and S is not None:
             W = P // S
-        chunks = self.config.num_chunks
         several = chunks > W if chunks is not None and W is not None else S is not None and S > 1  # default: 4·S a way
         if self.config.late_gradients and W is not None and W > 1 and several:
             raise ValueError(f"{type(self).__name__}(ways={W}): late_gradients=True is built for one way per stage "

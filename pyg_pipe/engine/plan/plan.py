@@ -26,6 +26,7 @@ from ...model.inputs import CallInputs, graph_edges, same_structure
 from ...model.split import balance, parameter_stages, split, stage_groups
 from ...model.trace import Program, trace
 from ..config import PipelineConfig
+from .chunk_cost import auto_chunks
 from .norms import refuse_statistics, resolve_statistics
 from .grid import check_chunks_per_way, grid_shape, ways_for_layers
 
@@ -167,8 +168,14 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
         notes: where decisions pyg_pipe made on its own are told (also logged).
     """
     S, W = shape.stages, shape.ways
-    wanted = stream_chunks(config, inputs, comm.device) if shape.streaming and config.num_chunks is None \
-        else chunk_count(config, S, W, inputs.num_nodes, shape.ways_added, notes)
+    auto = config.num_chunks == "auto"
+    if shape.streaming and (config.num_chunks is None or auto):
+        wanted = stream_chunks(config, inputs, comm.device)
+    elif auto:  # measured once: a resume keeps the saved count
+        wanted = saved["num_chunks"] if saved is not None else auto_chunks(costs, inputs.num_nodes, S, W, comm, root,
+                                                                            notes)
+    else:
+        wanted = chunk_count(config, S, W, inputs.num_nodes, shape.ways_added, notes)
     if saved is not None:
         check_resume(saved, S, W, wanted, inputs)
         C, perm, ptr = saved["num_chunks"], saved["perm"], saved["ptr"]

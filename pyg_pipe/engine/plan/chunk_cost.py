@@ -1,0 +1,121 @@
+"""``num_chunks="auto"``: the chunk count from a cost model of the pipelined step, measured once.
+
+More chunks a way shrink the pipeline bubble but cost a fixed overhead per chunk (every layer runs once
+more, on fewer rows) and read more neighbours from history (staleness: docs/convergence.md). With ``S``
+stages and ``W`` ways, ``k`` chunks a way and ``N`` vertices, a chunk has ``r = N / (W k)`` rows and::
+
+    t(r)     = a + b r                    one forward pass of the whole model over one chunk (seconds)
+    step(k)  = 3 (t(r) / S) (k + S - 1)   forward and backward (about three forward passes) of one
+                                          stage's share, over the k + S - 1 ticks of fill and drain
+
+``a`` (the per-chunk cost: launches, Python, halo bookkeeping) and ``b`` (the cost per row) come from
+timing the model's layers on the first chunk of two contiguous chunkings (``k = 2`` and ``k = 8``, with
+the same measurement as ``balance="time"``: :func:`~..profile.layer_costs`). The choice is the fewest
+chunks a way, among 1, 2, 4, ... (at most ``N / W``), whose predicted step is within ``SLACK`` of the
+fastest: the least stale history for nearly the best time. Transfers are left out (the stage link sends
+every row once a step whatever ``k``; the halo exchange between ways does not depend on ``k`` either).
+
+It is decided once, on one rank, broadcast, and saved in checkpoints with the plan (a resume reuses the
+saved count); an integer ``num_chunks`` overrides it. One stage has no bubble: ``k = 1`` (exact).
+Streaming (one device) keeps its own rule (:func:`~.plan.stream_chunks`, from memory).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("pyg_pipe")
+
+#: a plan within this share of the fastest predicted step counts as fast
+SLACK = 0.10
+#: chunks a way the two measurements use
+PROBES = (2, 8)
+#: chunks a way considered: 1, 2, 4, ... up to this
+MAX_PER_WAY = 64
+
+
+@dataclass(frozen=True)
+class ChunkChoice:
+    """What :func:`choose` decided, and the model it decided from (for the log line and the benchmark)."""
+
+    per_way: int
+    per_chunk_s: float          # a
+    per_row_s: float            # b
+    predicted: dict             # chunks a way -> predicted step seconds
+
+    def line(self, stages: int, ways: int) -> str:
+        fastest = min(self.predicted, key=self.predicted.get)
+        return (f"pyg_pipe: num_chunks='auto': {self.per_way * ways} chunks ({self.per_way} a way over {stages} "
+                f"stages); predicted step {self.predicted[self.per_way]:.3g} s, the fastest {self.predicted[fastest]:.3g} "
+                f"s at {fastest * ways} chunks; the fewest chunks within {SLACK:.0%} of it read the least stale "
+                f"history (a chunk {self.per_chunk_s * 1e3:.3g} ms + {self.per_row_s * 1e6:.3g} us a row, measured; "
+                f"num_chunks=<int> overrides).")
+
+
+def predicted_step(a: float, b: float, num_nodes: int, stages: int, ways: int, per_way: int) -> float:
+    """``step(k)`` of the module docstring."""
+    rows = num_nodes / (ways * per_way)
+    return 3.0 * (a + b * rows) / stages * (per_way + stages - 1)
+
+
+def choose(a: float, b: float, num_nodes: int, stages: int, ways: int) -> ChunkChoice:
+    """The fewest chunks a way whose predicted step is within :data:`SLACK` of the fastest."""
+    cap = max(1, min(MAX_PER_WAY, num_nodes // ways))
+    ks, k = [], 1
+    while k <= cap:
+        ks.append(k)
+        k *= 2
+    if stages == 1:
+        ks = [1]
+    predicted = {k: predicted_step(a, b, num_nodes, stages, ways, k) for k in ks}
+    best = min(predicted.values())
+    per_way = next(k for k in ks if predicted[k] <= (1.0 + SLACK) * best)
+    return ChunkChoice(per_way, a, b, predicted)
+
+
+def fit(samples: List[tuple]) -> tuple:
+    """``(a, b)`` of ``t(r) = a + b r`` through two ``(rows, seconds)`` samples, neither below 0 (a
+    smaller chunk timed slower, which is noise, makes all of it the fixed cost: their mean)."""
+    (r1, t1), (r2, t2) = samples
+    b = (t1 - t2) / (r1 - r2) if r1 != r2 else 0.0
+    if b <= 0.0:
+        return (t1 + t2) / 2, 0.0
+    return max(0.0, t1 - b * r1), b
+
+
+def measure(costs: Callable[[Tensor, Tensor], List[float]], num_nodes: int, ways: int) -> tuple:
+    """``(a, b)`` from the model's layers timed on the first chunk of contiguous chunkings with
+    :data:`PROBES` chunks a way (``costs(perm, ptr)``: seconds per layer group, as ``balance="time"``)."""
+    samples = []
+    for k in PROBES:
+        C = min(num_nodes, ways * k)
+        ptr = torch.linspace(0, num_nodes, C + 1).round().long()
+        seconds = sum(costs(torch.arange(num_nodes), ptr))
+        samples.append((int(ptr[1] - ptr[0]), seconds))
+    return fit(samples)
+
+
+def auto_chunks(costs: Optional[Callable[[Tensor, Tensor], List[float]]], num_nodes: int, stages: int, ways: int,
+                comm, root: int, notes: Optional[List[str]] = None) -> int:
+    """``num_chunks="auto"``: measured and chosen on ``root``, broadcast (the same count on every rank)."""
+    from .plan import root_decides
+    if stages == 1 or costs is None:
+        return ways
+    choice: List[ChunkChoice] = []
+
+    def decide() -> Tensor:
+        a, b = measure(costs, num_nodes, ways)
+        choice.append(choose(a, b, num_nodes, stages, ways))
+        return torch.tensor([choice[0].per_way], dtype=torch.long)
+
+    per_way = int(root_decides(decide, torch.zeros(1, dtype=torch.long), comm, root, "choosing num_chunks"))
+    if choice:
+        line = choice[0].line(stages, ways)
+        log.info(line)
+        if notes is not None:
+            notes.append(line)
+    return per_way * ways

@@ -1,0 +1,86 @@
+"""``num_chunks="auto"`` (pyg_pipe/engine/plan/chunk_cost.py): the cost model's choice, and the plan's
+use of it: one count on every rank, decided once (a resume does not measure again), integers override."""
+import pytest
+import torch
+
+from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
+from pyg_pipe.engine.plan import chunk_cost
+from pyg_pipe.engine.plan.chunk_cost import choose, fit, predicted_step
+from tests.dist import run_distributed
+from tests.models import forward_backward, make_model, small_graph
+
+
+def test_fit_recovers_a_line():
+    a, b = fit([(100, 0.5 + 100 * 0.01), (25, 0.5 + 25 * 0.01)])
+    assert a == pytest.approx(0.5) and b == pytest.approx(0.01)
+    assert fit([(100, 1.0), (25, 2.0)]) == (1.5, 0.0)  # (timing noise: a slower small chunk: all fixed cost)
+
+
+def test_choice_is_the_fewest_chunks_near_the_fastest():
+    N, S, W = 1000, 2, 1
+    # no cost per chunk: more chunks are always faster; the fewest within 10 % of the fastest
+    c = choose(0.0, 1.0, N, S, W)
+    best = min(c.predicted.values())
+    assert c.predicted[c.per_way] <= 1.1 * best
+    assert all(c.predicted[k] > 1.1 * best for k in c.predicted if k < c.per_way)
+    assert c.per_way == 16 and max(c.predicted) == 64
+    # a larger cost per chunk never asks for more chunks
+    ks = [choose(a, 1.0, N, S, W).per_way for a in (0.0, 10.0, 100.0, 1000.0, 1e5)]
+    assert ks == sorted(ks, reverse=True) and ks[-1] == 1
+    # one stage has no bubble: one chunk a way (exact)
+    assert choose(0.0, 1.0, N, 1, 4).per_way == 1
+    # chunks never outnumber the vertices of a way
+    assert max(choose(0.0, 1.0, 12, 4, 2).predicted) == 4
+    assert predicted_step(1.0, 0.0, N, 2, 1, 4) == pytest.approx(3.0 * 1.0 / 2 * 5)
+
+
+def test_knob_is_checked():
+    PipelineConfig(num_chunks="auto").validate()
+    with pytest.raises(ValueError, match="'auto'"):
+        PipelineConfig(num_chunks="many").validate()
+
+
+def _worker(rank, world):
+    x, edge_index, y, mask = small_graph()
+    comm = Comm(torch.device("cpu"))
+    original = chunk_cost.measure
+    try:
+        torch.manual_seed(0)
+        model = make_model("gcnii")
+        engine = GNNPipeEngine(model, PipelineConfig(num_chunks="auto"), comm, num_stages=world)
+        engine.install()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(2):
+            forward_backward(model, opt, x, edge_index, y, mask)
+            opt.step()
+        C = engine.plan.num_chunks
+        counts = comm.all_gather_objects(C, "test")
+        assert counts[0] == counts[1] and C in (1, 2, 4, 8, 16, 32, 60), counts
+        if rank == 0:  # (the rank that measured says what it chose, and why)
+            assert any("num_chunks='auto'" in n and f"{C} chunks" in n for n in engine.notes), engine.notes
+        state = engine.state_dict()
+        engine.uninstall()
+
+        # a resume reuses the saved count: nothing is measured again
+        def no_measure(*_):
+            raise AssertionError("measured again on resume")
+        chunk_cost.measure = no_measure
+        resumed = GNNPipeEngine(make_model("gcnii"), PipelineConfig(num_chunks="auto"), comm, num_stages=world)
+        resumed.load_state_dict(state)
+        resumed.install()
+        forward_backward(resumed.module, torch.optim.SGD(resumed.module.parameters(), lr=0.01), x, edge_index, y, mask)
+        assert resumed.plan.num_chunks == C
+        resumed.uninstall()
+
+        # an integer overrides it
+        fixed = GNNPipeEngine(make_model("gcnii"), PipelineConfig(num_chunks=6), comm, num_stages=world)
+        fixed.install()
+        forward_backward(fixed.module, torch.optim.SGD(fixed.module.parameters(), lr=0.01), x, edge_index, y, mask)
+        assert fixed.plan.num_chunks == 6
+        fixed.uninstall()
+    finally:
+        chunk_cost.measure = original
+
+
+def test_auto_is_one_count_on_every_rank_and_saved():
+    run_distributed(_worker, 2, timeout=240)

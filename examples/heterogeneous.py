@@ -97,7 +97,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--chunks", type=int, default=None, help="gnnpipe's num_chunks (default: 4 per stage)")
+    p.add_argument("--chunks", type=int, default=None, help="gnnpipe's num_chunks (default: 'auto', from a measured cost model)")
     p.add_argument("--epochs", type=int, default=100)
     args = p.parse_args()
     data = homogeneous(academic_graph())

@@ -106,7 +106,7 @@ if __name__ == "__main__":
     p.add_argument("--accelerator", default="cpu", help="gpu: one process per GPU")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--strategy", default="gnnpipe", help="gnnpipe, graph_parallel or gnnpipe_hybrid")
-    p.add_argument("--chunks", type=int, default=None, help="gnnpipe's num_chunks (default: 4 per stage)")
+    p.add_argument("--chunks", type=int, default=None, help="gnnpipe's num_chunks (default: 'auto', from a measured cost model)")
     p.add_argument("--epochs", type=int, default=100)
     p.add_argument("--offline", action="store_true", help="skip the download, use a generated graph")
     args = p.parse_args()

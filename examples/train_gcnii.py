@@ -74,7 +74,8 @@ def main():
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--chunks", type=int, default=None, help="default: 4 per device")
+    p.add_argument("--chunks", type=lambda v: v if v == "auto" else int(v), default="auto",
+                   help="num_chunks; 'auto' (the default): the fewest within 10%% of the fastest predicted step")
     p.add_argument("--epochs", type=int, default=60)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--boundary-dtype", dest="boundary_dtype", choices=["fp32", "bf16"], default="fp32",
@@ -103,7 +104,8 @@ def main():
         want = gnnpipe_bytes(data.num_nodes, args.devices, width=args.hidden, out_width=num_classes,
                              carried_width=args.hidden, boundary_bytes=2 if args.boundary_dtype == "bf16" else None)
         print(f"\n{args.layers}-layer GCNII on {data.num_nodes:,} vertices / {data.num_edges:,} edges, "
-              f"{args.devices} pipeline stages, {args.chunks or 4 * args.devices} chunks")
+              f"{args.devices} pipeline stages, {strategy.planned_chunks} chunk{'s' * (strategy.planned_chunks != 1)}")
+        print(*[n for n in strategy.notes if "num_chunks" in n], sep="\n")
         print(f"test accuracy {test[0]['test_acc']:.3f}")
         print(f"communication per epoch: {comm['total']/2**20:.2f} MiB measured, {want['total']/2**20:.2f} MiB by "
               f"the formula (activations {comm['stage_activations']/2**20:.2f}, gradients "

@@ -17,11 +17,12 @@ class PipelineConfig:
     :class:`pyg_pipe.GraphParallelStrategy`); docs/gnnpipe.md says when to use which.
 
     Attributes:
-        num_chunks: chunks the graph is cut into (``None``: 4 per stage for each way, one per way for a
-            single stage; at most |V|). One chunk per way gives exact model parallelism; more chunks shrink
-            the pipeline bubble but read neighbours from historical embeddings. ``"auto"``: the fewest chunks
-            a way whose predicted step is within 10 % of the fastest, from the model's layers timed once on
-            two chunkings (:mod:`.plan.chunk_cost`; logged, saved in checkpoints).
+        num_chunks: chunks the graph is cut into. ``"auto"`` (the default): the fewest chunks a way whose
+            predicted step is within 10 % of the fastest, from the model's layers timed once on two
+            chunkings (:mod:`.plan.chunk_cost`; logged, saved in checkpoints; one per way for a single
+            stage; streaming on one device: from memory). ``None``: 4 per stage for each way, one per way
+            for a single stage. At most |V|. One chunk per way gives exact model parallelism; more chunks
+            shrink the pipeline bubble but read neighbours from historical embeddings.
         shuffle_chunks: T1, a new chunk order every step (the same on every stage).
         snapshot_period: T2, historical embeddings snapshotted every this many steps and restored in
             between (``None``: off). 11 by default: as good as the GNNPipe authors' 23 or better in every
@@ -102,7 +103,7 @@ class PipelineConfig:
             as many bytes; :mod:`.runtime.ring`, docs/graph_parallel.md). Nothing changes without ways.
     """
 
-    num_chunks: Optional[Union[int, str]] = None
+    num_chunks: Optional[Union[int, str]] = "auto"
     shuffle_chunks: bool = True
     snapshot_period: Optional[int] = 11
     unbiased_gradients: bool = True

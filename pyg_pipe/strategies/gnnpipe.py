@@ -66,7 +66,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
 
     def __init__(
         self,
-        num_chunks: Optional[Union[int, str]] = None,
+        num_chunks: Optional[Union[int, str]] = "auto",
         shuffle_chunks: bool = True,
         snapshot_period: Optional[int] = 11,
         unbiased_gradients: bool = True,
@@ -132,6 +132,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         self.comm_history: List[Dict[str, int]] = []
         self.plan_seconds = 0.0  # time the engine spent planning (tracing, partitioning, history passes)
         self.notes: List[str] = []  # what the engine decided on its own (e.g. graph-parallel ways for a shallow model)
+        self.planned_chunks: Optional[int] = None  # the plan's chunk count (with num_chunks="auto": the choice)
         self.peak_memory: List[int] = []  # per rank: peak bytes of the fit net of the start (pyg_pipe.memory)
         self._memory: Optional[PeakMemory] = None
         self.checkpoints = PipelineCheckpoints(self)
@@ -182,13 +183,14 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
     def worker_results(self) -> dict:
         """What a spawned worker sends home (rank 0's): the pipeline state at the end of fit, counters."""
         return {"state": self.checkpoints.final_state, "comm_history": self.comm_history,
-                "plan_seconds": self.plan_seconds, "notes": self.notes, "peak_memory": self.peak_memory}
+                "plan_seconds": self.plan_seconds, "notes": self.notes, "peak_memory": self.peak_memory,
+                "planned_chunks": self.planned_chunks}
 
     def take_worker_results(self, results: dict) -> None:
         """Takes what :meth:`worker_results` sent, in the main process."""
         self.checkpoints.final_state, self.comm_history = results["state"], results["comm_history"]
         self.plan_seconds, self.notes = results["plan_seconds"], results["notes"]
-        self.peak_memory = results["peak_memory"]
+        self.peak_memory, self.planned_chunks = results["peak_memory"], results["planned_chunks"]
 
     # ----------------------------------------------------------------------- setup / teardown
     @property
@@ -248,6 +250,8 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         if self.engine is not None:
             self.plan_seconds = self.engine.setup_seconds
             self.notes = list(self.engine.notes)
+            if self.engine.plan is not None:
+                self.planned_chunks = self.engine.plan.num_chunks
             self.engine.uninstall()
             self.engine = None
         if self.comm is not None:

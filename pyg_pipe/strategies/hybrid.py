@@ -9,7 +9,7 @@ step. It is exact. Hybrid adds pipeline stages, each replicated over ``W`` ways.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from ..engine.plan.grid import check_chunks_per_way
 from .gnnpipe import GNNPipeStrategy
@@ -33,14 +33,16 @@ class HybridStrategy(GNNPipeStrategy):
         stages: pipeline stages S (``None``: devices / ``ways``).
         ways: graph-parallel ways W per stage (``None``: devices / ``stages``; with both ``None``, the
             fewest ways ``>= 2`` that leave every stage at least one layer).
-        num_chunks: chunks in all, a multiple of ``ways`` (default ``4·S`` per way, ``W`` when S = 1).
+        num_chunks: chunks in all, a multiple of ``ways``; ``"auto"`` (the default): from a measured cost model
+            (:mod:`pyg_pipe.engine.plan.chunk_cost`; ``W`` when S = 1), ``None``: ``4·S`` per way.
             ``num_chunks == ways`` is exact: no historical embeddings, no pipeline overlap.
         **kwargs: as for :class:`~pyg_pipe.GNNPipeStrategy`.
     """
 
     strategy_name = "gnnpipe_hybrid"
 
-    def __init__(self, stages: Optional[int] = None, ways: Optional[int] = None, num_chunks: Optional[Union[int, str]] = None,
+    def __init__(self, stages: Optional[int] = None, ways: Optional[int] = None,
+                 num_chunks: Optional[Union[int, str]] = "auto",
                  **kwargs: Any) -> None:
         for name, value in (("stages", stages), ("ways", ways)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

@@ -34,6 +34,14 @@ def test_choice_is_the_fewest_chunks_near_the_fastest():
     assert predicted_step(1.0, 0.0, N, 2, 1, 4) == pytest.approx(3.0 * 1.0 / 2 * 5)
 
 
+def test_a_model_that_cannot_be_timed_gets_the_fixed_rule():
+    def costs(perm, ptr):
+        raise RuntimeError("cannot time this layer")
+    notes = []
+    assert chunk_cost.auto_chunks(costs, 100, 2, 1, Comm(torch.device("cpu")), 0, notes) == 8
+    assert "could not time" in notes[0] and "cannot time this layer" in notes[0] and "num_chunks=<int>" in notes[0]
+
+
 def test_knob_is_checked():
     PipelineConfig(num_chunks="auto").validate()
     with pytest.raises(ValueError, match="'auto'"):
@@ -57,7 +65,7 @@ def _worker(rank, world):
         counts = comm.all_gather_objects(C, "test")
         assert counts[0] == counts[1] and C in (1, 2, 4, 8, 16, 32, 60), counts
         if rank == 0:  # (the rank that measured says what it chose, and why)
-            assert any("num_chunks='auto'" in n and f"{C} chunks" in n for n in engine.notes), engine.notes
+            assert any("num_chunks='auto'" in n and f"'auto': {C} chunk" in n for n in engine.notes), engine.notes
         state = engine.state_dict()
         engine.uninstall()
 

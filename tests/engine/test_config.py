@@ -44,7 +44,8 @@ def test_the_documented_partitioners_are_the_ones_accepted():
 def test_num_chunks_must_be_a_positive_integer(bad):
     with pytest.raises(ValueError) as err:
         PipelineConfig(num_chunks=bad).validate()
-    assert str(err.value) == f"num_chunks={bad!r} must be a positive integer (or None for 4 per stage)."
+    assert str(err.value) == (f"num_chunks={bad!r} must be a positive integer, 'auto' (from a measured cost model) "
+                              f"or None (4 per stage).")
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, "23"])

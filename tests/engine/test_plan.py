@@ -49,7 +49,7 @@ def test_chunking_is_a_permutation_with_bounds():
 
 
 def test_default_chunk_counts():
-    cfg = PipelineConfig()
+    cfg = PipelineConfig(num_chunks=None)  # (the fixed rule; the default "auto": tests/engine/test_chunk_cost.py)
     assert chunk_count(cfg, 1, 4, 100) == 4            # graph parallel: one chunk per way
     assert chunk_count(cfg, 2, 1, 100) == 8            # 4 per stage
     assert chunk_count(cfg, 2, 2, 100) == 16           # 4 per stage for each way

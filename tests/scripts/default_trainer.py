@@ -58,5 +58,6 @@ if __name__ == "__main__":
                                        for k, v in h["buffers"].items())
                                 for r in ckpt["pyg_pipe"]["ranks"]] if "pyg_pipe" in ckpt else None,
             "num_nodes": data.num_nodes,
+            "num_chunks": ckpt["pyg_pipe"]["plan"]["num_chunks"] if "pyg_pipe" in ckpt else None,
             "checkpoints": sorted(os.listdir(trainer.checkpoint_callback.dirpath)),
             "warnings": caught}), flush=True)

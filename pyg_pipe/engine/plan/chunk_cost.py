@@ -36,6 +36,8 @@ SLACK = 0.10
 PROBES = (2, 8)
 #: chunks a way considered: 1, 2, 4, ... up to this
 MAX_PER_WAY = 64
+#: chunks a way per stage when the layers cannot be timed (the rule of ``num_chunks=None``)
+FALLBACK_PER_STAGE = 4
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,10 @@ class ChunkChoice:
 
     def line(self, stages: int, ways: int) -> str:
         fastest = min(self.predicted, key=self.predicted.get)
-        return (f"pyg_pipe: num_chunks='auto': {self.per_way * ways} chunks ({self.per_way} a way over {stages} "
+        n = self.per_way * ways
+        return (f"pyg_pipe: num_chunks='auto': {n} chunk{'s' * (n > 1)} ({self.per_way} a way over {stages} "
                 f"stages); predicted step {self.predicted[self.per_way]:.3g} s, the fastest {self.predicted[fastest]:.3g} "
-                f"s at {fastest * ways} chunks; the fewest chunks within {SLACK:.0%} of it read the least stale "
+                f"s at {fastest * ways}; the fewest chunks within {SLACK:.0%} of it read the least stale "
                 f"history (a chunk {self.per_chunk_s * 1e3:.3g} ms + {self.per_row_s * 1e6:.3g} us a row, measured; "
                 f"num_chunks=<int> overrides).")
 
@@ -105,16 +108,24 @@ def auto_chunks(costs: Optional[Callable[[Tensor, Tensor], List[float]]], num_no
     from .plan import root_decides
     if stages == 1 or costs is None:
         return ways
-    choice: List[ChunkChoice] = []
+
+    said: List[str] = []
 
     def decide() -> Tensor:
-        a, b = measure(costs, num_nodes, ways)
-        choice.append(choose(a, b, num_nodes, stages, ways))
-        return torch.tensor([choice[0].per_way], dtype=torch.long)
+        try:
+            a, b = measure(costs, num_nodes, ways)
+        except Exception as exc:  # noqa: BLE001 - a model the timing pass cannot run still trains, with the fixed rule
+            k = min(FALLBACK_PER_STAGE * stages, max(1, num_nodes // ways))
+            said.append(f"pyg_pipe: num_chunks='auto' could not time the model's layers ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0][:160]}); using {k * ways} chunks ({FALLBACK_PER_STAGE} a way per "
+                        f"stage). Pass num_chunks=<int> to choose.")
+            return torch.tensor([k], dtype=torch.long)
+        choice = choose(a, b, num_nodes, stages, ways)
+        said.append(choice.line(stages, ways))
+        return torch.tensor([choice.per_way], dtype=torch.long)
 
     per_way = int(root_decides(decide, torch.zeros(1, dtype=torch.long), comm, root, "choosing num_chunks"))
-    if choice:
-        line = choice[0].line(stages, ways)
+    for line in said:
         log.info(line)
         if notes is not None:
             notes.append(line)

@@ -38,7 +38,7 @@ def test_a_model_that_cannot_be_timed_gets_the_fixed_rule():
     def costs(perm, ptr):
         raise RuntimeError("cannot time this layer")
     notes = []
-    assert chunk_cost.auto_chunks(costs, 100, 2, 1, Comm(torch.device("cpu")), 0, notes) == 8
+    assert chunk_cost.auto_chunks(costs, 100, 2, 1, Comm(torch.device("cpu")), 0, 8, notes) == 8
     assert "could not time" in notes[0] and "cannot time this layer" in notes[0] and "num_chunks=<int>" in notes[0]
 
 

@@ -36,8 +36,6 @@ SLACK = 0.10
 PROBES = (2, 8)
 #: chunks a way considered: 1, 2, 4, ... up to this
 MAX_PER_WAY = 64
-#: chunks a way per stage when the layers cannot be timed (the rule of ``num_chunks=None``)
-FALLBACK_PER_STAGE = 4
 
 
 @dataclass(frozen=True)
@@ -103,8 +101,9 @@ def measure(costs: Callable[[Tensor, Tensor], List[float]], num_nodes: int, ways
 
 
 def auto_chunks(costs: Optional[Callable[[Tensor, Tensor], List[float]]], num_nodes: int, stages: int, ways: int,
-                comm, root: int, notes: Optional[List[str]] = None) -> int:
-    """``num_chunks="auto"``: measured and chosen on ``root``, broadcast (the same count on every rank)."""
+                comm, root: int, fallback: int, notes: Optional[List[str]] = None) -> int:
+    """``num_chunks="auto"``: measured and chosen on ``root``, broadcast (the same count on every rank);
+    ``fallback`` chunks (the rule of ``num_chunks=None``) where the layers cannot be timed."""
     from .plan import root_decides
     if stages == 1 or costs is None:
         return ways
@@ -115,11 +114,10 @@ def auto_chunks(costs: Optional[Callable[[Tensor, Tensor], List[float]]], num_no
         try:
             a, b = measure(costs, num_nodes, ways)
         except Exception as exc:  # noqa: BLE001 - a model the timing pass cannot run still trains, with the fixed rule
-            k = min(FALLBACK_PER_STAGE * stages, max(1, num_nodes // ways))
             said.append(f"pyg_pipe: num_chunks='auto' could not time the model's layers ({type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0][:160]}); using {k * ways} chunks ({FALLBACK_PER_STAGE} a way per "
-                        f"stage). Pass num_chunks=<int> to choose.")
-            return torch.tensor([k], dtype=torch.long)
+                        f"{str(exc).splitlines()[0][:160]}); using {fallback} chunks (the rule of num_chunks=None: 4 "
+                        f"per stage a way). Pass num_chunks=<int> to choose.")
+            return torch.tensor([fallback // ways], dtype=torch.long)
         choice = choose(a, b, num_nodes, stages, ways)
         said.append(choice.line(stages, ways))
         return torch.tensor([choice.per_way], dtype=torch.long)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -172,8 +172,9 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
     if shape.streaming and (config.num_chunks is None or auto):
         wanted = stream_chunks(config, inputs, comm.device)
     elif auto:  # measured once: a resume keeps the saved count
+        fixed = chunk_count(replace(config, num_chunks=None), S, W, inputs.num_nodes, shape.ways_added)
         wanted = saved["num_chunks"] if saved is not None else auto_chunks(costs, inputs.num_nodes, S, W, comm, root,
-                                                                            notes)
+                                                                            fixed, notes)
     else:
         wanted = chunk_count(config, S, W, inputs.num_nodes, shape.ways_added, notes)
     if saved is not None:

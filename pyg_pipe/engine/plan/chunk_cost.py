@@ -15,20 +15,17 @@ chunks a way, among 1, 2, 4, ... (at most ``N / W``), whose predicted step is wi
 fastest: the least stale history for nearly the best time. Transfers are left out (the stage link sends
 every row once a step whatever ``k``; the halo exchange between ways does not depend on ``k`` either).
 
-It is decided once, on one rank, broadcast, and saved in checkpoints with the plan (a resume reuses the
-saved count); an integer ``num_chunks`` overrides it. One stage has no bubble: ``k = 1`` (exact).
+It is decided once, on one rank, broadcast (:func:`~.plan.choose_chunks`), and saved in checkpoints with
+the plan (a resume reuses the saved count); an integer ``num_chunks`` overrides it. One stage has no bubble: ``k = 1`` (exact).
 Streaming (one device) keeps its own rule (:func:`~.plan.stream_chunks`, from memory).
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Tuple
 
 import torch
 from torch import Tensor
-
-log = logging.getLogger("pyg_pipe")
 
 #: a plan within this share of the fastest predicted step counts as fast
 SLACK = 0.10
@@ -100,31 +97,17 @@ def measure(costs: Callable[[Tensor, Tensor], List[float]], num_nodes: int, ways
     return fit(samples)
 
 
-def auto_chunks(costs: Optional[Callable[[Tensor, Tensor], List[float]]], num_nodes: int, stages: int, ways: int,
-                comm, root: int, fallback: int, notes: Optional[List[str]] = None) -> int:
-    """``num_chunks="auto"``: measured and chosen on ``root``, broadcast (the same count on every rank);
-    ``fallback`` chunks (the rule of ``num_chunks=None``) where the layers cannot be timed."""
-    from .plan import root_decides
-    if stages == 1 or costs is None:
-        return ways
-
-    said: List[str] = []
-
-    def decide() -> Tensor:
-        try:
-            a, b = measure(costs, num_nodes, ways)
-        except Exception as exc:  # noqa: BLE001 - a model the timing pass cannot run still trains, with the fixed rule
-            said.append(f"pyg_pipe: num_chunks='auto' could not time the model's layers ({type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0][:160]}); using {fallback} chunks (the rule of num_chunks=None: 4 "
-                        f"per stage a way). Pass num_chunks=<int> to choose.")
-            return torch.tensor([fallback // ways], dtype=torch.long)
-        choice = choose(a, b, num_nodes, stages, ways)
-        said.append(choice.line(stages, ways))
-        return torch.tensor([choice.per_way], dtype=torch.long)
-
-    per_way = int(root_decides(decide, torch.zeros(1, dtype=torch.long), comm, root, "choosing num_chunks"))
-    for line in said:
-        log.info(line)
-        if notes is not None:
-            notes.append(line)
-    return per_way * ways
+def auto_chunks(costs: Callable[[Tensor, Tensor], List[float]], num_nodes: int, stages: int, ways: int,
+                fallback: int) -> Tuple[int, str]:
+    """``num_chunks="auto"`` on the rank that measures: ``(chunks, the line that says why)``; ``fallback``
+    chunks (the rule of ``num_chunks=None``) where the layers cannot be timed. (The plan broadcasts it.)"""
+    if stages == 1:
+        return ways, ""
+    try:
+        a, b = measure(costs, num_nodes, ways)
+    except Exception as exc:  # noqa: BLE001 - a model the timing pass cannot run still trains, with the fixed rule
+        return fallback, (f"pyg_pipe: num_chunks='auto' could not time the model's layers ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:160]}); using {fallback} chunks (the rule of num_chunks=None: 4 "
+                          f"per stage a way). Pass num_chunks=<int> to choose.")
+    choice = choose(a, b, num_nodes, stages, ways)
+    return choice.per_way * ways, choice.line(stages, ways)

@@ -173,8 +173,8 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
         wanted = stream_chunks(config, inputs, comm.device)
     elif auto:  # measured once: a resume keeps the saved count
         fixed = chunk_count(replace(config, num_chunks=None), S, W, inputs.num_nodes, shape.ways_added)
-        wanted = saved["num_chunks"] if saved is not None else auto_chunks(costs, inputs.num_nodes, S, W, comm, root,
-                                                                            fixed, notes)
+        wanted = saved["num_chunks"] if saved is not None else choose_chunks(costs, inputs.num_nodes, S, W, fixed,
+                                                                              comm, root, notes)
     else:
         wanted = chunk_count(config, S, W, inputs.num_nodes, shape.ways_added, notes)
     if saved is not None:
@@ -324,6 +324,26 @@ def _partition(config: PipelineConfig, src: Tensor, dst: Tensor, N: int, num_chu
     if ways > 1:
         return make_way_chunks(edge_index, N, ways, num_chunks // ways, method=config.partition, seed=config.seed)
     return make_chunks(edge_index, N, num_chunks, method=config.partition, seed=config.seed)
+
+
+def choose_chunks(costs: Optional[Callable[[Tensor, Tensor], List[float]]], num_nodes: int, stages: int, ways: int,
+                  fixed: int, comm, root: int, notes: Optional[List[str]] = None) -> int:
+    """``num_chunks="auto"`` (:mod:`.chunk_cost`): measured and chosen on ``root``, broadcast, said in one line."""
+    if costs is None or stages == 1:
+        return fixed
+    said: List[str] = []
+
+    def decide() -> Tensor:
+        chunks, line = auto_chunks(costs, num_nodes, stages, ways, fixed)
+        said.append(line)
+        return torch.tensor([chunks], dtype=torch.long)
+
+    chunks = int(root_decides(decide, torch.zeros(1, dtype=torch.long), comm, root, "choosing num_chunks"))
+    for line in said:
+        log.info(line)
+        if notes is not None:
+            notes.append(line)
+    return chunks
 
 
 def choose_sizes(config: PipelineConfig, groups: list, stages: int, costs: Optional[Callable[[], List[float]]],

@@ -67,7 +67,7 @@ class HybridStrategy(GNNPipeStrategy):
             if v is not None and P % v:
                 raise ValueError(f"{type(self).__name__}: {name}={v} does not divide the {P} devices; choose a "
                                  f"divisor of the device count.")
-        chunks = self.config.num_chunks if isinstance(self.config.num_chunks, int) else None  # (None / "auto": the plan's)
+        chunks = self.config.chunks_given if isinstance(self.config.num_chunks, int) else None  # else: the plan's
         if W is not None and chunks is not None:
             check_chunks_per_way(chunks, W)
         if W is None and S is not None:

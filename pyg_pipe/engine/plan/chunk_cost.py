@@ -16,8 +16,8 @@ fastest: the least stale history for nearly the best time. Transfers are left ou
 every row once a step whatever ``k``; the halo exchange between ways does not depend on ``k`` either).
 
 It is decided once, on one rank, broadcast (:func:`~.plan.choose_chunks`), and saved in checkpoints with
-the plan (a resume reuses the saved count); an integer ``num_chunks`` overrides it. One stage has no bubble: ``k = 1`` (exact).
-Streaming (one device) keeps its own rule (:func:`~.plan.stream_chunks`, from memory).
+the plan (a resume reuses the saved count); an integer ``num_chunks`` overrides it. One stage has no
+bubble: ``k = 1`` (exact). Streaming (one device) keeps its own rule (:func:`~.plan.stream_chunks`, from memory).
 """
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ class ChunkChoice:
         fastest = min(self.predicted, key=self.predicted.get)
         n = self.per_way * ways
         return (f"pyg_pipe: num_chunks='auto': {n} chunk{'s' * (n > 1)} ({self.per_way} a way over {stages} "
-                f"stages); predicted step {self.predicted[self.per_way]:.3g} s, the fastest {self.predicted[fastest]:.3g} "
-                f"s at {fastest * ways}; the fewest chunks within {SLACK:.0%} of it read the least stale "
+                f"stages); predicted step {self.predicted[self.per_way]:.3g} s, the fastest "
+                f"{self.predicted[fastest]:.3g} s at {fastest * ways}; the fewest chunks within {SLACK:.0%} of it read the least stale "
                 f"history (a chunk {self.per_chunk_s * 1e3:.3g} ms + {self.per_row_s * 1e6:.3g} us a row, measured; "
                 f"num_chunks=<int> overrides).")
 

@@ -43,7 +43,8 @@ import torch
 from torch import Tensor, fx
 
 from ..model.find import vertex_tables
-from ..model.inputs import CallInputs, Localizer
+from ..model.inputs import CallInputs
+from ..model.localize import Localizer
 from ..model.split import Stage
 from ..model.trace import Program
 from .context import ChunkContext

@@ -168,7 +168,7 @@ def extend(ctx: ChunkContext, cg: ChunkedGraph, lg: LocalGraph, t: Tensor, vdim:
         whole = ctx.clean_extended(t, lg) if vdim == 0 else None
         if whole is not None:  # [rows | halo] gathered as one tensor already (streaming)
             return whole
-        if not t.requires_grad:  # an input's rows: the same tensor every call (inputs.Localizer keeps them)
+        if not t.requires_grad:  # an input's rows: the same tensor every call (localize.Localizer keeps them)
             kept = t.__dict__.setdefault("_pyg_pipe_extended", {})
             hit = kept.get((id(cg), lg.index, vdim))
             if hit is not None and hit[0] is cg and hit[1] == t._version and hit[2]._version == hit[3]:

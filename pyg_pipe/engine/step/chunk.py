@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ...graph.chunks import ChunkedGraph
-from ...model.inputs import Localizer
+from ...model.localize import Localizer
 from ..context import ChunkContext
 from ..runtime.halo import HaloPass
 from ..runtime.runtime import Runtime

@@ -42,7 +42,6 @@ Layers holding graph-wide statistics (a BatchNorm in a message MLP) also get hoo
 from __future__ import annotations
 
 import inspect
-import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -55,6 +54,7 @@ from ..context import ChunkContext, Invocation, Site, current
 from . import degrees
 from .arguments import (argument_kind, clean_input, each, edge_chunking, extend, is_sparse, narrow, parameter_names,
                         relocalise_edges, resolve_graphs, row_graph, vertex_dim, vertex_ids)
+from .layer_cache import store_cache, swap_cache
 
 
 class LayerHooks:
@@ -216,7 +216,7 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
     inv = Invocation(name, index, cg, lg, clean, rows_only=rows_only,
                      graphs={id(g): (g, cg2, lg2, True) for g, (cg2, lg2, _) in
                              ((used[i], graphs[i]) for i in graphs)})
-    _swap_cache(ctx, inv, module)
+    swap_cache(ctx, inv, module)
     ctx.stack.append(inv)
     return tuple(args), kwargs
 
@@ -248,7 +248,7 @@ def _exit(module: MessagePassing, args, kwargs, output):
     if inv.parent is not None:
         return None
     with ctx.engine_work():
-        _store_cache(ctx, inv, module)
+        store_cache(ctx, inv, module)
         for attr, value in inv.restore.items():
             setattr(module, attr, value)
         out = narrow(module, output, inv.lg)
@@ -369,36 +369,3 @@ def _edges(inside: bool):
             ctx.stack[-1].in_edges = inside
         return None
     return hook
-
-
-# ---------------------------------------------------------------------------------------------
-# helpers
-# ---------------------------------------------------------------------------------------------
-
-
-def _swap_cache(ctx: ChunkContext, inv: Invocation, module) -> None:
-    """``cached=True`` layers get one cache per chunk local graph (their own cache is put back after)."""
-    if not getattr(module, "cached", False):
-        return
-    mine = ctx.cache.get((id(module), id(inv.cg), inv.lg.index), {})
-    for attr in _cache_attrs(module):
-        inv.restore.setdefault(attr, getattr(module, attr))
-        setattr(module, attr, mine.get(attr))
-
-
-def _store_cache(ctx: ChunkContext, inv: Invocation, module) -> None:
-    if getattr(module, "cached", False):
-        ctx.cache[(id(module), id(inv.cg), inv.lg.index)] = {k: getattr(module, k) for k in _cache_attrs(module)}
-
-
-_CACHE_ATTRS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _cache_attrs(module) -> tuple:
-    """The ``_cached*`` attributes of a ``cached=True`` layer (PyG's ``_cached_edge_index``, ...), looked up
-    once per layer and again only when its attributes change in number."""
-    n = len(vars(module))
-    hit = _CACHE_ATTRS.get(module)
-    if hit is None or hit[0] != n:
-        hit = _CACHE_ATTRS[module] = (n, tuple(k for k in vars(module) if k.startswith("_cached")))
-    return hit[1]

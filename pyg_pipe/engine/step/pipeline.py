@@ -40,7 +40,8 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...model.inputs import CallInputs, Localizer, fingerprint
+from ...model.inputs import CallInputs, fingerprint
+from ...model.localize import Localizer
 from ..runtime.halo import HaloPass
 from ..runtime.history import CallHistory
 from ..runtime.program import signature

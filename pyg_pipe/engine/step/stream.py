@@ -44,7 +44,8 @@ from torch import Tensor
 
 from ...graph.chunks import ChunkedGraph, LocalGraph
 from ...model.errors import UnsupportedModelError
-from ...model.inputs import CallInputs, Localizer
+from ...model.inputs import CallInputs
+from ...model.localize import Localizer
 from ..context import ChunkContext
 from ..runtime.runtime import Runtime
 from ..runtime.sites import same_as_first_chunk, site_keys
@@ -54,6 +55,7 @@ from ..tree import flatten, pack_rows, unflatten
 from .barriers import StreamHalo, _Barrier
 from .checks import check_output, row_check
 from .chunk import SavedBytes, rng_state, same_rng
+from .layer_cache import CacheView, by_chunk
 
 
 #: whether a step captured as CUDA graphs (:mod:`.capture`) keeps activations too. Measured on an H100
@@ -223,8 +225,8 @@ def _run(rt: Runtime, record: StreamRecord, g: int, c: int, halo: StreamHalo, gr
     store = record.store
     stats = Statistics(rt.comm, None, None, lg.rows, update_running=True, replay=not moves)
     if record.caches is None:  # cached=True layers: every run of this step sees the cache as it was
-        record.caches = _by_chunk(rt.layer_cache)
-    cache = _CacheView(rt.layer_cache, record.caches.get(c, {}), c)
+        record.caches = by_chunk(rt.layer_cache)
+    cache = CacheView(rt.layer_cache, record.caches.get(c, {}), c)
     ctx = ChunkContext(cg, lg, halo, record.localizer.resolver(c, rt.derive), stats, cache, check, replay=False)
     leaves: List[Tuple[str, Tensor, Tensor]] = []
     chunk_leaves: Dict[str, Any] = {}
@@ -263,41 +265,6 @@ def _run(rt: Runtime, record: StreamRecord, g: int, c: int, halo: StreamHalo, gr
     if g == len(record.runners) - 1:
         out, structure = pack_rows(out, lg.rows)
     return _Ran(ctx, sent, out, leaves, chunk_leaves, structure)
-
-
-def _cache_of(key, c: int) -> bool:
-    """Whether ``key`` of the layer cache is a ``cached=True`` layer's entry for chunk ``c`` (:mod:`.layers`)."""
-    return isinstance(key, tuple) and len(key) == 3 and key[2] == c and isinstance(key[0], int)
-
-
-def _by_chunk(layer_cache: dict) -> Dict[int, dict]:
-    """The ``cached=True`` layers' entries of the layer cache, per chunk, as they are now (one pass). A layer
-    writes its entry for chunk ``c`` only while it runs on ``c``, so this snapshot at the start of the step
-    is what each (group, chunk) found at its own first run (a layer called in two groups finds no entry of
-    this step's first group in the second: it computes the same normalisation once more)."""
-    out: Dict[int, dict] = {}
-    for k, v in layer_cache.items():
-        if isinstance(k, tuple) and len(k) == 3 and isinstance(k[0], int):
-            out.setdefault(k[2], {})[k] = v
-    return out
-
-
-class _CacheView(dict):
-    """The layer cache as a run of chunk ``c`` sees it: ``cached=True`` layers read what they held before the
-    step's first run of this chunk and group (the barrier passes and the replays compute what that run
-    computed, as one device's step would), and write to the cache itself."""
-
-    def __init__(self, real: dict, before: dict, c: int):
-        super().__init__()
-        self.real, self.before, self.c = real, before, c
-
-    def get(self, key, default=None):
-        if _cache_of(key, self.c):
-            return self.before.get(key, default)
-        return self.real.get(key, default)
-
-    def __setitem__(self, key, value):
-        self.real[key] = value
 
 
 def _extender(store: Store, name: str, ext: Tensor, lg: LocalGraph, leaves: list, grad: bool):

@@ -35,7 +35,7 @@ step() { echo "+ $*"; "$@" || { echo "benchmarks/gpu.sh: failed: $*"; failed=1; 
 step bash -c "set -o pipefail; python -m pytest -q -m gpu tests 2>&1 | tee '$out/tests.txt'"
 step bash -c "set -o pipefail; python benchmarks/gpu/diagnose_capture.py 2>&1 | tee '$out/diagnose_capture.txt'"
 step bash -c "set -o pipefail; PYTHONUNBUFFERED=1 python benchmarks/gpu/gpu_summary.py --out '$out/summary.json' \
-    --sweep-seconds ${GPU_SWEEP_SECONDS:-75} 2>&1 | tee '$out/summary.txt'"
+    --sweep-seconds ${GPU_SWEEP_SECONDS:-90} 2>&1 | tee '$out/summary.txt'"
 if [ "${GPU_FULL:-0}" = "1" ]; then
     step bash -c "set -o pipefail; python benchmarks/kernels/aggregate.py --device cuda --widths 64 128 --repeats 5 \
         --out '$out/aggregate_cuda.json' 2>&1 | tee '$out/aggregate_cuda.txt'"

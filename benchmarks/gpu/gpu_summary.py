@@ -17,10 +17,10 @@ community graph, plain PyG against the engine on the same GPU:
     wall time, and the memory copies per step;
 ``largest_vertices_plain`` / ``largest_vertices_stream``
     the largest graph (doubling from ``--sweep-start``) on which one training step of the same model runs,
-    with the CUDA allocator capped at ``--cap-gib`` (so the sweep stays small and fast; the ratio is the
-    point): plain PyG, and the engine streaming with every value between layers in pinned host memory
-    (``offload="host"``, budget 0) and ``8 × size ÷ largest plain size`` chunks (at least 4), each trial on
-    an emptied device; ``trials`` lists each with its peak memory;
+    each trial in a fresh process with the CUDA allocator capped at ``--cap-gib`` (so the sweep stays small
+    and fast; the ratio is the point): plain PyG, and the engine streaming with every value between layers
+    in pinned host memory (``offload="host"``, budget 0) and ``8 × size ÷ largest plain size`` chunks (at
+    least 4); ``trials`` lists each with its peak memory;
     ``loss_gap_at_plain_max``: |loss of the streamed step − plain PyG's| on the largest plain graph;
 ``pipeline_2proc_ratio``
     2 processes on this one GPU, 2 pipeline stages, 4 chunks, gloo with the transport staging CUDA tensors
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import gc
 import json
 import os
 import statistics
@@ -169,61 +168,80 @@ def _one_step(nodes: int, dev, plain_max: int | None) -> float:
         return float(_step_fn(model, data)())
 
 
-TRIALS: list = []
+def _trial_main(nodes: int, plain_max: int, device: str, cap_gib: float) -> None:
+    """One trial of the sweep, in a process of its own (``--trial``): prints one JSON line.
 
-
-def _fits(nodes: int, dev, plain_max: int | None):
-    """The loss of one step at ``nodes`` vertices, or ``None`` when it ran out of memory (each trial starts
-    from an empty device: the kernels' transposed-graph cache of earlier trials is cleared)."""
+    Each trial gets a fresh process, so nothing an earlier part left on the device counts against the cap: the
+    fourth GPU run swept in the process that had just captured CUDA graphs, whose private pools (12.5 GiB in use)
+    made 400k vertices fail for plain PyG and streaming alike after 98 MiB. The cap is a fraction of the card
+    (``torch.cuda.set_per_process_memory_fraction``), set before anything is allocated."""
     import torch
-
-    from pyg_pipe import ops
-    trial = {"nodes": nodes, "mode": "plain" if plain_max is None else "stream"}
+    dev = torch.device(device)
+    trial = {"nodes": nodes, "mode": "plain" if plain_max == 0 else "stream"}
     if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, cap_gib * 2**30 / torch.cuda.get_device_properties(index).total_memory), index)
     t0 = time.perf_counter()
     try:
-        loss = _one_step(nodes, dev, plain_max)
+        trial["loss"] = _one_step(nodes, dev, plain_max or None)
         trial["ok"] = True
-        return loss
     except torch.OutOfMemoryError as exc:
-        trial["ok"], trial["error"] = False, str(exc)[:200]
-        return None
+        trial["ok"], trial["error"] = False, str(exc)[:300]
     except RuntimeError as exc:  # the fused kernels' allocations report CUDA OOM as a RuntimeError
         if "out of memory" not in str(exc):
             raise
-        trial["ok"], trial["error"] = False, str(exc)[:200]
-        return None
-    finally:
-        trial["seconds"] = time.perf_counter() - t0
-        if dev.type == "cuda":
-            trial["peak_mb"] = torch.cuda.max_memory_allocated(dev) / 2**20
-        TRIALS.append(trial)
-        ops.clear_cache()
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        trial["ok"], trial["error"] = False, str(exc)[:300]
+    trial["seconds"] = time.perf_counter() - t0
+    if dev.type == "cuda":
+        trial["peak_mb"] = torch.cuda.max_memory_allocated(dev) / 2**20
+        trial["reserved_peak_mb"] = torch.cuda.max_memory_reserved(dev) / 2**20
+    print("TRIAL " + json.dumps(trial), flush=True)
 
 
-def largest(dev, start: int, limit_s: float) -> dict:
-    """The doubling sweep (module docstring)."""
+TRIALS: list = []
+
+
+def _fits(nodes: int, dev, plain_max: int | None, cap_gib: float):
+    """The loss of one step at ``nodes`` vertices in a fresh process under the cap, or ``None`` when it ran out
+    of memory (a trial that fails otherwise stops the sweep with its error)."""
+    import subprocess
+    cmd = [sys.executable, os.path.abspath(__file__), "--trial", str(nodes), str(plain_max or 0),
+           "--device", str(dev), "--cap-gib", str(cap_gib)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("TRIAL ")]
+    if run.returncode != 0 or not lines:
+        raise RuntimeError(f"sweep trial {nodes} ({'plain' if plain_max is None else 'stream'}) failed "
+                           f"(rc {run.returncode}):\n{run.stderr[-3000:]}")
+    trial = json.loads(lines[-1][len("TRIAL "):])
+    TRIALS.append(trial)
+    print(f"  sweep: {trial['mode']} {nodes}: {'ok' if trial['ok'] else 'out of memory'} in {trial['seconds']:.1f} s, "
+          f"peak {trial.get('peak_mb', float('nan')):.0f} MB", flush=True)
+    return trial["loss"] if trial["ok"] else None
+
+
+def largest(dev, start: int, limit_s: float, cap_gib: float) -> dict:
+    """The doubling sweep (module docstring), each trial in a fresh process."""
     out = {}
-    _one_step(1000, dev, None)   # the kernels' first build (a minute) is not the sweep's time
-    _one_step(1000, dev, 500)
+    _one_step(1000, dev, None)   # the kernels' first build (a minute) is not the sweep's time (the trials
+    _one_step(1000, dev, 500)    # load them from the extension cache)
     TRIALS.clear()
     n, t0, plain_max = start, time.perf_counter(), None
-    while time.perf_counter() - t0 < limit_s and _fits(n, dev, None) is not None:
-        plain_max, n = n, n * 2
+    while time.perf_counter() - t0 < limit_s:
+        loss = _fits(n, dev, None, cap_gib)
+        if loss is None:
+            break
+        plain_max, loss_plain, n = n, loss, n * 2
     out["largest_vertices_plain"] = plain_max
     if plain_max is None:
+        out["trials"] = TRIALS
         return out
-    loss_plain = _one_step(plain_max, dev, None)
-    loss_stream = _one_step(plain_max, dev, plain_max)
-    out["loss_gap_at_plain_max"] = abs(loss_plain - loss_stream)
+    loss_stream = _fits(plain_max, dev, plain_max, cap_gib)
+    out["loss_gap_at_plain_max"] = abs(loss_plain - loss_stream) if loss_stream is not None else None
     n, t0, last = plain_max * 2, time.perf_counter(), plain_max
     while time.perf_counter() - t0 < limit_s:
         t1 = time.perf_counter()
-        if _fits(n, dev, plain_max) is None:
+        if _fits(n, dev, plain_max, cap_gib) is None:
             break
         last = n
         out.setdefault("stream_step_s", {})[str(n)] = time.perf_counter() - t1
@@ -282,7 +300,11 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="tiny sizes (checks the script, measures nothing)")
     p.add_argument("--skip", nargs="*", default=[], choices=["ratios", "sweep", "pipeline"])
     p.add_argument("--out", default=None)
+    p.add_argument("--trial", nargs=2, type=int, metavar=("NODES", "PLAIN_MAX"),
+                   help="one trial of the sweep in this process (PLAIN_MAX 0: plain PyG); prints one JSON line")
     args = p.parse_args()
+    if args.trial:
+        return _trial_main(args.trial[0], args.trial[1], args.device, args.cap_gib)
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("benchmarks/gpu/gpu_summary.py: no CUDA device here; nothing to run.")
@@ -328,12 +350,8 @@ def main() -> None:
         summary["detail_pipeline_2proc"] = r
         done(f"2 processes on one device: {r['step_s'] * 1e3:.1f} ms a step (staging: {r['staging']})")
     if "sweep" not in args.skip:
-        if dev.type == "cuda":
-            index = dev.index if dev.index is not None else torch.cuda.current_device()
-            torch.cuda.set_per_process_memory_fraction(
-                min(1.0, args.cap_gib * 2**30 / torch.cuda.get_device_properties(index).total_memory), index)
         start = 500 if args.small else args.sweep_start
-        summary.update(largest(dev, start, 20.0 if args.small else args.sweep_seconds))
+        summary.update(largest(dev, start, 20.0 if args.small else args.sweep_seconds, args.cap_gib))
         done(f"largest graphs: plain {summary['largest_vertices_plain']}, "
              f"streamed {summary.get('largest_vertices_stream')}")
     print(json.dumps({k: v for k, v in summary.items() if not k.startswith("detail")}, indent=1))

@@ -82,7 +82,7 @@ def main():
     from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
 
     torch.set_num_threads(1)
-    args.epochs, args.procs, args.threads_single = 2, 1, 1
+    args.epochs, args.procs, args.threads_single, args.model = 2, 1, 1, "gcnii"
     data, model = ge.build(args)
     plain = copy.deepcopy(model)
 

@@ -195,7 +195,7 @@ def run_pipe(args) -> None:
     trainer.fit(Module(), datamodule=pyg_pipe.FullGraphDataModule(data))
     rank = trainer.global_rank
     out = {"rank": rank, "times": timer.times, "sizes": timer.sizes, "chunks": timer.chunks, "notes": timer.notes, "losses": timer.losses, "hwm_mb": timer.hwm, "peak_mb": peak_mb(),
-           "base_mb": base,
+           "base_mb": base, "plan_check": getattr(strategy, "plan_check", None),
            "comm": strategy.comm_history[-1] if strategy.comm_history else {},
            "timeline": {k[5:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("time/")}}
     with open(f"{args.json}.rank{rank}", "w") as f:
@@ -316,7 +316,8 @@ def main():
             if c == "auto":
                 c = f"auto:{ranks[0]['chunks']}"
                 results["auto_notes"] = ranks[0]["notes"]
-                print(*ranks[0]["notes"], flush=True)
+                results.setdefault("auto_checks", []).append(ranks[0]["plan_check"])
+                print(*ranks[0]["notes"], sep="\n", flush=True)
             rows.append((c, t, t / t_single, peak, peak / m_single, net, net / max(net_single, 1e-9),
                          comm.get("total", 0), want["total"], t / t_single_k))
             tl = ranks[0].get("timeline", {})

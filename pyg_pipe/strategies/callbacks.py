@@ -2,12 +2,15 @@
 clipping by the norm over all stages."""
 from __future__ import annotations
 
+import logging
 from typing import Callable, Dict, List
 
 import torch
 from lightning.pytorch.callbacks import Callback
 
 from ..engine import CATEGORIES
+
+log = logging.getLogger("pyg_pipe")
 
 
 def _metric(value, pl_module) -> torch.Tensor:
@@ -64,11 +67,22 @@ class TimelineLogger(Callback):
     (bubble ÷ all three), each the largest over the ranks; per stage ``time/compute/stage<s>`` (the
     largest over its ways), and ``time/stage_imbalance``, the slowest stage's compute ÷ the stages' mean
     (1.0: balanced; a stage above it sets the pipeline's pace, and ``balance`` or ``split_points`` move
-    layers off it). Recorded on CPU devices only."""
+    layers off it). Recorded on CPU devices only.
+
+    With ``num_chunks="auto"`` it also checks the cost model (:mod:`pyg_pipe.engine.plan.chunk_cost`): once
+    :data:`CHECK_STEPS` steps after the first (which plans and fills history exactly) have run, the measured
+    step (compute + wait + bubble, the largest over the ranks, median over those steps) is set against the
+    step predicted for the chosen count, in one line (logged and added to ``strategy.notes``) and in
+    ``strategy.plan_check``."""
+
+    #: steps after the first measured before the prediction is checked
+    CHECK_STEPS = 3
 
     def __init__(self, strategy):
         self.strategy = strategy
         self._steps: List[Dict[str, float]] = []
+        self._totals: List[float] = []   # per step after the first: compute + wait + bubble on this rank
+        self._seen = 0                   # steps recorded so far in the run
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._steps = []
@@ -76,7 +90,34 @@ class TimelineLogger(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         engine = self.strategy.engine
         if engine is not None:
-            self._steps += engine.timeline.take()
+            new = engine.timeline.take()
+            self._steps += new
+            self._check(engine, new)
+
+    def _check(self, engine, new: List[Dict[str, float]]) -> None:
+        """The predicted step against the measured ones (class docstring); a collective, once, on every rank
+        at the same step (the prediction is broadcast with the count, so every rank decides alike)."""
+        plan = engine.plan
+        if plan is None or plan.predicted_step is None or self.strategy.plan_check is not None:
+            return
+        for s in new:
+            if self._seen > 0:
+                self._totals.append(s["compute"] + s["wait"] + s["bubble"])
+            self._seen += 1
+        if len(self._totals) < self.CHECK_STEPS:
+            return
+        comm = self.strategy.comm
+        ranks = comm.all_gather_objects(self._totals, "checking the predicted step") if comm.distributed \
+            else [self._totals]
+        steps = sorted(max(r[i] for r in ranks) for i in range(len(self._totals)))
+        measured, predicted = steps[len(steps) // 2], plan.predicted_step
+        self.strategy.plan_check = {"num_chunks": plan.num_chunks, "predicted_step_s": predicted,
+                                    "measured_step_s": measured, "steps": len(steps)}
+        line = (f"pyg_pipe: num_chunks='auto' ({plan.num_chunks} chunks): the measured step is {measured:.3g} s "
+                f"against the predicted {predicted:.3g} s ({measured / predicted:.2f}x; the median of {len(steps)} "
+                f"steps after the first, compute + wait + bubble, the largest over the ranks).")
+        log.info(line)
+        engine.notes.append(line)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         engine = self.strategy.engine

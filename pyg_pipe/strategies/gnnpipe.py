@@ -133,6 +133,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         self.plan_seconds = 0.0  # time the engine spent planning (tracing, partitioning, history passes)
         self.notes: List[str] = []  # what the engine decided on its own (e.g. graph-parallel ways for a shallow model)
         self.planned_chunks: Optional[int] = None  # the plan's chunk count (with num_chunks="auto": the choice)
+        self.plan_check: Optional[dict] = None  # num_chunks="auto": predicted against measured step (callbacks.py)
         self.peak_memory: List[int] = []  # per rank: peak bytes of the fit net of the start (pyg_pipe.memory)
         self._memory: Optional[PeakMemory] = None
         self.checkpoints = PipelineCheckpoints(self)
@@ -184,13 +185,14 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         """What a spawned worker sends home (rank 0's): the pipeline state at the end of fit, counters."""
         return {"state": self.checkpoints.final_state, "comm_history": self.comm_history,
                 "plan_seconds": self.plan_seconds, "notes": self.notes, "peak_memory": self.peak_memory,
-                "planned_chunks": self.planned_chunks}
+                "planned_chunks": self.planned_chunks, "plan_check": self.plan_check}
 
     def take_worker_results(self, results: dict) -> None:
         """Takes what :meth:`worker_results` sent, in the main process."""
         self.checkpoints.final_state, self.comm_history = results["state"], results["comm_history"]
         self.plan_seconds, self.notes = results["plan_seconds"], results["notes"]
         self.peak_memory, self.planned_chunks = results["peak_memory"], results["planned_chunks"]
+        self.plan_check = results["plan_check"]
 
     # ----------------------------------------------------------------------- setup / teardown
     @property
@@ -249,7 +251,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
             self._fused_messages = None
         if self.engine is not None:
             self.plan_seconds = self.engine.setup_seconds
-            self.notes = list(self.engine.notes)
+            self.notes += [n for n in self.engine.notes if n not in self.notes]  # (fit, then test: both said)
             if self.engine.plan is not None:
                 self.planned_chunks = self.engine.plan.num_chunks
             self.engine.uninstall()

@@ -37,8 +37,8 @@ def test_choice_is_the_fewest_chunks_near_the_fastest():
 def test_a_model_that_cannot_be_timed_gets_the_fixed_rule():
     def costs(perm, ptr):
         raise RuntimeError("cannot time this layer")
-    chunks, line = chunk_cost.auto_chunks(costs, 100, 2, 1, 8)
-    assert chunks == 8
+    chunks, line, predicted = chunk_cost.auto_chunks(costs, 100, 2, 1, 8)
+    assert chunks == 8 and predicted is None
     assert "could not time" in line and "cannot time this layer" in line and "num_chunks=<int>" in line
 
 
@@ -61,9 +61,10 @@ def _worker(rank, world):
         for _ in range(2):
             forward_backward(model, opt, x, edge_index, y, mask)
             opt.step()
-        C = engine.plan.num_chunks
-        counts = comm.all_gather_objects(C, "test")
+        C, predicted = engine.plan.num_chunks, engine.plan.predicted_step
+        counts = comm.all_gather_objects((C, predicted), "test")
         assert counts[0] == counts[1] and C in (1, 2, 4, 8, 16, 32, 60), counts
+        assert predicted is not None and predicted > 0  # the step predicted for that count, also broadcast
         if rank == 0:  # (the rank that measured says what it chose, and why)
             assert any("num_chunks='auto'" in n and f"'auto': {C} chunk" in n for n in engine.notes), engine.notes
         state = engine.state_dict()
@@ -77,14 +78,14 @@ def _worker(rank, world):
         resumed.load_state_dict(state)
         resumed.install()
         forward_backward(resumed.module, torch.optim.SGD(resumed.module.parameters(), lr=0.01), x, edge_index, y, mask)
-        assert resumed.plan.num_chunks == C
+        assert resumed.plan.num_chunks == C and resumed.plan.predicted_step is None  # (nothing chosen again)
         resumed.uninstall()
 
         # an integer overrides it
         fixed = GNNPipeEngine(make_model("gcnii"), PipelineConfig(num_chunks=6), comm, num_stages=world)
         fixed.install()
         forward_backward(fixed.module, torch.optim.SGD(fixed.module.parameters(), lr=0.01), x, edge_index, y, mask)
-        assert fixed.plan.num_chunks == 6
+        assert fixed.plan.num_chunks == 6 and fixed.plan.predicted_step is None
         fixed.uninstall()
     finally:
         chunk_cost.measure = original

@@ -42,7 +42,7 @@ if __name__ == "__main__":
         return float((pred[mask] == data.y[mask]).float().mean())
 
     plain_before = accuracy(lit.model, data.val_mask)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=3)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=4)
     before = trainer.validate(lit, datamodule=dm, verbose=False)
     trainer.fit(lit, datamodule=dm)
     after = trainer.test(lit, datamodule=dm, verbose=False)
@@ -59,5 +59,7 @@ if __name__ == "__main__":
                                 for r in ckpt["pyg_pipe"]["ranks"]] if "pyg_pipe" in ckpt else None,
             "num_nodes": data.num_nodes,
             "num_chunks": ckpt["pyg_pipe"]["plan"]["num_chunks"] if "pyg_pipe" in ckpt else None,
+            "plan_check": getattr(trainer.strategy, "plan_check", None),
+            "notes": getattr(trainer.strategy, "notes", None),
             "checkpoints": sorted(os.listdir(trainer.checkpoint_callback.dirpath)),
             "warnings": caught}), flush=True)

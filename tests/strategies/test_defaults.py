@@ -40,6 +40,11 @@ def test_a_default_trainer_just_works(strategy, tmp_path):
         assert not set(map(tuple, (k for k, _ in buffers[0]))) & set(map(tuple, (k for k, _ in buffers[1])))
     elif strategy == "gnnpipe":  # num_chunks="auto" chose one chunk (60 vertices: a chunk's fixed cost rules)
         assert buffers == [[], []], buffers
+    if strategy == "gnnpipe":  # the cost model's prediction is checked against the steps after the first
+        check = result["plan_check"]
+        assert check is not None and check["num_chunks"] == result["num_chunks"] and check["steps"] == 3, check
+        assert check["predicted_step_s"] > 0 and check["measured_step_s"] > 0, check
+        assert any("the measured step is" in n and "against the predicted" in n for n in result["notes"])
     assert result["checkpoints"], "the default ModelCheckpoint wrote nothing"
     ours = [w for w in result["warnings"] if _ours(w)]
     assert not ours, json.dumps(ours, indent=1)

@@ -22,7 +22,7 @@ bubble: ``k = 1`` (exact). Streaming (one device) keeps its own rule (:func:`~.p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -98,16 +98,17 @@ def measure(costs: Callable[[Tensor, Tensor], List[float]], num_nodes: int, ways
 
 
 def auto_chunks(costs: Callable[[Tensor, Tensor], List[float]], num_nodes: int, stages: int, ways: int,
-                fallback: int) -> Tuple[int, str]:
-    """``num_chunks="auto"`` on the rank that measures: ``(chunks, the line that says why)``; ``fallback``
-    chunks (the rule of ``num_chunks=None``) where the layers cannot be timed. (The plan broadcasts it.)"""
+                fallback: int) -> Tuple[int, str, Optional[float]]:
+    """``num_chunks="auto"`` on the rank that measures: ``(chunks, the line that says why, the predicted step
+    in seconds)``; ``fallback`` chunks (the rule of ``num_chunks=None``, no prediction) where the layers cannot
+    be timed. (The plan broadcasts it.)"""
     if stages == 1:
-        return ways, ""
+        return ways, "", None
     try:
         a, b = measure(costs, num_nodes, ways)
     except Exception as exc:  # noqa: BLE001 - a model the timing pass cannot run still trains, with the fixed rule
         return fallback, (f"pyg_pipe: num_chunks='auto' could not time the model's layers ({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0][:160]}); using {fallback} chunks (the rule of num_chunks=None: 4 "
-                          f"per stage a way). Pass num_chunks=<int> to choose.")
+                          f"per stage a way). Pass num_chunks=<int> to choose."), None
     choice = choose(a, b, num_nodes, stages, ways)
-    return choice.per_way * ways, choice.line(stages, ways)
+    return choice.per_way * ways, choice.line(stages, ways), choice.predicted[choice.per_way]

@@ -54,6 +54,9 @@ class Plan:
             then has one group per (virtual) stage.
         statistics: how graph-wide statistics run with several chunks per way (``per_chunk_statistics``
             resolved: ``"auto"`` becomes ``"history"`` for BatchNorm / GraphNorm in the pipeline, else ``False``).
+        predicted_step: with ``num_chunks="auto"``, the step the cost model predicted for the chosen count
+            (seconds; checked against the measured steps: :class:`~pyg_pipe.strategies.callbacks.TimelineLogger`);
+            ``None`` otherwise, and on a resume (the count was not chosen again).
     """
 
     stages: int
@@ -69,6 +72,7 @@ class Plan:
     graphs: Tuple[Tensor, ...] = field(repr=False, compare=False)
     streaming: bool = False
     statistics: Union[bool, str] = False
+    predicted_step: Optional[float] = None
 
     @property
     def chunks_per_way(self) -> int:
@@ -169,12 +173,15 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
     """
     S, W = shape.stages, shape.ways
     auto = config.num_chunks == "auto"
+    predicted = None
     if shape.streaming and (config.num_chunks is None or auto):
         wanted = stream_chunks(config, inputs, comm.device)
     elif auto:  # measured once: a resume keeps the saved count
         fixed = chunk_count(replace(config, num_chunks=None), S, W, inputs.num_nodes, shape.ways_added)
-        wanted = saved["num_chunks"] if saved is not None else choose_chunks(costs, inputs.num_nodes, S, W, fixed,
-                                                                              comm, root, notes)
+        if saved is not None:
+            wanted = saved["num_chunks"]
+        else:
+            wanted, predicted = choose_chunks(costs, inputs.num_nodes, S, W, fixed, comm, root, notes)
     else:
         wanted = chunk_count(config, S, W, inputs.num_nodes, shape.ways_added, notes)
     if saved is not None:
@@ -208,7 +215,7 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
         owners = {n: {0} for n, _ in list(module.named_parameters()) + list(module.named_buffers())}
     return Plan(S, W, C, inputs.num_nodes, inputs.num_edges, perm.cpu(), ptr.cpu(), stage_sizes,
                 {n: frozenset(s) for n, s in owners.items()}, graph_digest(inputs.primary), tuple(inputs.graphs),
-                shape.streaming, statistics)
+                shape.streaming, statistics, predicted)
 
 
 def chunk_count(config: PipelineConfig, stages: int, ways: int, num_nodes: int, ways_added: bool = False,
@@ -327,23 +334,24 @@ def _partition(config: PipelineConfig, src: Tensor, dst: Tensor, N: int, num_chu
 
 
 def choose_chunks(costs: Optional[Callable[[Tensor, Tensor], List[float]]], num_nodes: int, stages: int, ways: int,
-                  fixed: int, comm, root: int, notes: Optional[List[str]] = None) -> int:
-    """``num_chunks="auto"`` (:mod:`.chunk_cost`): measured and chosen on ``root``, broadcast, said in one line."""
+                  fixed: int, comm, root: int, notes: Optional[List[str]] = None) -> Tuple[int, Optional[float]]:
+    """``num_chunks="auto"`` (:mod:`.chunk_cost`): measured and chosen on ``root``, broadcast, said in one line.
+    Returns the count and the step predicted for it (seconds; ``None`` when nothing was measured)."""
     if costs is None or stages == 1:
-        return fixed
+        return fixed, None
     said: List[str] = []
 
     def decide() -> Tensor:
-        chunks, line = auto_chunks(costs, num_nodes, stages, ways, fixed)
+        chunks, line, predicted = auto_chunks(costs, num_nodes, stages, ways, fixed)
         said.append(line)
-        return torch.tensor([chunks], dtype=torch.long)
+        return torch.tensor([chunks, -1.0 if predicted is None else predicted], dtype=torch.float64)
 
-    chunks = int(root_decides(decide, torch.zeros(1, dtype=torch.long), comm, root, "choosing num_chunks"))
+    got = root_decides(decide, torch.zeros(2, dtype=torch.float64), comm, root, "choosing num_chunks").tolist()
     for line in said:
         log.info(line)
         if notes is not None:
             notes.append(line)
-    return chunks
+    return int(got[0]), (got[1] if got[1] >= 0 else None)
 
 
 def choose_sizes(config: PipelineConfig, groups: list, stages: int, costs: Optional[Callable[[], List[float]]],

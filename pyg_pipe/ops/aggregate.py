@@ -145,7 +145,11 @@ class _CompiledAggregate(torch.autograd.Function):
         arg = result[1] if reduce == "max" else None
         ctx.reduce, ctx.module, ctx.n_src = reduce, module, x.size(0)
         ctx.has_value = value is not None
-        ctx.save_for_backward(rowptr, col, value, x, arg)
+        # the sources are read again only by the max's backward and by the edge values' gradient: a sum
+        # or mean over constant weights does not keep them alive (in a chunk they are the joined copy
+        # ``[rows | halo]``, a layer's largest kept tensor otherwise)
+        keep_x = reduce == "max" or (value is not None and ctx.needs_input_grad[2])
+        ctx.save_for_backward(rowptr, col, value, x if keep_x else None, arg)
         return out
 
     @staticmethod

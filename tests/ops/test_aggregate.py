@@ -102,6 +102,31 @@ def test_noncontiguous_and_mixed_inputs():
     torch.testing.assert_close(out, reference(rowptr, col, x.contiguous(), value.float()), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("reduce,learned", [("sum", False), ("mean", False), ("sum", True), ("max", False)])
+def test_sources_kept_only_when_the_backward_reads_them(reduce, learned):
+    """A sum or mean over constant weights does not keep its sources alive for the backward (in a chunk
+    they are the joined ``[rows | halo]`` copy); the max and learned edge weights do. Gradients are right
+    either way."""
+    import weakref
+
+    if ops.backend() not in ("cpp", "cuda"):
+        pytest.skip("the compiled kernels' autograd (the fallbacks keep what torch keeps)")
+    rowptr, col = small_csr(N)
+    leaf = torch.randn(N, 6, requires_grad=True)
+    value = torch.rand(col.numel()).add_(0.1).requires_grad_(learned)
+    x = leaf * 2.0  # not a leaf: only the aggregation's saved tensors can keep it alive
+    ref = reference(rowptr, col, x, value, reduce)
+    want = torch.autograd.grad(ref.sum(), leaf)
+    x = leaf * 2.0
+    alive = weakref.ref(x)
+    out = ops.csr_aggregate(rowptr, col, x, value=value, reduce=reduce)
+    del x
+    kept = alive() is not None
+    assert kept == (reduce == "max" or learned)
+    (got,) = torch.autograd.grad(out.sum(), leaf)
+    torch.testing.assert_close(got, want[0], atol=1e-5, rtol=1e-5)
+
+
 def test_transpose_cache_follows_the_graph():
     """The cached transposed adjacency is reused for one graph and rebuilt after an in-place edit."""
     ops.clear_cache()

@@ -153,8 +153,11 @@ class Localizer:
         rect = self._adjacency.get(key)
         if rect is None or rect[0] is not local:
             values = hit[3]
-            rect = self._adjacency[key] = (local, cg.local_adjacency(lg, values, local.layout, values.dtype,
-                                                                     rows_only=True))
+            if lg.num_local == lg.rows and lg.num_edges == lg.row_edges:  # no halo (one chunk a way, one way)
+                rows = local
+            else:
+                rows = cg.local_adjacency(lg, values, local.layout, values.dtype, rows_only=True)
+            rect = self._adjacency[key] = (local, rows)
         return rect[1]
 
     def _values(self, graph: Tensor, cg: ChunkedGraph) -> Tensor:

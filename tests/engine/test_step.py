@@ -134,3 +134,34 @@ def test_the_output_has_to_be_per_vertex():
         step.check_output(pack_rows((torch.zeros(3, 2), torch.tensor(0.5)), 3)[0], 3)
     with pytest.raises(Exception, match=r"shape \(4, 2\) for a chunk of 5 vertices"):
         step.check_output(torch.zeros(4, 2), 5)
+
+
+def test_a_training_fill_drops_the_exact_pass_rows_and_the_next_exact_pass_cuts_them_again(setup):
+    """The inputs' rows cut for the one-chunk-per-way graphs would sit beside the training activations:
+    a fill drops them, the next exact pass cuts them again and is as exact as before."""
+    rt, model, inputs, x, g, *_ = setup
+    way = {id(cg) for cg in rt.way_chunked}
+    kept = lambda: [k for k in rt.adjacency.get("node rows", {}) if k[1] in way]  # noqa: E731
+    with torch.no_grad():
+        want = model(x, g["edge_index"], g["edge_weight"])
+        step.prepare_history(rt, inputs, 0)                  # the exact pass filling history
+        assert kept() or not rt.keep_inputs
+        step.fill(rt, inputs, 1, 0)
+        assert not kept()
+        torch.testing.assert_close(step.exact(rt, inputs), want, atol=1e-12, rtol=0)
+
+
+def test_the_row_graph_of_a_chunk_without_halo_is_its_local_graph():
+    """One chunk a way on one way has no halo: its row graph and local graph are one adjacency, not two."""
+    from pyg_pipe.graph.chunks import ChunkedGraph
+    from pyg_pipe.model.localize import Localizer
+
+    x, g, *_ = zoo_graph()
+    src, dst = g["edge_index"]
+    n = x.size(0)
+    adj = torch.sparse_coo_tensor(torch.stack([dst, src]), torch.ones(src.numel()), (n, n)).coalesce().to_sparse_csr()
+    cg = ChunkedGraph(src, dst, n, torch.arange(n), torch.tensor([0, n]), 1)
+    loc = Localizer(CallInputs((x, adj), {}), [cg])
+    lg = cg.chunks[0]
+    local = loc.local_graph(adj, lg)
+    assert loc.row_adjacency(cg, lg, local) is local

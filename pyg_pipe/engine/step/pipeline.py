@@ -78,6 +78,7 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
     history = rt.history.of(call)
     use_history = plan.chunks_per_way > 1
     replay = rt.recompute
+    rt.release_exact()
     if use_history:
         history.begin_step(step, rt.config.snapshot_period, keep_start=True,  # replays read the start rows
                            smoothing=rt.config.smoothing)

@@ -206,7 +206,8 @@ def launch(args, mode: str, **extra) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode]
     for k in ("graph", "model", "nodes", "degree", "features", "classes", "layers", "hidden", "epochs", "procs",
               "threads_single", "snapshot_period", "trace", "device", "input", "fused_kernels", "history_dtype"):
-        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k, ""))]
+        if hasattr(args, k):  # a caller without the option (benchmarks/memory/memory.py) gets the worker's default
+            cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     for k, v in extra.items():
         cmd += [f"--{k}", str(v)]
     env = dict(os.environ, OMP_NUM_THREADS="1" if mode == "pipe" else str(args.threads_single))

@@ -98,7 +98,6 @@ def main():
 
     import lightning.pytorch as pl
     import torch
-    import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
     import pyg_pipe
@@ -108,18 +107,6 @@ def main():
     setting = argparse.Namespace(graph="community", nodes=args.nodes, degree=20.0, features=64, classes=8,
                                  model="gcnii", layers=args.layers, hidden=64)
     data, model = ge.build(setting)
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def training_step(self, batch, batch_idx):
-            out = self.model(batch.x, batch.adj_t)
-            return F.cross_entropy(out[batch.train_mask], batch.y[batch.train_mask])
-
-        def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=0.01)
 
     class Record(pl.Callback):
         def on_train_batch_start(self, trainer, *a):
@@ -147,7 +134,7 @@ def main():
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=args.step + 2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, callbacks=[Record()])
-    trainer.fit(Module(), datamodule=pyg_pipe.FullGraphDataModule(data))
+    trainer.fit(ge.node_classifier(model), datamodule=pyg_pipe.FullGraphDataModule(data))
 
 
 if __name__ == "__main__":

@@ -130,28 +130,37 @@ def run_single(args) -> dict:
     return {"times": times, "peak_mb": peak_mb(), "base_mb": base, "losses": losses}
 
 
-def run_pipe(args) -> None:
+def node_classifier(model, graph: str = "adj_t"):
+    """The benchmarks' LightningModule: cross-entropy on the training vertices, Adam at 0.01; the model is
+    given ``batch.adj_t`` or ``batch.edge_index`` (``graph``)."""
     import lightning.pytorch as pl
     import torch
     import torch.nn.functional as F
+
+    class NodeClassifier(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            out = self.model(batch.x, batch.adj_t if graph == "adj_t" else batch.edge_index)
+            return F.cross_entropy(out[batch.train_mask], batch.y[batch.train_mask])
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    return NodeClassifier()
+
+
+def run_pipe(args) -> None:
+    import lightning.pytorch as pl
+    import torch
 
     import pyg_pipe
 
     torch.set_num_threads(1)
     data, model = build(args)
     base = rss_mb()
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def training_step(self, batch, batch_idx):
-            out = self.model(batch.x, batch.adj_t if args.input == "adj_t" else batch.edge_index)
-            return F.cross_entropy(out[batch.train_mask], batch.y[batch.train_mask])
-
-        def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=0.01)
 
     class Timer(pl.Callback):
         times, losses, hwm = [], [], []  # hwm: the process's peak so far after setup and after each step
@@ -192,7 +201,7 @@ def run_pipe(args) -> None:
     trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if CUDA else "cpu", devices=args.procs, max_epochs=args.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer])
-    trainer.fit(Module(), datamodule=pyg_pipe.FullGraphDataModule(data))
+    trainer.fit(node_classifier(model, args.input), datamodule=pyg_pipe.FullGraphDataModule(data))
     rank = trainer.global_rank
     out = {"rank": rank, "times": timer.times, "sizes": timer.sizes, "chunks": timer.chunks, "notes": timer.notes, "losses": timer.losses, "hwm_mb": timer.hwm, "peak_mb": peak_mb(),
            "base_mb": base, "plan_check": getattr(strategy, "plan_check", None),

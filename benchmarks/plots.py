@@ -5,6 +5,7 @@ does not depend on). One function per figure; from the command line, the figure'
     python benchmarks/plots.py comm docs/results/comm_study.json docs/img/comm_study.png
     python benchmarks/plots.py convergence docs/results/convergence.json docs/img/convergence.png
     python benchmarks/plots.py memory docs/results/memory_community_16.json
+    python benchmarks/plots.py memory_ab BEFORE.json AFTER.json docs/img/memory_2026-11-26.png
     python benchmarks/plots.py speed docs/results/speed_p2_bw0.json docs/results/speed_p2_bw1e8.json ...
     python benchmarks/plots.py sweep docs/results/cores/sweep.txt
     python benchmarks/plots.py timeline docs/results/timeline_p4.json
@@ -160,6 +161,7 @@ def memory(path):
     """Draws docs/img/memory.png from the JSON written by memory.py (needs matplotlib).
 
         python benchmarks/plots.py memory docs/results/memory_community_16.json
+    python benchmarks/plots.py memory_ab BEFORE.json AFTER.json docs/img/memory_2026-11-26.png
 
     One panel per process count: the worst process's net peak ÷ single-process PyG for every mode and
     chunk count, the per-rank values as dots, and step time ÷ single process as text above each bar.
@@ -203,6 +205,42 @@ def memory(path):
                  f"bar labels: step time ÷ one process (under MALLOC_MMAP_THRESHOLD_, see memory.md)", fontsize=9)
     fig.tight_layout()
     out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "img", "memory.png")
+    fig.savefig(out, dpi=110)
+    print(out)
+
+
+def memory_ab(before, after, out):
+    """Draws a before/after figure from two JSON files written by memory.py with the same command.
+
+        python benchmarks/plots.py memory_ab docs/results/memory_2026-11-26/before_7583b9a.json \
+            docs/results/memory_2026-11-26/after.json docs/img/memory_2026-11-26.png
+
+    Paired bars per (mode, chunks, recompute) of the first process count: the worst process's net peak ÷
+    single-process PyG, before (grey) and after (blue), with the value above each bar.
+    """
+    runs = [json.load(open(p))["runs"] for p in (before, after)]
+    P = runs[0][0]["procs"]
+    key = lambda r: (r["mode"], r["chunks"], r["recompute"])  # noqa: E731
+    old = {key(r): r for r in runs[0] if r["procs"] == P}
+    new = [r for r in runs[1] if r["procs"] == P and key(r) in old]
+    fig, ax = plt.subplots(figsize=(7.5, 4.0))
+    for i, r in enumerate(new):
+        for dx, val, color in ((-0.2, old[key(r)]["net_ratio"], "tab:grey"), (0.2, r["net_ratio"], "tab:blue")):
+            ax.bar(i + dx, val, width=0.4, color=color)
+            ax.text(i + dx, val + 0.02, f"{val:.2f}", ha="center", fontsize=7)
+    labels = [("graph\nparallel" if r["mode"] == "graph_parallel" else
+               f"gnnpipe{'' if r['recompute'] in (None, 'off') else ' +rc'}\n{r['chunks']} chunks") for r in new]
+    ax.set_xticks(range(len(new)), labels, fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    from matplotlib.patches import Patch
+
+    line = ax.axhline(0.55, color="tab:red", lw=1, ls="--", label="target 0.55")
+    ax.legend(handles=[Patch(color="tab:grey", label=os.path.basename(before)),
+                       Patch(color="tab:blue", label=os.path.basename(after)), line], fontsize=7)
+    s = json.load(open(after))["setting"]
+    ax.set_title(f"net peak per process ÷ one process, {P} processes; {s['layers']}-layer GCNII, {s['nodes']:,} "
+                 f"vertices ({s['graph']})", fontsize=9)
+    fig.tight_layout()
     fig.savefig(out, dpi=110)
     print(out)
 
@@ -374,7 +412,8 @@ def gpu(path):
 
 
 #: figure name -> (function, whether it takes a list of inputs)
-FIGURES = {"epoch": (epoch, True), "comm": (comm, False), "convergence": (convergence, False), "memory": (memory, False), "speed": (speed, True), "sweep": (sweep, False), "timeline": (timeline, False),
+FIGURES = {"epoch": (epoch, True), "comm": (comm, False), "convergence": (convergence, False), "memory": (memory, False),
+           "memory_ab": (memory_ab, False), "speed": (speed, True), "sweep": (sweep, False), "timeline": (timeline, False),
            "gpu": (gpu, False)}
 
 if __name__ == "__main__":

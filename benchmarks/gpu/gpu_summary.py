@@ -6,9 +6,10 @@ community graph, plain PyG against the engine on the same GPU:
 ``stream_ratio_20k`` / ``stream_ratio_200k``
     the engine's step streaming 4 chunks (NGra, one device; captured as CUDA graphs after two eager steps,
     engine/step/capture.py) ÷ plain PyG's step (median of timed steps after a device synchronize, both in
-    this process, one after the other); ``*_uncaptured``: the same with ``cuda_graphs=False``;
-    ``*_kept_inside_capture``: captured and keeping every chunk's activations (``recompute=False`` with
-    ``stream.KEEP_WHEN_CAPTURED``, off by default until measured here);
+    this process, one after the other; the capture keeps every chunk's activations where the engine keeps
+    them, ``stream.KEEP_WHEN_CAPTURED``); ``*_uncaptured``: the same with ``cuda_graphs=False``;
+    ``*_replayed_in_capture``: captured, replaying each chunk's forward in the backward (the fallback of a
+    capture that fails keeping activations; the default before the fifth GPU run);
 ``host_ms_per_chunk_layer``
     (streamed step − plain step) ÷ (chunks × layers) at 20k vertices, where the GPU idles most of the step:
     what the engine adds per (chunk, layer), forward and backward;
@@ -120,7 +121,7 @@ def stream_ratio(nodes: int, dev, chunks: int, steps: int, profile: bool) -> dic
     with _Engine(uncaptured_model, dev, num_chunks=chunks, cuda_graphs=False):
         uncaptured = _timed(_step_fn(uncaptured_model, data), dev, steps, warmup=3)
     del uncaptured_model
-    kept = _kept_inside_capture(model, data, dev, chunks, steps)
+    replayed = _replaying_capture(model, data, dev, chunks, steps)
     with _Engine(model, dev, num_chunks=chunks) as engine:
         step = _step_fn(model, data)
         stream = _timed(step, dev, steps, warmup=3)  # (two eager steps, then the capture: step/capture.py)
@@ -130,7 +131,7 @@ def stream_ratio(nodes: int, dev, chunks: int, steps: int, profile: bool) -> dic
                "uncaptured_s": uncaptured, "uncaptured_ratio": uncaptured / plain,
                "captured": captured is not None and captured.graphs is not None,
                "uncaptured_because": captured.off if captured is not None else None,
-               "kept_inside_capture_s": kept, "kept_inside_capture_ratio": kept / plain}
+               "replayed_in_capture_s": replayed, "replayed_in_capture_ratio": replayed / plain}
         if profile and dev.type == "cuda":
             from benchmarks.gpu.gpu_profile import profile as run_profile
             prof = run_profile(step, steps)
@@ -140,17 +141,17 @@ def stream_ratio(nodes: int, dev, chunks: int, steps: int, profile: bool) -> dic
     return out
 
 
-def _kept_inside_capture(model, data, dev, chunks: int, steps: int) -> float:
-    """The captured step keeping every chunk's activations (no replay in the backward; off by default until
-    measured and tested on a GPU: ``stream.KEEP_WHEN_CAPTURED``), on a copy of ``model``: seconds a step."""
+def _replaying_capture(model, data, dev, chunks: int, steps: int) -> float:
+    """The captured step replaying each chunk's forward in its backward (``stream.KEEP_WHEN_CAPTURED`` off:
+    what a capture that fails keeping activations falls back to), on a copy of ``model``: seconds a step."""
     from pyg_pipe.engine.step import stream
-    model = copy.deepcopy(model)
-    stream.KEEP_WHEN_CAPTURED = True
+    model, before = copy.deepcopy(model), stream.KEEP_WHEN_CAPTURED
+    stream.KEEP_WHEN_CAPTURED = False
     try:
-        with _Engine(model, dev, num_chunks=chunks, recompute=False):
+        with _Engine(model, dev, num_chunks=chunks):
             return _timed(_step_fn(model, data), dev, steps, warmup=3)
     finally:
-        stream.KEEP_WHEN_CAPTURED = False
+        stream.KEEP_WHEN_CAPTURED = before
 
 
 def _one_step(nodes: int, dev, plain_max: int | None) -> float:
@@ -227,9 +228,11 @@ def largest(dev, start: int, limit_s: float, cap_gib: float) -> dict:
     _one_step(1000, dev, 500)    # load them from the extension cache)
     TRIALS.clear()
     n, t0, plain_max = start, time.perf_counter(), None
+    out["plain_stopped_by"] = f"the {limit_s:.0f} s limit"
     while time.perf_counter() - t0 < limit_s:
         loss = _fits(n, dev, None, cap_gib)
         if loss is None:
+            out["plain_stopped_by"] = "memory"
             break
         plain_max, loss_plain, n = n, loss, n * 2
     out["largest_vertices_plain"] = plain_max
@@ -238,17 +241,18 @@ def largest(dev, start: int, limit_s: float, cap_gib: float) -> dict:
         return out
     loss_stream = _fits(plain_max, dev, plain_max, cap_gib)
     out["loss_gap_at_plain_max"] = abs(loss_plain - loss_stream) if loss_stream is not None else None
-    n, t0, last = plain_max * 2, time.perf_counter(), plain_max
+    n, t0, last, full = plain_max * 2, time.perf_counter(), plain_max, False
     while time.perf_counter() - t0 < limit_s:
         t1 = time.perf_counter()
         if _fits(n, dev, plain_max, cap_gib) is None:
+            full = True
             break
         last = n
         out.setdefault("stream_step_s", {})[str(n)] = time.perf_counter() - t1
         n *= 2
     out["largest_vertices_stream"] = last
     out["trials"] = TRIALS
-    out["sweep_stopped_by"] = "memory" if time.perf_counter() - t0 < limit_s else f"the {limit_s:.0f} s limit"
+    out["sweep_stopped_by"] = "memory" if full else f"the {limit_s:.0f} s limit"
     return out
 
 
@@ -327,7 +331,7 @@ def main() -> None:
         summary["stream_ratio_20k"] = r20["ratio"]
         summary["host_ms_per_chunk_layer"] = (r20["stream_s"] - r20["plain_s"]) * 1e3 / (4 * LAYERS)
         summary["stream_ratio_20k_uncaptured"] = r20["uncaptured_ratio"]
-        summary["stream_ratio_20k_kept_inside_capture"] = r20["kept_inside_capture_ratio"]
+        summary["stream_ratio_20k_replayed_in_capture"] = r20["replayed_in_capture_ratio"]
         summary["host_ms_per_chunk_layer_uncaptured"] = (r20["uncaptured_s"] - r20["plain_s"]) * 1e3 / (4 * LAYERS)
         summary["detail_20k"] = r20
         done(f"20k: plain {r20['plain_s'] * 1e3:.1f} ms, streamed {r20['stream_s'] * 1e3:.1f} ms (captured: "
@@ -335,7 +339,7 @@ def main() -> None:
         r200 = stream_ratio(big, dev, 4, args.steps, profile=True)
         summary["stream_ratio_200k"] = r200["ratio"]
         summary["stream_ratio_200k_uncaptured"] = r200["uncaptured_ratio"]
-        summary["stream_ratio_200k_kept_inside_capture"] = r200["kept_inside_capture_ratio"]
+        summary["stream_ratio_200k_replayed_in_capture"] = r200["replayed_in_capture_ratio"]
         summary["gpu_busy_share_200k"] = r200.get("gpu_busy_share")
         summary["copies_per_step_200k"] = r200.get("copies_per_step")
         summary["detail_200k"] = r200

@@ -28,10 +28,11 @@ any in its forward (dropout) is not captured (one log line); nor a plan whose st
 on the device (``offload``), nor a capture that fails (a host synchronisation, a value-dependent
 allocation: the error is logged). The compiled kernels (``extensions/``) launch on the current stream, so
 they are part of the graphs; the equality of captured and uncaptured training (tests/engine/test_capture.py,
-tests/test_gpu.py) is the check. A captured step replays each chunk's forward in its backward: keeping
-activations inside the capture (``KEEP_WHEN_CAPTURED`` in :mod:`.stream`) was measured faster on an H100
-(docs/benchmarks.md, "Fourth GPU run") but failed to capture PyG's ``GCN`` there, so it stays off; where
-it is on and such a capture fails, the step is captured again after the warm-up, replaying activations.
+tests/test_gpu.py) is the check. A captured step keeps each chunk's activations inside the capture (as the
+eager step does where they fit, ``recompute``), so its backward does not replay the forward
+(``KEEP_WHEN_CAPTURED`` in :mod:`.stream`; measured 1.4x faster on an H100, docs/benchmarks.md "Fifth GPU
+run"); where such a capture fails (PyG's ``GCN`` did once, in the fourth GPU run, not since; the cause was
+not found), the step is captured again after the warm-up, replaying activations, with one log line.
 """
 from __future__ import annotations
 

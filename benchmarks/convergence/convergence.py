@@ -16,7 +16,9 @@ gradient scaling)::
     t1-t3     the defaults
     none      shuffle_chunks=False, snapshot_period=None, unbiased_gradients=False
     t1 / t2 / t3   one trick alone
-    bound     the defaults and max_staleness=0.1 (refresh when a step's drift passes 10 %)
+    bound     the defaults and max_staleness=0.1 (refresh when a step's drift passes 10 %; with dropout,
+              since 2026-11-26, when the probes' drift per update times the age of the next step's reads
+              does: runtime/staleness.py); bound0.03 / bound0.3 the same with 0.03 / 0.3
     age0      the defaults and max_age=0 (history refreshed before every step: exact forwards)
     age1 / age2 / age5 / age11   the defaults and max_age=k (an exact refresh at least every k+1 steps)
     age2-noT2 / age1-noT3 / age1-noT1   max_age with one trick off (probes of the max_age result in docs)
@@ -62,6 +64,8 @@ MODES = {
     "t2": dict(shuffle_chunks=False, unbiased_gradients=False),
     "t3": dict(shuffle_chunks=False, snapshot_period=None),
     "bound": dict(max_staleness=0.1),
+    "bound0.03": dict(max_staleness=0.03),
+    "bound0.3": dict(max_staleness=0.3),
     "age0": dict(max_age=0),
     "age0-noT3": dict(max_age=0, unbiased_gradients=False),
     "age1": dict(max_age=1),

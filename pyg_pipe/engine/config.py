@@ -84,15 +84,18 @@ class PipelineConfig:
             :mod:`.runtime.timeline`). The per-step sums are logged as ``time/compute``, ``time/wait``,
             ``time/bubble`` and ``time/bubble_share`` in any case (CPU devices; docs/benchmarks.md).
         staleness_meter: measure how far the historical rows each training step read were from the fresh
-            ones, per call site, and log it per epoch: ``staleness/max_drift``, ``staleness/drift/<site>``,
+            ones (with dropout: how far the rows moved between exact probes without it, one forward pass
+            without gradients every ``snapshot_period`` steps), per call site, and log it per epoch: ``staleness/max_drift``, ``staleness/drift/<site>``,
             ``staleness/stale_share``, ``staleness/mean_age`` (:mod:`.runtime.staleness`; a few index-selects
             after each fill).
         max_age: refresh the history with an exact pass (one forward of the whole model, no gradients) before
             a step whose stale reads would be more than this many optimizer updates old (``0``: every step, an
             exact training forward; ``None``: no bound but T2's).
         max_staleness: refresh it before the next step when the largest per-site drift of a step
-            (``staleness/max_drift``, over all ranks) exceeds this, e.g. ``0.1`` (``None``: no bound). How
-            often either bound refreshed is logged as ``staleness/refreshes``.
+            (``staleness/max_drift``, over all ranks) exceeds this, e.g. ``0.1`` (``None``: no bound); with a
+            forward that draws random numbers (dropout), when the probes' drift per update times the age of
+            the rows the next step would read does (:mod:`.runtime.staleness`). How often either bound
+            refreshed is logged as ``staleness/refreshes``.
         smoothing: a momentum ``γ`` in [0, 1): stale neighbours are read as a moving average over steps of
             their historical rows, ``s ← γ·s + (1-γ)·h`` (PipeGCN's smoothing; :mod:`.runtime.history`);
             fresh ones as computed. ``None``: the last rows (docs/convergence.md measures both).

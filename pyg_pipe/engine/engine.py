@@ -293,21 +293,28 @@ class GNNPipeEngine:
         self.step += 1
         self._calls = 0
         self.timeline.end_step()
+        if self.meter.random is None:  # (the first step: whether any rank's forward drew random numbers)
+            self.meter.decide(self.comm, self.config.snapshot_period)
         self.meter.end_step()
         self._bound_drift()
 
     def _bound_drift(self) -> None:
         """``max_staleness``: when the largest drift measured this step on any rank passed the bound, every
         history of every plan is refilled by an exact pass before the next step (one all-reduce of one
-        number a step, after the backward; the same decision on every rank)."""
-        bound, rt = self.config.max_staleness, self.runtime
+        number a step, after the backward; the same decision on every rank). With a forward that draws random
+        numbers the drift comes from probes (:mod:`.runtime.staleness`): then a history is refilled when the
+        last probe's drift per update times the age of the rows the next step would read passes the bound."""
+        bound, rt, meter = self.config.max_staleness, self.runtime, self.meter
         if bound is None or rt is None or rt.plan.chunks_per_way == 1 or rt.plan.streaming:
             return
-        drift = torch.tensor([self.meter.last_drift], dtype=torch.float64, device=self.comm.device)
+        drift = torch.tensor([meter.rate if meter.random else meter.last_drift], dtype=torch.float64,
+                             device=self.comm.device)
         self.comm.all_reduce(drift, None, "the staleness bound", op="max")
-        if float(drift) > bound:
-            for runtime in self._runtimes:
-                for history in runtime.history.calls.values():
+        drift = float(drift)
+        for runtime in self._runtimes:
+            for history in runtime.history.calls.values():
+                age = history.age_at(self.step, self.config.snapshot_period) if meter.random else 1
+                if drift * age > bound:
                     history.refresh_due = True
 
     # ------------------------------------------------------------------ planning

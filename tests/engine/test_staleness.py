@@ -299,3 +299,93 @@ def test_no_refresh_below_the_bound():
         assert engine.meter.refreshes == 0 and engine.meter.last_drift > 0
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------------
+# dropout: the meter's drift comes from probes without it (staleness.py, "Random numbers")
+# --------------------------------------------------------------------------------------------------------
+
+PROBE_STEPS = 3 * PERIOD + 1  # probes before steps 3, 6 and 9: drift entries at 6 and 9
+
+
+def _dropout_run(lr: float, meter: bool = True, stages: int = 1, chunks: int = 4, **cfg):
+    """PyG's GraphSAGE with dropout between its layers, trained ``PROBE_STEPS`` steps (SGD, float64): the
+    outputs of every step and the meter's entries, one list per step."""
+    from torch_geometric.nn import GraphSAGE
+    torch.set_default_dtype(torch.float64)
+    try:
+        x, g, y, mask = zoo_graph()
+        torch.manual_seed(0)
+        model = GraphSAGE(8, 12, num_layers=3, out_channels=3, dropout=0.5)
+        engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, partition=ranges, snapshot_period=PERIOD,
+                                                     seed=SEED, balance="layers", streaming=False,
+                                                     staleness_meter=meter, **cfg),
+                               Comm(torch.device("cpu"), timeout=60), num_stages=stages)
+        engine.install()
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        outs, entries = [], []
+        torch.manual_seed(1)
+        for _ in range(PROBE_STEPS):
+            out = model(x, g["edge_index"])
+            opt.zero_grad()
+            F.cross_entropy(out[mask], y[mask]).backward()
+            opt.step()
+            outs.append(out.detach())
+            entries.append(engine.meter.take())
+        engine.uninstall()
+        return outs, entries, engine.meter
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _probe_drift(entries) -> dict:
+    """Per step (those with a probe's drift): the drift of every site, over the entries of one or more ranks."""
+    from pyg_pipe.engine.runtime.staleness import summarize
+    return {step: summarize(e) for step, e in enumerate(entries) if any(x["sites"] for x in e)}
+
+
+def test_with_dropout_the_meter_reads_staleness_not_noise():
+    """lr = 0 with dropout on: nothing is stale, and the meter reads exactly 0 (the rows the steps read differ
+    by their dropout masks); lr > 0: it reads the rows' drift; and its probes leave training unchanged (every
+    output equal, bit for bit, with the meter off)."""
+    outs, entries, meter = _dropout_run(lr=0.0)
+    assert meter.random is True and meter.probes == 3, (meter.random, meter.probes)
+    got = _probe_drift(entries)
+    assert sorted(got) == [2 * PERIOD, 3 * PERIOD], sorted(got)  # (the first probe sets the reference)
+    for step, metrics in got.items():
+        sites = [k for k in metrics if k.startswith("drift/")]
+        assert len(sites) == 2 and all(metrics[k] == 0.0 for k in sites), (step, metrics)
+    assert not torch.equal(outs[0], outs[1])  # (dropout is on: the steps' outputs differ at lr = 0)
+    outs, entries, meter = _dropout_run(lr=0.5)
+    moved = _probe_drift(entries)
+    assert sorted(moved) == sorted(got) and all(m["max_drift"] > 1e-4 for m in moved.values()), moved
+    unmetered, _, off = _dropout_run(lr=0.5, meter=False)
+    assert off.probes == 0
+    for step, (a, b) in enumerate(zip(outs, unmetered)):
+        assert torch.equal(a, b), f"step {step}: the probes changed training"
+
+
+def test_with_dropout_the_bound_refreshes_by_the_probes_drift():
+    """``max_staleness`` with dropout: at lr = 0 nothing is stale and nothing is refreshed (the rows the steps
+    read differ by far more than the bound: their dropout masks); at lr > 0 the probes' drift per update
+    times the age of the next step's reads passes a small bound, and refreshes follow."""
+    *_, still = _dropout_run(lr=0.0, max_staleness=0.01)
+    assert still.refreshes == 0 and still.rate == 0.0, (still.refreshes, still.rate)
+    *_, moving = _dropout_run(lr=0.5, max_staleness=0.01)
+    assert moving.rate > 0 and moving.refreshes >= 1, (moving.refreshes, moving.rate)
+
+
+def _dropout_pipeline(rank, world):
+    _, entries, meter = _dropout_run(lr=0.0, stages=2, chunks=4, max_staleness=0.01)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (meter.random, entries))
+    assert all(random is True for random, _ in gathered), gathered  # (every rank, whichever stage drops out)
+    assert meter.refreshes == 0, meter.refreshes
+    merged = [[e for _, rank_entries in gathered for e in rank_entries[step]] for step in range(PROBE_STEPS)]
+    got = _probe_drift(merged)
+    assert sorted(got) == [2 * PERIOD, 3 * PERIOD] and all(m["max_drift"] == 0.0 for m in got.values()), got
+
+
+def test_with_dropout_a_pipeline_meter_reads_zero_at_lr0():
+    """Two stages, only the first drawing random numbers: both ranks probe, and read 0 at lr = 0."""
+    run_distributed(_dropout_pipeline, 2, timeout=240)

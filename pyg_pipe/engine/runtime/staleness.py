@@ -22,14 +22,37 @@ per-step sums to whoever asks (:meth:`StalenessMeter.take`; the Lightning strate
 inference and streaming read nothing stale and record nothing. ``staleness_meter=False`` turns it off.
 Historical BatchNorm statistics (``per_chunk_statistics="history"``) add a site ``statistics:<module>``:
 the other chunks' sums each chunk read against their values at the end of the fill.
+
+**Random numbers (dropout).** When the training forward draws random numbers on any rank (decided once,
+after the first step, over all ranks), a stale row and its fresh version come from different dropout
+masks, so ``h_fresh − h_stale`` is mostly dropout noise: at lr = 0 the reads above measure a large drift
+where nothing is stale. The meter then takes its drift from *probes* instead: every ``P`` steps
+(``P = snapshot_period``, or ``PROBE_PERIOD`` without snapshots) an exact pass in eval mode, no
+gradients, no history written, random state left as it was, samples each site's rows (at most
+``SAMPLE`` of this rank's boundary rows, evenly spaced), and::
+
+    drift_k = ‖e_k(W_t) − e_k(W_{t−P})‖ / ‖e_k(W_t)‖     (e: the site's rows without dropout)
+
+the change of the rows over the last ``P`` updates, which with T2 is how old the oldest rows a stale
+read can get: 0 at lr = 0, whatever the dropout. Such a step's entry carries the probe's drift (the first
+probe only sets the reference); other steps carry the share and age only. ``max_staleness`` then bounds
+the drift a step's stale reads are expected to have, ``age × drift_k / P`` (the rows taken to move
+steadily between probes: an adaptive ``max_age``). A probe costs one forward pass without gradients every
+``P`` steps; training is unchanged by it (tests/engine/test_staleness.py).
 """
 from __future__ import annotations
 
+import logging
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+#: steps between probes (module docstring) when there are no snapshots to take the period from
+PROBE_PERIOD = 8
 
 
 class StalenessMeter:
@@ -50,6 +73,60 @@ class StalenessMeter:
         self.seconds = 0.0                          # host time spent measuring (the whole cost on CPU)
         self.refreshes = 0                          # exact refills a bound asked for (max_age, max_staleness)
         self.last_drift = 0.0                       # the largest per-site drift of the last step (this rank)
+        self.random: Optional[bool] = None          # whether a training forward draws random numbers (all ranks)
+        self._drew = False                          # ... on this rank, in the first step's fills
+        self._rng = None
+        self._probed: Dict[int, Dict[str, Tensor]] = {}  # per call: the rows the last probe sampled, per site
+        self.probes = 0                             # probes run (module docstring)
+        self.period = PROBE_PERIOD                  # steps between probes
+        self.rate = 0.0                             # the last probe's drift per update (this rank)
+
+    # ------------------------------------------------------------------ random numbers and probes
+    def watch(self, state: tuple) -> None:
+        """Before a fill of the first step: the random ``state`` (CPU, device), to see whether the fill draws
+        from it."""
+        if self.on and self.random is None:
+            self._rng = state
+
+    def watched(self, now: tuple) -> None:
+        """After that fill, the random state ``now``: whether it drew random numbers (dropout)."""
+        if self._rng is not None:
+            self._drew = self._drew or any(a is not None and not torch.equal(a, b) for a, b in zip(self._rng, now))
+            self._rng = None
+
+    def decide(self, comm, period: Optional[int]) -> None:
+        """At the end of the first step: whether any rank's training forward drew random numbers (one
+        all-reduce, the same answer on every rank); if so, drift comes from probes from now on and the
+        first step's read drift, dropout noise, is dropped."""
+        if not self.on or self.random is not None:
+            return
+        self.period = period or PROBE_PERIOD
+        drew = torch.tensor([float(self._drew)], dtype=torch.float64, device=comm.device)
+        comm.all_reduce(drew, None, "the staleness meter", op="max")
+        self.random = bool(drew.item() > 0)
+        if self.random:
+            self._sq = {}
+            log.info("pyg_pipe: the training forward draws random numbers (dropout): the staleness meter takes its "
+                     "drift from an exact pass without them every %d steps (one forward pass without gradients "
+                     "each), not from the rows the steps read", period or PROBE_PERIOD)
+
+    def probe_due(self, step: int, period: Optional[int]) -> bool:
+        """Whether a probe runs before step ``step`` (every rank decides the same)."""
+        return self.on and self.random is True and step > 0 and step % self.period == 0
+
+    def probed(self, call: int, rows: Dict[str, Tensor]) -> None:
+        """A probe's sampled rows per site (float64, on the device): their drift since the call's last probe
+        goes into this step's entry."""
+        t0 = time.perf_counter()
+        last = self._probed.get(call)
+        if last is not None:
+            for key, now in rows.items():
+                before = last.get(key)
+                if before is not None and before.shape == now.shape:
+                    self.add(key, (now - before).pow(2).sum(), now.pow(2).sum())
+        self._probed[call] = rows
+        self.probes += 1
+        self.seconds += time.perf_counter() - t0
 
     def measure(self, run) -> None:
         """After a fill: the drift of every stale row its chunks read (``run``: the fill's
@@ -70,7 +147,7 @@ class StalenessMeter:
                     ids.append(t[::stride])
                     self._reads[0] += t.numel()
                     self._age += age * t.numel()
-            if not ids or key not in history.buffers:
+            if not ids or key not in history.buffers or self.random:  # (random: dropout noise, see probes)
                 continue
             ids = torch.cat(ids) if len(ids) > 1 else ids[0]
             like = history.buffers[key]
@@ -99,6 +176,8 @@ class StalenessMeter:
         t0 = time.perf_counter()
         sites = {k: tuple(v.tolist()) for k, v in self._sq.items()}
         self.last_drift = max([(d / f) ** 0.5 if f > 0 else 0.0 for d, f in sites.values()], default=0.0)
+        if self.random and sites:  # a probe's step: the drift over the last period
+            self.rate = self.last_drift / self.period
         self.steps.append({"sites": sites, "stale": self._reads[0], "reads": self._reads[1], "age": self._age})
         if len(self.steps) > self.KEEP:  # nobody takes them (the engine used without a logger): the latest only
             del self.steps[:len(self.steps) - self.KEEP]
@@ -109,6 +188,30 @@ class StalenessMeter:
         """The entries of the steps since the last call."""
         out, self.steps = self.steps, []
         return out
+
+
+class SampledRows:
+    """Stands in for a call's history in a probe's exact pass: keeps, per site, at most ``sample`` of the rows
+    this rank writes (the boundary rows the history holds, evenly spaced), in float64. Rows other ways own
+    (received) are their ranks' to sample."""
+
+    def __init__(self, history, sample: int):
+        self.history, self.sample = history, sample
+        self.rows: Dict[str, Tensor] = {}
+        self._pos: Dict[tuple, Tensor] = {}
+
+    def write(self, key: str, start: int, rows: Tensor) -> None:
+        n = rows.size(0)
+        pos = self._pos.get((start, n))
+        if pos is None:
+            local = self.history.local
+            held = torch.arange(n, device=rows.device) if local is None else \
+                torch.nonzero(local[start:start + n] >= 0).view(-1).to(rows.device)
+            pos = self._pos[(start, n)] = held[::max(1, -(-held.numel() // self.sample))]
+        self.rows[key] = rows.detach().index_select(0, pos).double()
+
+    def write_ids(self, key: str, ids: Tensor, rows: Tensor) -> None:
+        pass
 
 
 def summarize(steps: List[dict]) -> Dict[str, float]:

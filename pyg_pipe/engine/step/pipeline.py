@@ -47,6 +47,7 @@ from ..runtime.history import CallHistory
 from ..runtime.program import signature
 from ..runtime.runtime import Runtime
 from ..runtime.sites import kind_of, same_as_first_chunk, site_keys
+from ..runtime.staleness import SampledRows
 from ..runtime.statistics import StatisticsHistory
 from ..tree import unpack_rows
 from .checks import check_output, row_check, verdict
@@ -94,6 +95,9 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
     stat_history = rt.statistics_history(call)
     measure = replay and rt.recompute_pending
     ahead = rt.config.overlap and grid.prev is not None
+    watching = use_history and rt.meter.on and rt.meter.random is None  # (the first step: whether the fill draws
+    if watching:                                                        # random numbers, staleness.py)
+        rt.meter.watch(rng_state(rt.comm.device))
     for i, c in enumerate(order):
         if reference is None:  # the pass's first chunk is checked (every chunk makes the same calls)
             check = row_check(rt, rt.chunked[0].chunks[c].rows)
@@ -131,8 +135,10 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
     if check is not None:
         verdict(rt, check)
     if use_history:  # every row written, with this step's weights: how far the stale reads were (staleness.py)
+        if watching:
+            rt.meter.watched(rng_state(rt.comm.device))
         rt.meter.measure(run)
-        if stat_history is not None and rt.meter.on:
+        if stat_history is not None and rt.meter.on and not rt.meter.random:  # (random: dropout noise, as above)
             stat_history.measure(rt.meter, rt.module_names)
         history.written = step
     return full[rt.graph.inv], CallRecord(rt, run, chunks, localizer, runner, stat_history,
@@ -197,6 +203,8 @@ def prepare_history(rt: Runtime, inputs: CallInputs, call: int, step: int = 0) -
     if rt.plan.chunks_per_way == 1 or rt.plan.streaming:
         return
     history = rt.history.of(call)
+    if rt.meter.probe_due(step, rt.config.snapshot_period):
+        probe(rt, inputs, history, call)
     tensors = inputs.edge_tensors()
     refill = False
     if not (history.initialised and _same_objects(history.edge_inputs, tensors)):
@@ -214,6 +222,23 @@ def prepare_history(rt: Runtime, inputs: CallInputs, call: int, step: int = 0) -
         history.renew()  # the T2 anchor is renewed too
         history.initialised = True
         history.refresh_due = False
+
+
+def probe(rt: Runtime, inputs: CallInputs, history: CallHistory, call: int) -> None:
+    """The staleness meter's probe (:mod:`..runtime.staleness`: a model that draws random numbers): the
+    exact pass with every module in eval mode, without gradients, writing no history, each site's rows
+    sampled; the modules' modes and the random state are left as they were."""
+    sampled = SampledRows(history, rt.meter.SAMPLE)
+    modes = [(m, m.training) for m in rt.module.modules()]
+    dev = rt.comm.device
+    try:
+        rt.module.eval()
+        with torch.no_grad(), same_rng(rng_state(dev), dev):
+            exact(rt, inputs, sampled)
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    rt.meter.probed(call, sampled.rows)
 
 
 def _same_objects(seen: tuple, tensors: List[Tensor]) -> bool:

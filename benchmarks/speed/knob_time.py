@@ -39,7 +39,7 @@ def _worker(rank, world, args):
         runs = {}
         for rc in (False, True):
             torch.manual_seed(0)
-            model = gcnii(64, 64, 8, num_layers=args.layers, dropout=0.0, cached=True)
+            model = gcnii(64, 64, 8, num_layers=args.layers, dropout=args.dropout, cached=True)
             sync_module_state(model, {}, [0])
             cfg = PipelineConfig(num_chunks=chunks, balance="layers", **fixed, **{args.knob: rc})
             engine = GNNPipeEngine(model, cfg, Comm(torch.device("cpu")), num_stages=world, ways=1)
@@ -73,7 +73,9 @@ def _worker(rank, world, args):
             link = f", link {args.bandwidth / 1e6:.0f} MB/s" if args.bandwidth else ""
             print(f"{world} processes{link}, chunks {chunks}: step {off:.3f} s with {args.knob}=False, {on:.3f} s with "
                   f"{args.knob}=True: {on / off:.2f} x "
-                  f"(per round: {', '.join(f'{r:.2f}' for r in per)})", flush=True)
+                  f"(per round: {', '.join(f'{r:.2f}' for r in per)}); means {statistics.mean(runs[False][3]):.3f} / "
+                  f"{statistics.mean(runs[True][3]):.3f} s: "
+                  f"{statistics.mean(runs[True][3]) / statistics.mean(runs[False][3]):.2f} x", flush=True)
             meter = runs[True][1].meter
             if args.knob == "staleness_meter":  # its own time, measured inside the step
                 print(f"  the meter's own time on this rank: {meter.seconds / sum(runs[True][3]) * 100:.2f} % of its "
@@ -89,6 +91,9 @@ def main():
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--procs", type=int, default=2, help="pipeline stages, one process each")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="the model's dropout (> 0: the staleness meter probes every snapshot_period steps; the "
+                        "mean ratio then counts them)")
     p.add_argument("--knob", default="recompute", help="the PipelineConfig field set False, then True")
     p.add_argument("--fixed", nargs="*", default=[], help="other boolean knobs held fixed, as name=0|1")
     p.add_argument("--bandwidth", type=float, default=0,

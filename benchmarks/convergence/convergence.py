@@ -166,9 +166,11 @@ def _worker(rank, world, args, cases):
         dist.all_reduce(drifts, op=dist.ReduceOp.MAX)
         for r, d in zip(curve, drifts.tolist()):
             r["drift"] = d
-        results.append({"model": m, "graph": g, "chunks": chunks, "mode": mode, "seed": seed, "curve": curve})
+        results.append({"model": m, "graph": g, "chunks": chunks, "mode": mode, "seed": seed, "curve": curve,
+                        "chose": engine.plan.num_chunks})
         if rank == 0:
-            print(f"{m} {g} {chunks} chunks {mode} seed {seed}: {summary(curve)[0]:.3f}", flush=True)
+            print(f"{m} {g} {chunks} chunks (ran {engine.plan.num_chunks}) {mode} seed {seed}: {summary(curve)[0]:.3f}",
+                  flush=True)
     if rank == 0:
         with open(args.tmp, "w") as f:
             json.dump(results, f)
@@ -184,7 +186,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["gcnii", "gat"], choices=["gcnii", "resgcn", "gat", "gcn-bn", "gcn-gn"])
     p.add_argument("--graphs", nargs="+", default=["community", "heterophilous"])
-    p.add_argument("--chunks", nargs="+", type=int, default=[32])
+    p.add_argument("--chunks", nargs="+", type=lambda v: v if v == "auto" else int(v), default=[32],
+                   help="chunk counts, or auto (num_chunks='auto': the plan's choice, recorded as 'chose')")
     p.add_argument("--modes", nargs="+", default=["t1-t3", "none", "bound"], choices=list(MODES))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--nodes", type=int, default=3000)

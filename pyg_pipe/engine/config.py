@@ -85,9 +85,9 @@ class PipelineConfig:
             ``time/bubble`` and ``time/bubble_share`` in any case (CPU devices; docs/benchmarks.md).
         staleness_meter: measure how far the historical rows each training step read were from the fresh
             ones (with dropout: how far the rows moved between exact probes without it, one forward pass
-            without gradients every ``snapshot_period`` steps), per call site, and log it per epoch: ``staleness/max_drift``, ``staleness/drift/<site>``,
-            ``staleness/stale_share``, ``staleness/mean_age`` (:mod:`.runtime.staleness`; a few index-selects
-            after each fill).
+            without gradients every ``snapshot_period`` steps), per call site, and log it per epoch:
+            ``staleness/max_drift``, ``staleness/drift/<site>``, ``staleness/stale_share``,
+            ``staleness/mean_age`` (:mod:`.runtime.staleness`; a few index-selects after each fill).
         max_age: refresh the history with an exact pass (one forward of the whole model, no gradients) before
             a step whose stale reads would be more than this many optimizer updates old (``0``: every step, an
             exact training forward; ``None``: no bound but T2's).

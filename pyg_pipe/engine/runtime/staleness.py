@@ -108,9 +108,9 @@ class StalenessMeter:
             self._sq = {}
             log.info("pyg_pipe: the training forward draws random numbers (dropout): the staleness meter takes its "
                      "drift from an exact pass without them every %d steps (one forward pass without gradients "
-                     "each), not from the rows the steps read", period or PROBE_PERIOD)
+                     "each), not from the rows the steps read", self.period)
 
-    def probe_due(self, step: int, period: Optional[int]) -> bool:
+    def probe_due(self, step: int) -> bool:
         """Whether a probe runs before step ``step`` (every rank decides the same)."""
         return self.on and self.random is True and step > 0 and step % self.period == 0
 

@@ -203,7 +203,7 @@ def prepare_history(rt: Runtime, inputs: CallInputs, call: int, step: int = 0) -
     if rt.plan.chunks_per_way == 1 or rt.plan.streaming:
         return
     history = rt.history.of(call)
-    if rt.meter.probe_due(step, rt.config.snapshot_period):
+    if rt.meter.probe_due(step):
         probe(rt, inputs, history, call)
     tensors = inputs.edge_tensors()
     refill = False

@@ -13,9 +13,9 @@ community graph, plain PyG against the engine on the same GPU:
 ``host_ms_per_chunk_layer``
     (streamed step − plain step) ÷ (chunks × layers) at 20k vertices, where the GPU idles most of the step:
     what the engine adds per (chunk, layer), forward and backward;
-``gpu_busy_share_200k``, ``copies_per_step_200k``
+``gpu_busy_share_200k``, ``copies_per_step_200k``, ``gpu_work_ratio_200k``
     from ``torch.profiler`` over the streamed steps at 200k: the GPU's busy time (kernels and copies) ÷ the
-    wall time, and the memory copies per step;
+    wall time, the memory copies per step, and the GPU's busy time ÷ plain PyG's (profiled the same way);
 ``largest_vertices_plain`` / ``largest_vertices_stream``
     the largest graph (doubling from ``--sweep-start``) on which one training step of the same model runs,
     each trial in a fresh process with the CUDA allocator capped at ``--cap-gib`` (so the sweep stays small
@@ -114,9 +114,13 @@ def stream_ratio(nodes: int, dev, chunks: int, steps: int, profile: bool) -> dic
     data, model = data.to(dev), model.to(dev)
     plain_model = copy.deepcopy(model)
     from pyg_pipe import ops
+    plain_busy = None
     with ops.fused_kernels():
         ops.fuse_messages(plain_model)
         plain = _timed(_step_fn(plain_model, data), dev, steps)
+        if profile and dev.type == "cuda":  # plain PyG's GPU work, for the streamed step's ratio to it
+            from benchmarks.gpu.gpu_profile import profile as run_profile
+            plain_busy = run_profile(_step_fn(plain_model, data), steps)["gpu_busy_ms"]
     uncaptured_model = copy.deepcopy(model)
     with _Engine(uncaptured_model, dev, num_chunks=chunks, cuda_graphs=False):
         uncaptured = _timed(_step_fn(uncaptured_model, data), dev, steps, warmup=3)
@@ -138,6 +142,8 @@ def stream_ratio(nodes: int, dev, chunks: int, steps: int, profile: bool) -> dic
             out["profile"] = prof
             out["gpu_busy_share"] = prof["gpu_busy_ms"] / prof["wall_ms"]
             out["copies_per_step"] = sum(n for k, n in prof["copies_per_step"].items() if k.startswith("Memcpy"))
+            out["plain_gpu_busy_ms"] = plain_busy
+            out["gpu_work_ratio"] = prof["gpu_busy_ms"] / plain_busy
     return out
 
 
@@ -342,6 +348,7 @@ def main() -> None:
         summary["stream_ratio_200k_replayed_in_capture"] = r200["replayed_in_capture_ratio"]
         summary["gpu_busy_share_200k"] = r200.get("gpu_busy_share")
         summary["copies_per_step_200k"] = r200.get("copies_per_step")
+        summary["gpu_work_ratio_200k"] = r200.get("gpu_work_ratio")
         summary["detail_200k"] = r200
         done(f"200k: plain {r200['plain_s'] * 1e3:.1f} ms, streamed {r200['stream_s'] * 1e3:.1f} ms (captured: "
              f"{r200['captured']}), uncaptured {r200['uncaptured_s'] * 1e3:.1f} ms")

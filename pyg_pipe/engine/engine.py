@@ -293,17 +293,15 @@ class GNNPipeEngine:
         self.step += 1
         self._calls = 0
         self.timeline.end_step()
-        if self.meter.random is None:  # (the first step: whether any rank's forward drew random numbers)
-            self.meter.decide(self.comm, self.config.snapshot_period)
+        self.meter.decide(self.comm, self.config.snapshot_period)  # (once: did any rank's forward draw random numbers)
         self.meter.end_step()
         self._bound_drift()
 
     def _bound_drift(self) -> None:
         """``max_staleness``: when the largest drift measured this step on any rank passed the bound, every
-        history of every plan is refilled by an exact pass before the next step (one all-reduce of one
-        number a step, after the backward; the same decision on every rank). With a forward that draws random
-        numbers the drift comes from probes (:mod:`.runtime.staleness`): then a history is refilled when the
-        last probe's drift per update times the age of the rows the next step would read passes the bound."""
+        history of every plan is refilled by an exact pass before the next step (one all-reduce of one number
+        a step; the same decision on every rank). With probes (:mod:`.runtime.staleness`: dropout), when the
+        last probe's drift per update times the age of the rows the next step would read passes it."""
         bound, rt, meter = self.config.max_staleness, self.runtime, self.meter
         if bound is None or rt is None or rt.plan.chunks_per_way == 1 or rt.plan.streaming:
             return

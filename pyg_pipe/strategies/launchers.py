@@ -10,7 +10,8 @@
 from __future__ import annotations
 
 import atexit
-import io
+import os
+import tempfile
 from typing import Any, Dict
 
 import torch
@@ -44,16 +45,25 @@ class ResultsLauncher(_MultiProcessingLauncher):
         _destroy_process_group()  # the worker ends here
 
     def get_extra_results(self, trainer) -> Dict[str, Any]:
+        """The pipeline's state and counters go home in a file, as Lightning's weights do: through the results
+        queue (a pipe), a payload larger than the pipe's buffer blocks the worker until the main process reads,
+        and the main process reads only after every worker has ended (a spawned fit on a 6,000-vertex graph hung
+        there)."""
         extra = super().get_extra_results(trainer)
-        buffer = io.BytesIO()
-        torch.save(self._strategy.worker_results(), buffer)
-        extra["pyg_pipe"] = buffer.getvalue()
+        fd, path = tempfile.mkstemp(prefix="pyg_pipe-results-", suffix=".pt")
+        with os.fdopen(fd, "wb") as f:
+            torch.save(self._strategy.worker_results(), f)
+        extra["pyg_pipe"] = path
         return extra
 
     def update_main_process_results(self, trainer, extra: Dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
-        if "pyg_pipe" in extra:
-            self._strategy.take_worker_results(torch.load(io.BytesIO(extra["pyg_pipe"]), weights_only=False))
+        path = extra.get("pyg_pipe")
+        if path:
+            try:
+                self._strategy.take_worker_results(torch.load(path, weights_only=False))
+            finally:
+                os.remove(path)
 
 
 def _destroy_process_group() -> None:

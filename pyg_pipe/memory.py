@@ -43,6 +43,13 @@ class PeakMemory:
             self.exact = _reset_high_water_mark()
         return self
 
+    def in_use(self) -> int:
+        """What the process holds now beyond what it held at :meth:`start` (allocated on a GPU, resident on a
+        CPU)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device) - self.base)
+        return _resident() - self.base
+
     def net_bytes(self) -> int:
         """The peak since :meth:`start`, net of the memory held at the start."""
         if self.device.type == "cuda":

@@ -28,40 +28,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 
-def tensors_of(root, skip_ids) -> dict:
-    """Storage pointer -> bytes of every tensor reachable from ``root`` (containers, objects' attributes),
-    not entering modules (the user's model) or objects in ``skip_ids``."""
-    import torch
-
-    seen, found, stack = set(skip_ids), {}, [root]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            if obj.layout == torch.sparse_csr:
-                stack += [obj.crow_indices(), obj.col_indices(), obj.values()]
-            elif obj.is_sparse:
-                stack += [obj._indices(), obj._values()]
-            else:
-                st = obj.untyped_storage()
-                found[st.data_ptr()] = max(found.get(st.data_ptr(), 0), st.nbytes())
-            continue
-        if isinstance(obj, (torch.nn.Module, type, str, bytes, int, float, bool)) or callable(obj) and \
-                not hasattr(obj, "__dict__"):
-            continue
-        if isinstance(obj, dict):
-            stack += list(obj.keys()) + list(obj.values())
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            stack += list(obj)
-        elif hasattr(obj, "__dict__"):
-            stack += list(vars(obj).values())
-        elif hasattr(obj, "__slots__"):
-            stack += [getattr(obj, s, None) for s in obj.__slots__]
-    return found
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--graph", choices=["community", "random"], default="community")
@@ -80,6 +46,7 @@ def main():
 
     from benchmarks.speed import gnnpipe_epoch as ge
     from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
+    from pyg_pipe.engine.plan.memory_cost import reachable
 
     torch.set_num_threads(1)
     args.epochs, args.procs, args.threads_single, args.model = 2, 1, 1, "gcnii"
@@ -113,8 +80,7 @@ def main():
         peaks[f"engine, step {i + 1}" + (" (plan, exact pass filling history)" if i == 0 else "")] = pm.net_bytes()
     rt = engine.runtime
     user = [data.x, data.adj_t, data.y, data.train_mask, data.edge_index] + list(plain.parameters())
-    skip = {id(t) for t in user}
-    inputs = tensors_of(user, set())  # the user's data: shared storages are not the engine's
+    inputs = reachable(user)  # the user's data: shared storages are not the engine's
     kinds = {
         "graph structures (chunked graphs, local graphs, way chunking, transposes)":
             [rt.chunked, rt._way_chunked, rt._derived],
@@ -128,12 +94,12 @@ def main():
           f"{args.chunks} chunks; |V|·d = {vd / 2**20:.1f} MB; history keeps {held:,} rows "
           f"({held / data.num_nodes:.2f} of |V|)")
     for name, roots in kinds.items():
-        found = {k: v for k, v in tensors_of(roots, skip).items() if k not in counted}
+        found = {k: v for k, v in reachable(roots).items() if k not in counted}
         counted.update(found)
         total = sum(found.values())
         print(f"  {name:<75} {total / 2**20:8.1f} MB  {total / vd:6.2f} |V|·d  "
               f"{total / max(data.num_edges, 1):6.1f} B/edge")
-    rest = {k: v for k, v in tensors_of(rt, skip).items() if k not in counted}
+    rest = {k: v for k, v in reachable([rt]).items() if k not in counted}
     print(f"  {'everything else the runtime reaches':<75} {sum(rest.values()) / 2**20:8.1f} MB")
     print("peak of each step, net of what the process held when it started:")
     for name, b in peaks.items():

@@ -88,6 +88,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["gnnpipe", "graph_parallel"], default="gnnpipe")
     p.add_argument("--chunks", default="2", help="num_chunks (an integer or 'auto')")
+    p.add_argument("--recompute", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--nodes", type=int, default=20_000)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--start", type=int, default=0, help="the first step recorded")
@@ -129,7 +130,9 @@ def main():
             print("\n".join(lines), flush=True)
 
     chunks = args.chunks if args.chunks == "auto" else int(args.chunks)
-    strategy = pyg_pipe.GNNPipeStrategy(num_chunks=chunks) if args.mode == "gnnpipe" \
+    strategy = pyg_pipe.GNNPipeStrategy(num_chunks=chunks, recompute={"on": True, "off": False}.get(args.recompute,
+                                                                                               "auto")) \
+        if args.mode == "gnnpipe" \
         else pyg_pipe.GraphParallelStrategy()
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=args.step + 2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -205,6 +205,7 @@ def run_pipe(args) -> None:
     rank = trainer.global_rank
     out = {"rank": rank, "times": timer.times, "sizes": timer.sizes, "chunks": timer.chunks, "notes": timer.notes, "losses": timer.losses, "hwm_mb": timer.hwm, "peak_mb": peak_mb(),
            "base_mb": base, "plan_check": getattr(strategy, "plan_check", None),
+           "memory_check": getattr(strategy, "memory_check", None),
            "comm": strategy.comm_history[-1] if strategy.comm_history else {},
            "timeline": {k[5:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("time/")}}
     with open(f"{args.json}.rank{rank}", "w") as f:

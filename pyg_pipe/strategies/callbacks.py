@@ -183,6 +183,44 @@ class StalenessLogger(Callback):
                           sync_dist=True, reduce_fx="max")
 
 
+class MemoryCheck(Callback):
+    """Predicts the peak memory of a training step on this process once the first step (with its optimizer
+    step) has run (:mod:`pyg_pipe.engine.plan.memory_cost`; pipelines, not streaming) and logs it in one line
+    (also in ``strategy.notes``); the strategy sets it against the fit's measured peak at the end
+    (``strategy.memory_check``)."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from ..engine.plan.memory_cost import predict
+        strategy, engine = self.strategy, self.strategy.engine
+        rt = engine.runtime if engine is not None else None
+        if strategy.memory_prediction is not None or rt is None or rt.plan.streaming or not rt.memory.done:
+            return
+        meter = strategy._memory
+        strategy.memory_prediction = predict(rt, pl_module.parameters(), trainer.optimizers,
+                                             meter.in_use() if meter is not None else None)
+        line = strategy.memory_prediction.line()
+        log.info(line)
+        engine.notes.append(line)
+
+
+def memory_check(prediction, measured: List[int]) -> dict:
+    """``strategy.memory_check``: per rank, the predicted peak (bytes, by part) against the measured one
+    (``measured``, the fit's net peak per rank); the line that says it."""
+    ranks = [dict(p or {}, measured_peak_bytes=m) for p, m in zip(prediction, measured)]
+    told = [r for r in ranks if r.get("predicted_peak_bytes")]
+    if not told:
+        return {"ranks": ranks, "line": None}
+    worst = max(told, key=lambda r: abs(r["measured_peak_bytes"] / r["predicted_peak_bytes"] - 1.0))
+    line = ("pyg_pipe: peak memory per process, measured against predicted (MB): " + ", ".join(
+        f"{r['measured_peak_bytes'] / 2**20:.0f} / {r['predicted_peak_bytes'] / 2**20:.0f}" for r in told)
+        + f"; the farthest {worst['measured_peak_bytes'] / worst['predicted_peak_bytes']:.2f}x.")
+    log.info(line)
+    return {"ranks": ranks, "line": line}
+
+
 class GlobalNormClipping(Callback):
     """``Trainer(gradient_clip_val=..., gradient_clip_algorithm="norm")`` over the whole model.
 

@@ -15,7 +15,8 @@ from ..memory import PeakMemory
 from ..model import UnsupportedModelError
 from ..model.find import count_layers, pipelined_module
 from .batch import SameGraph, check_batch, check_graph, graph_of
-from .callbacks import CommLogger, GlobalNormClipping, StalenessLogger, TimelineLogger, clip_by_global_norm
+from .callbacks import (CommLogger, GlobalNormClipping, MemoryCheck, StalenessLogger, TimelineLogger, clip_by_global_norm,
+                        memory_check)
 from .checkpoint import PipelineCheckpoints
 from .errors import PostsErrors
 from .launchers import CheckedScriptLauncher, ResultsLauncher
@@ -136,6 +137,8 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         self.plan_check: Optional[dict] = None  # num_chunks="auto": predicted against measured step (callbacks.py)
         self.peak_memory: List[int] = []  # per rank: peak bytes of the fit net of the start (pyg_pipe.memory)
         self._memory: Optional[PeakMemory] = None
+        self.memory_prediction = None  # this rank's predicted peak after the first step (callbacks.MemoryCheck)
+        self.memory_check: Optional[dict] = None  # per rank: predicted against measured peak, at the end
         self.checkpoints = PipelineCheckpoints(self)
         self._kernels = None
         self._fused_messages = None   # pyg_pipe.ops.fuse_messages' handle while training
@@ -185,14 +188,15 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         """What a spawned worker sends home (rank 0's): the pipeline state at the end of fit, counters."""
         return {"state": self.checkpoints.final_state, "comm_history": self.comm_history,
                 "plan_seconds": self.plan_seconds, "notes": self.notes, "peak_memory": self.peak_memory,
-                "planned_chunks": self.planned_chunks, "plan_check": self.plan_check}
+                "planned_chunks": self.planned_chunks, "plan_check": self.plan_check,
+                "memory_check": self.memory_check}
 
     def take_worker_results(self, results: dict) -> None:
         """Takes what :meth:`worker_results` sent, in the main process."""
         self.checkpoints.final_state, self.comm_history = results["state"], results["comm_history"]
         self.plan_seconds, self.notes = results["plan_seconds"], results["notes"]
         self.peak_memory, self.planned_chunks = results["peak_memory"], results["planned_chunks"]
-        self.plan_check = results["plan_check"]
+        self.plan_check, self.memory_check = results["plan_check"], results["memory_check"]
 
     # ----------------------------------------------------------------------- setup / teardown
     @property
@@ -230,7 +234,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
             self._fused_messages = ops.fuse_messages(target)
         self.checkpoints.install_pending()
         self._memory = PeakMemory(self.root_device).start()
-        for kind in (CommLogger, TimelineLogger, StalenessLogger, GlobalNormClipping):
+        for kind in (CommLogger, TimelineLogger, StalenessLogger, MemoryCheck, GlobalNormClipping):
             if not any(isinstance(cb, kind) for cb in trainer.callbacks):
                 trainer.callbacks.append(kind(self))
 
@@ -297,7 +301,12 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         super().on_train_end()
         self.checkpoints.at_train_end(gather_now=isinstance(self._launcher, ResultsLauncher))
         if self._memory is not None and self.comm is not None:
-            self.peak_memory = self.comm.all_gather_objects(self._memory.net_bytes(), "gathering peak memory")
+            mine = self.memory_prediction.state_dict() if self.memory_prediction is not None else None
+            gathered = self.comm.all_gather_objects((self._memory.net_bytes(), mine), "gathering peak memory")
+            self.peak_memory = [m for m, _ in gathered]
+            self.memory_check = memory_check([p for _, p in gathered], self.peak_memory)
+            if self.memory_check["line"]:
+                self.notes.append(self.memory_check["line"])
         if self.config.timeline_trace is not None and self.engine is not None and self.comm is not None:
             events = self.comm.all_gather_objects(self.engine.timeline.chrome_events(self.global_rank),
                                                   "gathering the timeline")

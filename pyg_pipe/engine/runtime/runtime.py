@@ -33,6 +33,7 @@ from ...model.inputs import CallInputs, graph_edges, node_input_bytes
 from ..comm import Comm
 from ..config import PipelineConfig
 from ..plan.grid import RankGrid
+from ..plan.memory_cost import MemorySample
 from .halo import HaloExchange
 from .history import HistoryStore
 from .link import StageLink
@@ -77,6 +78,7 @@ class Runtime:
         # streaming: keep each chunk's activations from the forward to the backward instead of replaying it
         # (None: decided after the first step, ..step.stream.decide_keep)
         self.stream_keep = {True: False, False: True}.get(config.recompute)
+        self.memory = MemorySample()  # what the first training fill held per chunk (..plan.memory_cost)
         self.schedule = Schedule(plan.num_chunks, W, config.shuffle_chunks, config.seed,
                                  config.unbiased_gradients and not config.late_gradients)  # late: nothing dropped
         self.tiers = Tiers(dev, config.offload, config.offload_budget, config.offload_dir)

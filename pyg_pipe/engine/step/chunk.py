@@ -20,6 +20,7 @@ from ..runtime.statistics import Statistics, StatisticsHistory
 from ..tree import flatten, pack_rows, unflatten
 from .checks import check_output
 from .rows import RowCheck
+from ..plan.memory_cost import add_storage, storages
 
 
 @dataclass
@@ -82,13 +83,18 @@ def run_chunk(rt: Runtime, run: HaloPass, localizer: Localizer, cgs: List[Chunke
 
 
 class SavedBytes:
-    """Counts the bytes autograd saves for the backward inside the block (when ``on``)."""
+    """Counts the storages autograd saves for the backward inside the block (when ``on``), each once, leaving
+    out those in ``exclude`` (the parameters', the user's inputs): ``storages`` (data pointer -> bytes)."""
 
-    def __init__(self, on: bool):
-        self.on, self.bytes, self._hooks = on, 0, None
+    def __init__(self, on: bool, exclude=frozenset()):
+        self.on, self.exclude, self.storages, self._hooks = on, exclude, {}, None
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
 
     def _pack(self, t: Tensor):
-        self.bytes += t.numel() * t.element_size()
+        add_storage(self.storages, t, self.exclude)
         return t
 
     def __enter__(self) -> "SavedBytes":
@@ -103,13 +109,41 @@ class SavedBytes:
         return False
 
 
-def decide_recompute(rt: Runtime, saved_bytes: int, rows: int) -> None:
-    """``recompute="auto"``: after the first step's last chunk kept ``saved_bytes`` for ``rows`` rows, keep
-    every chunk's activations from now on if all of them (scaled to the way's rows) fit a quarter of the
+def sample_memory(rt: Runtime, rec: "ChunkRecord", saved: Optional[SavedBytes], rows: int) -> None:
+    """The first training fill's measure of what chunk ``rec`` holds until its drain (:mod:`..plan.memory_cost`):
+    kept (``saved``: what autograd saved, with what it received, sent and returned) or replayed (what it
+    received)."""
+    sample, exclude = rt.memory, rt.memory.exclude
+    received: dict = {}
+    for t in flatten(rec.received)[0]:
+        if isinstance(t, Tensor):
+            add_storage(received, t, exclude)
+    if saved is None:
+        sample.replayed(rows, received)
+        return
+    held = dict(saved.storages)
+    for t in flatten(rec.sent)[0] + ([rec.out] if rec.out is not None else []):
+        if isinstance(t, Tensor):
+            add_storage(held, t, exclude)
+    held.update(received)
+    sample.kept(rows, held, received)
+
+
+def input_storages(rt: Runtime, inputs) -> set:
+    """The storages a chunk's measure leaves out: the call's inputs (the user's data) and the parameters."""
+    out: set = set()
+    for t in flatten((inputs.args, inputs.kwargs))[0] + list(rt.module.parameters()):
+        if isinstance(t, Tensor):
+            out |= storages(t)
+    return out
+
+
+def decide_recompute(rt: Runtime) -> None:
+    """``recompute="auto"``: after the first step's last chunk was measured (:func:`sample_memory`), keep every
+    chunk's activations from now on if all of them (its bytes a row times the way's rows) fit a quarter of the
     memory the device has free; else go on recomputing. Decided once; results are the same either way."""
     from ..runtime.tiers import free_memory
-    way_rows = rt.way_rows[rt.grid.way]
-    estimate = saved_bytes * way_rows / max(rows, 1)
+    estimate = rt.memory.kept_per_row * rt.way_rows[rt.grid.way]
     rt.recompute = estimate > free_memory(rt.comm.device) // 4
     rt.recompute_pending = False
 

@@ -51,8 +51,8 @@ from ..runtime.staleness import SampledRows
 from ..runtime.statistics import StatisticsHistory
 from ..tree import unpack_rows
 from .checks import check_output, row_check, verdict
-from .chunk import (ChunkRecord, SavedBytes, decide_recompute, drain_chunk, rng_state, run_chunk, same_rng,
-                    share_output)
+from .chunk import (ChunkRecord, SavedBytes, decide_recompute, drain_chunk, input_storages, rng_state, run_chunk,
+                    same_rng, sample_memory, share_output)
 
 
 @dataclass
@@ -93,7 +93,9 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
     reference, mine, check, structure = None, None, None, None
     order = rt.schedule.order(step, grid.way)
     stat_history = rt.statistics_history(call)
-    measure = replay and rt.recompute_pending
+    measure = not rt.memory.done  # the first training fill: what a chunk holds (..plan.memory_cost)
+    if measure:
+        rt.memory.exclude = input_storages(rt, inputs)
     ahead = rt.config.overlap and grid.prev is not None
     watching = use_history and rt.meter.on and rt.meter.random is None  # (the first step: whether the fill draws
     if watching:                                                        # random numbers, staleness.py)
@@ -103,14 +105,16 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
             check = row_check(rt, rt.chunked[0].chunks[c].rows)
         keep = not replay or i == len(order) - 1  # the last chunk's drain comes next: nothing to save by replaying
         rng = None if keep else rng_state(rt.comm.device)
-        with torch.enable_grad() if keep else torch.no_grad(), SavedBytes(measure and keep) as saved, \
-                rt.timeline.chunk("fill", c, i == 0):
+        with torch.enable_grad() if keep else torch.no_grad(), \
+                SavedBytes(measure and keep, rt.memory.exclude) as saved, rt.timeline.chunk("fill", c, i == 0):
             rec = run_chunk(rt, run, localizer, rt.chunked, c, runner, ("train", sig, c), plan.chunks_per_way == 1,
                             init=False, check=check if reference is None else None, train=True, protect=not keep,
                             next_key=("train", sig, order[i + 1]) if ahead and i + 1 < len(order) else None,
                             statistics=stat_history, last=i == len(order) - 1)
-        if measure and keep:
-            decide_recompute(rt, saved.bytes, rt.chunked[0].chunks[c].rows)
+        if measure:
+            sample_memory(rt, rec, saved if keep else None, rt.chunked[0].chunks[c].rows)
+            if keep and rt.recompute_pending:
+                decide_recompute(rt)
         keys = site_keys(rec.ctx.sites)
         if reference is None:
             reference = keys
@@ -132,6 +136,7 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
         full = share_output(rt, mine, start, end, ("train", sig), structure)
     rt.comm.flush()
     rt.comm.counting, rt.comm.boundary_dtype = False, None
+    rt.memory.done = True
     if check is not None:
         verdict(rt, check)
     if use_history:  # every row written, with this step's weights: how far the stale reads were (staleness.py)
@@ -165,6 +170,9 @@ def drain(grad: Tensor, record: CallRecord) -> None:
                         next_key=order[i + 1].key if ahead and i + 1 < len(order) else None)
     rt.comm.flush()
     rt.comm.counting, rt.comm.boundary_dtype = False, None
+    if rt.memory.pending is None:  # the first drain: what the pending cross-chunk gradients took (..plan.memory_cost)
+        rt.memory.pending = sum(g.numel() * g.element_size() for g in record.run.history.grads.values()
+                                if g.device == rt.comm.device)
     record.run.history.clear_grads()
 
 

@@ -1,0 +1,203 @@
+"""Peak memory per process: predicted from the first training step, checked against the measured peak.
+
+A pipeline process (one stage of one way, ``R`` rows in its way's ``k`` chunks, the largest ``r``) holds,
+beyond the model's parameters and the user's data::
+
+    resident     what the runtime keeps between steps: the chunked graphs, local adjacencies,
+                 normalisations, the inputs' rows, history buffers, snapshots, pending gradients
+                 (counted: every tensor the runtime reaches, each storage once)
+    state        the parameters' gradients and the optimizer's state (counted after the first step)
+    activations  keep (``recompute=False``): every chunk's, from its fill to its drain, and the
+                 pending cross-chunk gradients G once the first chunk has drained
+                                                                  max(a R, a (R - r) + G)
+                 replay (``recompute=True``): what a replayed chunk keeps (the values it received)
+                 for every chunk, one chunk's activations while it is replayed, and G
+                                                                  b R + a r + G
+    transient    the drain's working set: one chunk's activations again (the gradients of what it
+                 saved, allocated as its backward runs)                                     a r
+    other        what the process holds after the first step beyond ``resident + state`` (the batch
+                 moved to the device after the start, Python objects, on a CPU the allocator's own
+                 share of the resident set): measured then, held the same through later steps
+
+    peak = resident + state + activations + transient + other
+
+``G`` is what the first drain's pending gradients took (a buffer of the history's rows per call site). ``a``
+and ``b`` (bytes a row) come from the first training fill (:class:`MemorySample`): the storages
+autograd saved for a chunk the fill kept, with what it received, sent and returned (parameters left out),
+over its rows; and the storages a replayed chunk kept, over its rows. A first step that keeps every chunk
+measures no ``b``: a replayed chunk keeps at most what it received, which a kept chunk's measure includes,
+so ``b`` is then taken as the received share of ``a`` (:meth:`MemorySample.replayed_per_row`).
+
+Both settings of ``recompute`` are predicted from one step, so ``recompute="auto"`` can read what keeping
+would cost before it keeps (:func:`~..step.chunk.decide_recompute`). The prediction is checked against the
+fit's measured peak (:class:`pyg_pipe.memory.PeakMemory`, net of what the process held when the strategy
+started: the same base) at the end of training (``strategy.memory_check``, one line logged). Streaming (one
+device) is not covered.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, Optional, Set
+
+import torch
+from torch import Tensor
+
+MB = 2 ** 20
+
+
+def add_storage(found: Dict[int, int], t: Tensor, exclude: Set[int] = frozenset()) -> None:
+    """Adds ``t``'s storage (its bytes, by data pointer) to ``found`` unless excluded; sparse tensors add
+    their index and value storages."""
+    if t.layout == torch.sparse_csr:
+        for part in (t.crow_indices(), t.col_indices(), t.values()):
+            add_storage(found, part, exclude)
+        return
+    if t.is_sparse:
+        for part in (t._indices(), t._values()):
+            add_storage(found, part, exclude)
+        return
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # (tensors without a storage: nested, functional wrappers)
+        return
+    ptr = st.data_ptr()
+    if ptr and ptr not in exclude:
+        found[ptr] = max(found.get(ptr, 0), st.nbytes())
+
+
+def storages(t: Tensor) -> Set[int]:
+    """The data pointers of ``t``'s storages."""
+    found: Dict[int, int] = {}
+    add_storage(found, t)
+    return set(found)
+
+
+def reachable(roots: Iterable, exclude: Set[int] = frozenset()) -> Dict[int, int]:
+    """Data pointer -> bytes of every tensor reachable from ``roots`` through containers and objects'
+    attributes, each storage once, not entering modules (the user's model) or storages in ``exclude``."""
+    seen, found, stack = set(), {}, list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, Tensor):
+            add_storage(found, obj, exclude)
+        elif isinstance(obj, (torch.nn.Module, type, str, bytes, int, float, bool, torch.device, torch.dtype)) \
+                or callable(obj) and not hasattr(obj, "__dict__"):
+            continue
+        elif isinstance(obj, dict):
+            stack += list(obj.keys()) + list(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack += list(obj)
+        elif hasattr(obj, "__dict__"):
+            stack += list(vars(obj).values())
+        elif hasattr(obj, "__slots__"):
+            stack += [getattr(obj, s, None) for s in obj.__slots__]
+    return found
+
+
+@dataclass
+class MemorySample:
+    """What the first training fill measured (module docstring): bytes and rows of a kept chunk and of the
+    replayed ones, and the storages not to count (the user's inputs, the parameters)."""
+
+    kept_bytes: int = 0
+    kept_rows: int = 0
+    received_bytes: int = 0       # of the kept chunk: what it received from the previous stage
+    replayed_bytes: int = 0
+    replayed_rows: int = 0
+    pending: Optional[int] = None   # bytes of the pending cross-chunk gradients at the end of the first drain
+    exclude: Set[int] = field(default_factory=set)
+    done: bool = False
+
+    def kept(self, rows: int, held: Dict[int, int], received: Dict[int, int]) -> None:
+        self.kept_bytes += sum(held.values())
+        self.received_bytes += sum(received.values())
+        self.kept_rows += rows
+
+    def replayed(self, rows: int, held: Dict[int, int]) -> None:
+        self.replayed_bytes += sum(held.values())
+        self.replayed_rows += rows
+
+    @property
+    def kept_per_row(self) -> float:
+        return self.kept_bytes / max(self.kept_rows, 1)
+
+    @property
+    def replayed_per_row(self) -> float:
+        if self.replayed_rows:
+            return self.replayed_bytes / self.replayed_rows
+        return self.received_bytes / max(self.kept_rows, 1)
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """The peak of a training step per process, by part (bytes), for keeping and for replaying."""
+
+    resident: int
+    state: int
+    keep_activations: int
+    replay_activations: int
+    transient: int
+    other: int
+    recompute: bool             # what the runtime does after its first step
+
+    def peak(self, recompute: Optional[bool] = None) -> int:
+        recompute = self.recompute if recompute is None else recompute
+        acts = self.replay_activations if recompute else self.keep_activations
+        return self.resident + self.state + acts + self.transient + self.other
+
+    def state_dict(self) -> dict:
+        return {"predicted_peak_bytes": self.peak(), "keep_peak_bytes": self.peak(False),
+                "replay_peak_bytes": self.peak(True), "resident_bytes": self.resident, "state_bytes": self.state,
+                "activation_bytes": self.replay_activations if self.recompute else self.keep_activations,
+                "transient_bytes": self.transient, "other_bytes": self.other, "recompute": self.recompute}
+
+    def line(self) -> str:
+        acts = self.replay_activations if self.recompute else self.keep_activations
+        return (f"pyg_pipe: predicted peak memory of a training step on this process {self.peak() / MB:.0f} MB "
+                f"(graph structures and history {self.resident / MB:.0f}, gradients and optimizer state "
+                f"{self.state / MB:.0f}, activations and pending gradients {acts / MB:.0f} "
+                f"({'replayed' if self.recompute else 'kept'}), "
+                f"the drain's working set {self.transient / MB:.0f}, the rest of the process {self.other / MB:.0f}); "
+                f"keeping every chunk's activations "
+                f"{self.peak(False) / MB:.0f} MB, replaying them {self.peak(True) / MB:.0f} MB.")
+
+
+def activations(sample: MemorySample, way_rows: int, largest_rows: int) -> tuple:
+    """``(keep, replay, transient)`` bytes of the module docstring's formulas."""
+    a, b, G = sample.kept_per_row, sample.replayed_per_row, sample.pending or 0
+    one = a * largest_rows
+    return int(max(a * way_rows, a * (way_rows - largest_rows) + G)), int(b * way_rows + one + G), int(one)
+
+
+def predict(runtime, parameters: Iterable[Tensor], optimizers: Iterable = (), in_use: Optional[int] = None) \
+        -> MemoryPrediction:
+    """The prediction for ``runtime`` after its first training step (module docstring): ``parameters``, the
+    model's (their storages are the model's own; their gradients are counted), ``optimizers``, whose state
+    is counted; ``in_use``, what the process holds now net of the base the peak is measured from
+    (:meth:`pyg_pipe.memory.PeakMemory.in_use`; ``None``: no ``other`` part)."""
+    sample: MemorySample = runtime.memory
+    params = list(parameters)
+    exclude = set(sample.exclude)
+    for p in params:
+        exclude |= storages(p)
+    state: Dict[int, int] = {}
+    for p in params:
+        if p.grad is not None:
+            add_storage(state, p.grad, exclude)
+    for opt in optimizers:
+        for s in getattr(opt, "state", {}).values():
+            for v in (s.values() if isinstance(s, dict) else ()):
+                if isinstance(v, Tensor) and v.numel() > 1:
+                    add_storage(state, v, exclude)
+    resident = reachable([runtime], exclude | set(state))
+    plan = runtime.plan
+    w = runtime.grid.way
+    lgs = runtime.chunked[0].chunks[w * plan.chunks_per_way:(w + 1) * plan.chunks_per_way]
+    keep, replay, transient = activations(sample, runtime.way_rows[w], max(lg.rows for lg in lgs))
+    counted = sum(resident.values()) + sum(state.values())
+    other = max(0, in_use - counted) if in_use is not None else 0
+    return MemoryPrediction(sum(resident.values()), sum(state.values()), keep, replay, transient, other,
+                            bool(runtime.recompute))

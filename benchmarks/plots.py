@@ -6,6 +6,7 @@ does not depend on). One function per figure; from the command line, the figure'
     python benchmarks/plots.py convergence docs/results/convergence.json docs/img/convergence.png
     python benchmarks/plots.py memory docs/results/memory_community_16.json
     python benchmarks/plots.py memory_ab BEFORE.json AFTER.json docs/img/memory_2026-11-26.png
+    python benchmarks/plots.py memory_prediction docs/results/memory_prediction.json docs/img/memory_prediction.png
     python benchmarks/plots.py speed docs/results/speed_p2_bw0.json docs/results/speed_p2_bw1e8.json ...
     python benchmarks/plots.py sweep docs/results/cores/sweep.txt
     python benchmarks/plots.py timeline docs/results/timeline_p4.json
@@ -162,6 +163,7 @@ def memory(path):
 
         python benchmarks/plots.py memory docs/results/memory_community_16.json
     python benchmarks/plots.py memory_ab BEFORE.json AFTER.json docs/img/memory_2026-11-26.png
+    python benchmarks/plots.py memory_prediction docs/results/memory_prediction.json docs/img/memory_prediction.png
 
     One panel per process count: the worst process's net peak ÷ single-process PyG for every mode and
     chunk count, the per-rank values as dots, and step time ÷ single process as text above each bar.
@@ -240,6 +242,41 @@ def memory_ab(before, after, out):
     s = json.load(open(after))["setting"]
     ax.set_title(f"net peak per process ÷ one process, {P} processes; {s['layers']}-layer GCNII, {s['nodes']:,} "
                  f"vertices ({s['graph']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(out)
+
+
+def memory_prediction(path, out):
+    """Draws the memory model's check from the JSON written by ``memory_prediction.py``: every rank's measured
+    peak against its predicted one, for the run's own setting of ``recompute`` (filled) and for the other
+    setting predicted from the same run (open), with the ±15 % band of the target.
+
+        python benchmarks/plots.py memory_prediction docs/results/memory_prediction.json docs/img/memory_prediction.png
+    """
+    runs = json.load(open(path))["runs"]
+    fig, ax = plt.subplots(figsize=(5.2, 4.6))
+    MB = 2 ** 20
+    colors = {("community", 2): "tab:blue", ("community", 4): "tab:cyan", ("random", 2): "tab:red",
+              ("random", 4): "tab:orange"}
+    for key, color in colors.items():
+        mine = [r for r in runs if (r["graph"], r["procs"]) == key]
+        if not mine:
+            continue
+        ax.scatter([r["predicted"] / MB for r in mine], [r["measured"] / MB for r in mine], s=14, color=color,
+                   label=f"{key[0]} graph, {key[1]} processes")
+        ax.scatter([r["other_predicted"] / MB for r in mine], [r["other_measured"] / MB for r in mine], s=22,
+                   facecolors="none", edgecolors=color)
+    lo = min(min(r["predicted"], r["measured"]) for r in runs) / MB * 0.9
+    hi = max(max(r["predicted"], r["measured"]) for r in runs) / MB * 1.1
+    ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
+    ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="grey", alpha=0.12,
+                    label="within 15 %")
+    ax.set_xlabel("predicted peak after the first step (MB)")
+    ax.set_ylabel("measured peak of the fit (MB)")
+    ax.set_title("each rank; filled: the run's own recompute setting,\nopen: the other setting, predicted from "
+                 "the same run", fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     print(out)
@@ -417,7 +454,7 @@ def gpu(path):
 
 #: figure name -> (function, whether it takes a list of inputs)
 FIGURES = {"epoch": (epoch, True), "comm": (comm, False), "convergence": (convergence, False), "memory": (memory, False),
-           "memory_ab": (memory_ab, False), "speed": (speed, True), "sweep": (sweep, False), "timeline": (timeline, False),
+           "memory_ab": (memory_ab, False), "memory_prediction": (memory_prediction, False), "speed": (speed, True), "sweep": (sweep, False), "timeline": (timeline, False),
            "gpu": (gpu, False)}
 
 if __name__ == "__main__":

@@ -143,22 +143,24 @@ class MemoryPrediction:
     other: int
     recompute: bool             # what the runtime does after its first step
 
-    def peak(self, recompute: Optional[bool] = None) -> int:
+    def held(self, recompute: Optional[bool] = None) -> int:
+        """Activations and pending gradients with ``recompute`` (``None``: the runtime's setting)."""
         recompute = self.recompute if recompute is None else recompute
-        acts = self.replay_activations if recompute else self.keep_activations
-        return self.resident + self.state + acts + self.transient + self.other
+        return self.replay_activations if recompute else self.keep_activations
+
+    def peak(self, recompute: Optional[bool] = None) -> int:
+        return self.resident + self.state + self.held(recompute) + self.transient + self.other
 
     def state_dict(self) -> dict:
         return {"predicted_peak_bytes": self.peak(), "keep_peak_bytes": self.peak(False),
                 "replay_peak_bytes": self.peak(True), "resident_bytes": self.resident, "state_bytes": self.state,
-                "activation_bytes": self.replay_activations if self.recompute else self.keep_activations,
+                "activation_bytes": self.held(),
                 "transient_bytes": self.transient, "other_bytes": self.other, "recompute": self.recompute}
 
     def line(self) -> str:
-        acts = self.replay_activations if self.recompute else self.keep_activations
         return (f"pyg_pipe: predicted peak memory of a training step on this process {self.peak() / MB:.0f} MB "
                 f"(graph structures and history {self.resident / MB:.0f}, gradients and optimizer state "
-                f"{self.state / MB:.0f}, activations and pending gradients {acts / MB:.0f} "
+                f"{self.state / MB:.0f}, activations and pending gradients {self.held() / MB:.0f} "
                 f"({'replayed' if self.recompute else 'kept'}), "
                 f"the drain's working set {self.transient / MB:.0f}, the rest of the process {self.other / MB:.0f}); "
                 f"keeping every chunk's activations "

@@ -179,6 +179,10 @@ def _remote_failure(comm, rank, pair):
             watchful.all_reduce(torch.ones(4), pair, "a statistics all-reduce")
     msg = str(info.value)
     assert "rank 2 failed with ValueError: boom: the layer on rank 2 failed" in msg, msg
+    # rank 0 hosts the store: it must outlive rank 1's reading of the posted error
+    store.set(f"test/read/{rank}", "1")
+    if rank == 0:
+        store.wait(["test/read/1"])
 
 
 def _worker(rank, world):

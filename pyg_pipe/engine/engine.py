@@ -55,7 +55,7 @@ from .step.layers import LayerHooks
 from .reroute import Rerouted
 from .tree import unpack_rows
 from .plan.plan import Plan, Shape, decide_shape, make_plan
-from .profile import layer_costs
+from .profile import layer_costs, training_pass_seconds
 from .runtime.runtime import Runtime
 from .step.norms import StatisticsHooks
 from .runtime.weights import GradientSum
@@ -348,10 +348,10 @@ class GNNPipeEngine:
             self.grid = RankGrid(comm.rank, comm.world_size, self._shape.stages, self._shape.ways)
         shape, grid = self._shape, self.grid
         saved = self._saved or {}
+        probe = (self.module, self._fn, shape.program, shape.groups, inputs, comm.device)  # (timed on a chunk)
         plan = make_plan(self.module, self.config, shape, inputs, comm, grid.rank_of(0, 0), sizes=self._sizes,
-                         costs=lambda perm, ptr: layer_costs(self.module, self._fn, shape.program, shape.groups,
-                                                             inputs, comm.device, chunking=(perm, ptr)),
-                         saved=saved.get("plan"), notes=self.notes)
+                         costs=lambda perm, ptr: layer_costs(*probe, chunking=(perm, ptr)), saved=saved.get("plan"),
+                         notes=self.notes, pass_seconds=lambda *cut: training_pass_seconds(*probe, chunking=cut))
         self._sizes = plan.sizes
         if self._grads is None:
             self._grads = GradientSum(self.module, plan.param_stages, grid, comm)

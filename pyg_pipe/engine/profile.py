@@ -37,7 +37,8 @@ the whole graph, six over a chunk, some of them while other work ran).
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, fx
@@ -51,6 +52,65 @@ from .context import ChunkContext
 from .runtime.program import StageProgram
 from .runtime.runtime import chunk_graphs
 from .runtime.statistics import Statistics
+from .tree import flatten
+
+
+#: passes of the cost model (the first one pays for what is cached: the smallest time leaves it out)
+PASSES = 5
+#: training passes timed for ``num_chunks="auto"`` (a whole pass, not one step: less noise per sample)
+TRAINING_PASSES = 3
+
+
+class _ChunkProbe:
+    """The first chunk of a chunking, set up as the pipeline runs a chunk, for passes that measure the model
+    on it and change nothing: :meth:`passes` forks the random number generators and puts the module's
+    buffers (running statistics) back afterwards."""
+
+    def __init__(self, module: torch.nn.Module, fn: Callable, program: Program, groups: list, inputs: CallInputs,
+                 device, chunking: Optional[Tuple[Tensor, Tensor]]):
+        self.module, self.device = module, device
+        N = inputs.num_nodes
+        perm, ptr = chunking if chunking is not None else (torch.arange(N), torch.tensor([0, N]))
+        self.cgs = chunk_graphs(inputs.graphs, N, perm, ptr, 1, device)
+        self.localizer = Localizer(inputs, self.cgs, tables=vertex_tables(module, N))
+        self.lg = self.cgs[0].chunks[0]
+        self.halo = _Fillers() if self.lg.halo.numel() else None
+        self.derived: Dict[tuple, object] = {}
+        self.cache: Dict = {}  # one chunk, pass after pass: what its layers cache (normalisations) is cached once
+        self.steps = [n for g in groups for n in g]
+        self.runner = StageProgram(program, Stage(0, self.steps, [], [n.name for n in program.output.all_input_nodes],
+                                                  None), fn, True)
+
+    def _derive(self, cg, kind: str):  # transposes of the input graphs, as the runtime derives them
+        if (id(cg), kind) not in self.derived:
+            self.derived[(id(cg), kind)] = cg.flipped()
+        return self.derived[(id(cg), kind)]
+
+    def inputs(self):
+        """A chunk context to enter and the call's arguments localized to the chunk in it."""
+        lg = self.lg
+        ctx = ChunkContext(self.cgs[0], lg, self.halo, self.localizer.resolver(0, self._derive),
+                           Statistics(None, None, None, lg.rows, False), self.cache)
+        return ctx, lambda: self.localizer.localize(0, ctx)
+
+    @contextmanager
+    def passes(self, params: Sequence[Tensor] = ()):
+        """Passes that change nothing: the random streams forked, the buffers and ``params``' gradients put back."""
+        cuda = torch.device(self.device).type == "cuda"
+        buffers = {name: b.clone() for name, b in self.module.named_buffers()}
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            with torch.random.fork_rng(devices=[self.device] if cuda else []):
+                yield
+        finally:
+            with torch.no_grad():
+                for name, b in self.module.named_buffers():
+                    if name in buffers:
+                        b.copy_(buffers[name])
+            for p, g in zip(params, grads):
+                p.grad = g
 
 
 def layer_costs(module: torch.nn.Module, fn: Callable, program: Program, groups: list, inputs: CallInputs,
@@ -61,41 +121,48 @@ def layer_costs(module: torch.nn.Module, fn: Callable, program: Program, groups:
     chunk as the pipeline runs a chunk (else the whole graph as one chunk)."""
     passes = PASSES if passes is None else passes
     cuda = torch.device(device).type == "cuda"
-    N = inputs.num_nodes
-    perm, ptr = chunking if chunking is not None else (torch.arange(N), torch.tensor([0, N]))
-    cgs = chunk_graphs(inputs.graphs, N, perm, ptr, 1, device)
-    localizer = Localizer(inputs, cgs, tables=vertex_tables(module, N))
-    lg = cgs[0].chunks[0]
-    derived: Dict[tuple, object] = {}
-
-    def derive(cg, kind: str):  # transposes of the input graphs, as the runtime derives them
-        if (id(cg), kind) not in derived:
-            derived[(id(cg), kind)] = cg.flipped()
-        return derived[(id(cg), kind)]
-
-    halo = _Fillers() if lg.halo.numel() else None
-    cache: Dict = {}  # one chunk, pass after pass: what its layers cache (normalisations) is cached once
-    steps = [n for g in groups for n in g]
-    runner = StageProgram(program, Stage(0, steps, [], [n.name for n in program.output.all_input_nodes], None), fn, True)
+    probe = _ChunkProbe(module, fn, program, groups, inputs, device, chunking)
+    steps = probe.steps
     times: Dict[str, List[float]] = {n.name: [] for n in steps}
     shapes: Dict[str, tuple] = {}
-    buffers = {name: b.clone() for name, b in module.named_buffers()}
-    devices = [device] if cuda else []
-    try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            for _ in range(passes):
-                ctx = ChunkContext(cgs[0], lg, halo, localizer.resolver(0, derive),
-                                   Statistics(None, None, None, lg.rows, False), cache)
-                with ctx:
-                    _timed_pass(runner, steps, localizer.localize(0, ctx), times, shapes, device if cuda else None)
-    finally:
-        with torch.no_grad():
-            for name, b in module.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
+    with probe.passes(), torch.no_grad():
+        for _ in range(passes):
+            ctx, localize = probe.inputs()
+            with ctx:
+                _timed_pass(probe.runner, steps, localize(), times, shapes, device if cuda else None)
     cost = pooled([times[n.name] for n in steps], [step_signature(program, n, shapes[n.name]) for n in steps])
     each = dict(zip((n.name for n in steps), cost))
     return [sum(each[n.name] for n in g) for g in groups]
+
+
+def training_pass_seconds(module: torch.nn.Module, fn: Callable, program: Program, groups: list,
+                          inputs: CallInputs, device, passes: int = TRAINING_PASSES,
+                          chunking: Optional[Tuple[Tensor, Tensor]] = None) -> float:
+    """Seconds of one training pass of the whole model over the first chunk of ``chunking``, as the pipeline
+    runs a chunk: the forward with autograd recording, then the backward from the outputs (a gradient of ones)
+    to the parameters, through the layer hooks; the smallest time over ``passes`` passes. The parameters'
+    gradients held before are put back afterwards, so no ``.grad`` changes."""
+    cuda = torch.device(device).type == "cuda"
+    probe = _ChunkProbe(module, fn, program, groups, inputs, device, chunking)
+    params = list(module.parameters())  # (a backward, not autograd.grad, which reentrant checkpoints refuse)
+    best = float("inf")
+    with probe.passes(params), torch.enable_grad():
+        for _ in range(passes):
+            ctx, localize = probe.inputs()
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            with ctx:
+                args, kwargs = localize()
+                _, out = probe.runner.run(args, kwargs, {})
+                roots = [t for t in flatten(out)[0] if isinstance(t, Tensor) and t.requires_grad]
+                if roots:
+                    torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+            if cuda:
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+            del out, roots
+    return best
 
 
 def _timed_pass(runner: StageProgram, steps: list, inputs: tuple, times: Dict[str, List[float]],
@@ -128,8 +195,6 @@ class _Fillers:
         return torch.cat([rows, rows.new_zeros(shape)], dim=vdim)
 
 
-#: passes of the cost model (the first one pays for what is cached: the smallest time leaves it out)
-PASSES = 5
 
 
 def pooled(times: List[List[float]], signatures: List[tuple]) -> List[float]:

@@ -31,7 +31,7 @@ def test_choice_is_the_fewest_chunks_near_the_fastest():
     assert choose(0.0, 1.0, N, 1, 4).per_way == 1
     # chunks never outnumber the vertices of a way
     assert max(choose(0.0, 1.0, 12, 4, 2).predicted) == 4
-    assert predicted_step(1.0, 0.0, N, 2, 1, 4) == pytest.approx(3.0 * 1.0 / 2 * 5)
+    assert predicted_step(1.0, 0.0, N, 2, 1, 4) == pytest.approx(1.0 / 2 * 5)
 
 
 def test_a_model_that_cannot_be_timed_gets_the_fixed_rule():

@@ -6,7 +6,7 @@ from torch import nn
 from torch_geometric.nn import GCNConv
 
 from pyg_pipe.engine.step.layers import LayerHooks
-from pyg_pipe.engine.profile import layer_costs, pooled, step_signature
+from pyg_pipe.engine.profile import layer_costs, pooled, step_signature, training_pass_seconds
 from pyg_pipe.graph.partition import make_chunks
 from pyg_pipe.model.inputs import CallInputs
 from pyg_pipe.model.split import stage_groups
@@ -111,3 +111,33 @@ def test_with_the_plans_chunking_a_pass_runs_a_chunk_as_the_pipeline_does():
     assert len(costs) == 6 and all(c > 0 for c in costs) and costs[1] == costs[3]
     assert seen[0] > rows                                   # the input layer: the chunk's rows and their halo
     assert all(seen[i] == rows for i in range(1, 6))        # the others: the chunk's rows
+
+
+def test_a_training_pass_on_a_chunk_changes_nothing_and_runs_its_backward():
+    """``num_chunks="auto"`` times a training pass on a chunk (forward through the layer hooks, backward to the
+    parameters): no ``.grad``, running statistic or random stream changes, and the backward does run (a
+    pass with gradients takes longer than the no-grad pass of the same layers)."""
+    x, g, _, _ = zoo_graph()
+    ei = g["edge_index"]
+    model = Net()
+    before = copy.deepcopy(model.state_dict())
+    inputs = CallInputs((x, ei), {})
+    program = trace(model, inputs.args, inputs.kwargs)
+    groups, _ = stage_groups(program)
+    perm, ptr = make_chunks(ei, x.size(0), 4)
+    used = []
+    handle = model.convs[0].lin.weight.register_hook(lambda grad: used.append(grad.shape))
+    hooks = LayerHooks(model)
+    hooks.install()
+    rng = torch.get_rng_state()
+    try:
+        seconds = training_pass_seconds(model, forward_function(model), program, groups, inputs,
+                                        torch.device("cpu"), chunking=(perm, ptr))
+    finally:
+        hooks.remove()
+        handle.remove()
+    assert seconds > 0 and used and used[0] == model.convs[0].lin.weight.shape   # the backward reached layer 1
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k

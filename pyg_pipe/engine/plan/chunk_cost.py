@@ -4,13 +4,19 @@ More chunks a way shrink the pipeline bubble but cost a fixed overhead per chunk
 more, on fewer rows) and read more neighbours from history (staleness: docs/convergence.md). With ``S``
 stages and ``W`` ways, ``k`` chunks a way and ``N`` vertices, a chunk has ``r = N / (W k)`` rows and::
 
-    t(r)     = a + b r                    one forward pass of the whole model over one chunk (seconds)
-    step(k)  = 3 (t(r) / S) (k + S - 1)   forward and backward (about three forward passes) of one
-                                          stage's share, over the k + S - 1 ticks of fill and drain
+    t(r)     = a + b r                  one training pass (forward and backward) of the whole model over
+                                        one chunk (seconds)
+    step(k)  = (t(r) / S) (k + S - 1)   one stage's share of it, over the k + S - 1 ticks of fill and drain
 
-``a`` (the per-chunk cost: launches, Python, halo bookkeeping) and ``b`` (the cost per row) come from
-timing the model's layers on the first chunk of two contiguous chunkings (``k = 2`` and ``k = 8``, with
-the same measurement as ``balance="time"``: :func:`~..profile.layer_costs`). The choice is the fewest
+``a`` (the per-chunk cost: launches, Python, halo bookkeeping, autograd's recording) and ``b`` (the cost
+per row) come from timing a training pass of the model on the first chunk of two contiguous chunkings
+(``k = 2 S`` and ``k = 8 S`` a way; :func:`~..profile.training_pass_seconds`: the forward with autograd through the
+layer hooks, as the pipeline runs a chunk, and the backward to the parameters). Until 2026-11-27 a no-grad
+forward was timed (the measurement of ``balance="time"``) and taken three times: the step it predicted was
+1.3 - 1.5x below the measured one on 2 processes (docs/gnnpipe.md). A pass of every layer over ``N / (2 S W)``
+rows holds half the activations a stage holds over its ``N / W`` rows, so the probe fits where the pipeline
+does. The other ranks wait while the rank that measures runs it (:func:`~.plan.root_decides`): the probe
+times the model on a machine that is otherwise idle. The choice is the fewest
 chunks a way, among 1, 2, 4, ... (at most ``N / W``), whose predicted step is within ``SLACK`` of the
 fastest: the least stale history for nearly the best time. Transfers are left out (the stage link sends
 every row once a step whatever ``k``; the halo exchange between ways does not depend on ``k`` either).
@@ -29,7 +35,7 @@ from torch import Tensor
 
 #: a plan within this share of the fastest predicted step counts as fast
 SLACK = 0.10
-#: chunks a way the two measurements use
+#: chunks a way the two measurements use, per stage
 PROBES = (2, 8)
 #: chunks a way considered: 1, 2, 4, ... up to this
 MAX_PER_WAY = 64
@@ -57,7 +63,7 @@ class ChunkChoice:
 def predicted_step(a: float, b: float, num_nodes: int, stages: int, ways: int, per_way: int) -> float:
     """``step(k)`` of the module docstring."""
     rows = num_nodes / (ways * per_way)
-    return 3.0 * (a + b * rows) / stages * (per_way + stages - 1)
+    return (a + b * rows) / stages * (per_way + stages - 1)
 
 
 def choose(a: float, b: float, num_nodes: int, stages: int, ways: int) -> ChunkChoice:
@@ -85,19 +91,19 @@ def fit(samples: List[tuple]) -> tuple:
     return max(0.0, t1 - b * r1), b
 
 
-def measure(costs: Callable[[Tensor, Tensor], List[float]], num_nodes: int, ways: int) -> tuple:
-    """``(a, b)`` from the model's layers timed on the first chunk of contiguous chunkings with
-    :data:`PROBES` chunks a way (``costs(perm, ptr)``: seconds per layer group, as ``balance="time"``)."""
+def measure(seconds_of: Callable[[Tensor, Tensor], float], num_nodes: int, stages: int, ways: int) -> tuple:
+    """``(a, b)`` from a training pass timed on the first chunk of contiguous chunkings with :data:`PROBES`
+    times ``stages`` chunks a way (``seconds_of(perm, ptr)``)."""
     samples = []
     for k in PROBES:
-        C = min(num_nodes, ways * k)
+        C = min(num_nodes, ways * k * stages)
         ptr = torch.linspace(0, num_nodes, C + 1).round().long()
-        seconds = sum(costs(torch.arange(num_nodes), ptr))
+        seconds = float(seconds_of(torch.arange(num_nodes), ptr))
         samples.append((int(ptr[1] - ptr[0]), seconds))
     return fit(samples)
 
 
-def auto_chunks(costs: Callable[[Tensor, Tensor], List[float]], num_nodes: int, stages: int, ways: int,
+def auto_chunks(seconds_of: Callable[[Tensor, Tensor], float], num_nodes: int, stages: int, ways: int,
                 fallback: int) -> Tuple[int, str, Optional[float]]:
     """``num_chunks="auto"`` on the rank that measures: ``(chunks, the line that says why, the predicted step
     in seconds)``; ``fallback`` chunks (the rule of ``num_chunks=None``, no prediction) where the layers cannot
@@ -105,9 +111,10 @@ def auto_chunks(costs: Callable[[Tensor, Tensor], List[float]], num_nodes: int, 
     if stages == 1:
         return ways, "", None
     try:
-        a, b = measure(costs, num_nodes, ways)
+        a, b = measure(seconds_of, num_nodes, stages, ways)
     except Exception as exc:  # noqa: BLE001 - a model the timing pass cannot run still trains, with the fixed rule
-        return fallback, (f"pyg_pipe: num_chunks='auto' could not time the model's layers ({type(exc).__name__}: "
+        return fallback, (f"pyg_pipe: num_chunks='auto' could not time a training pass of the model "
+                          f"({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0][:160]}); using {fallback} chunks (the rule of num_chunks=None: 4 "
                           f"per stage a way). Pass num_chunks=<int> to choose."), None
     choice = choose(a, b, num_nodes, stages, ways)

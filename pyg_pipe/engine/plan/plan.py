@@ -158,7 +158,8 @@ def decide_shape(module: torch.nn.Module, inputs: CallInputs, world_size: int, s
 
 def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inputs: CallInputs, comm, root: int,
               sizes: Optional[Sequence[int]] = None, costs: Optional[Callable[[Tensor, Tensor], List[float]]] = None,
-              saved: Optional[dict] = None, notes: Optional[List[str]] = None) -> Plan:
+              saved: Optional[dict] = None, notes: Optional[List[str]] = None,
+              pass_seconds: Optional[Callable[[Tensor, Tensor], float]] = None) -> Plan:
     """The plan for ``inputs`` on the grid ``shape``.
 
     Args:
@@ -170,6 +171,8 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
             (called on ``root`` for ``balance="time"``).
         saved: a checkpoint's :meth:`Plan.state` to resume from (checked against this run).
         notes: where decisions pyg_pipe made on its own are told (also logged).
+        pass_seconds: seconds of one training pass of the model over the first chunk of the chunking
+            ``(perm, ptr)`` it is given (called on ``root`` for ``num_chunks="auto"``).
     """
     S, W = shape.stages, shape.ways
     auto = config.num_chunks == "auto"
@@ -181,7 +184,7 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
         if saved is not None:
             wanted = saved["num_chunks"]
         else:
-            wanted, predicted = choose_chunks(costs, inputs.num_nodes, S, W, fixed, comm, root, notes)
+            wanted, predicted = choose_chunks(pass_seconds, inputs.num_nodes, S, W, fixed, comm, root, notes)
     else:
         wanted = chunk_count(config, S, W, inputs.num_nodes, shape.ways_added, notes)
     if saved is not None:
@@ -333,16 +336,16 @@ def _partition(config: PipelineConfig, src: Tensor, dst: Tensor, N: int, num_chu
     return make_chunks(edge_index, N, num_chunks, method=config.partition, seed=config.seed)
 
 
-def choose_chunks(costs: Optional[Callable[[Tensor, Tensor], List[float]]], num_nodes: int, stages: int, ways: int,
+def choose_chunks(pass_seconds: Optional[Callable[[Tensor, Tensor], float]], num_nodes: int, stages: int, ways: int,
                   fixed: int, comm, root: int, notes: Optional[List[str]] = None) -> Tuple[int, Optional[float]]:
     """``num_chunks="auto"`` (:mod:`.chunk_cost`): measured and chosen on ``root``, broadcast, said in one line.
     Returns the count and the step predicted for it (seconds; ``None`` when nothing was measured)."""
-    if costs is None or stages == 1:
+    if pass_seconds is None or stages == 1:
         return fixed, None
     said: List[str] = []
 
     def decide() -> Tensor:
-        chunks, line, predicted = auto_chunks(costs, num_nodes, stages, ways, fixed)
+        chunks, line, predicted = auto_chunks(pass_seconds, num_nodes, stages, ways, fixed)
         said.append(line)
         return torch.tensor([chunks, -1.0 if predicted is None else predicted], dtype=torch.float64)
 
@@ -374,9 +377,12 @@ def choose_sizes(config: PipelineConfig, groups: list, stages: int, costs: Optio
 
 def root_decides(fn: Callable[[], Tensor], empty: Tensor, comm, root: int, what: str) -> Tensor:
     """``fn()`` computed on ``root`` and broadcast. If it fails there, every rank fails too (the others
-    are told through the broadcast instead of waiting on it)."""
+    are told through the broadcast instead of waiting on it). The ranks meet first, so the others wait
+    (idle) while ``root`` measures: on processes sharing cores, another rank still tracing its model would
+    slow what ``fn`` times."""
     error = None
     value = empty
+    comm.barrier(what)
     if comm.rank == root:
         try:
             value = fn()

@@ -187,7 +187,8 @@ def run_pipe(args) -> None:
     memory = dict(recompute={"on": True, "off": False}.get(args.recompute, "auto"),
                   history_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.history_dtype),
                   offload=None if args.offload == "none" else args.offload,
-                  offload_budget=None if args.offload_budget < 0 else args.offload_budget)
+                  offload_budget=None if args.offload_budget < 0 else args.offload_budget,
+                  memory_budget=None if args.memory_budget < 0 else args.memory_budget)
     fused = dict(fused_kernels=bool(args.fused_kernels))
     if args.strategy == "graph_parallel":
         strategy = pyg_pipe.GraphParallelStrategy(**fused)
@@ -256,6 +257,8 @@ def main():
                    help="GNNPipeStrategy(history_dtype=...)")
     p.add_argument("--recompute", choices=["auto", "on", "off"], default="auto",
                    help="GNNPipeStrategy(recompute=...)")
+    p.add_argument("--memory-budget", dest="memory_budget", type=int, default=-1,
+                   help="GNNPipeStrategy(memory_budget=...) in bytes (-1: None)")
     p.add_argument("--offload", choices=["none", "host", "disk"], default="none",
                    help="GNNPipeStrategy(offload=...)")
     p.add_argument("--offload-budget", "--offload_budget", dest="offload_budget", type=int, default=-1,

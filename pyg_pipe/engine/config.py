@@ -52,11 +52,16 @@ class PipelineConfig:
             after that module (the convention of ``torch.distributed.pipelining``; calling
             ``pyg_pipe.pipe_split()`` in the forward does the same).
         recompute: keep only each chunk's stage inputs during the fill and recompute its activations in the
-            drain (bit-identical; ``"auto"``: when a way runs several chunks and keeping all of their
-            activations would take more than a quarter of the device's free memory, measured at the first
-            step; docs/memory.md). Streaming replays each chunk's forward in the backward the same way;
+            drain (bit-identical; ``"auto"``: when a way runs several chunks, the first step replays them and
+            the memory model (:mod:`.plan.memory_cost`) then predicts the peak of keeping them: kept from
+            the second step on if that fits ``memory_budget``; docs/memory.md). Streaming replays each chunk's forward in the backward the same way;
             ``False`` keeps every chunk's activations instead (a third less compute), ``"auto"`` keeps them
             when they fit a quarter of the free memory (measured in the first step's replays).
+        memory_budget: bytes a pipeline process may hold for what the memory model counts (graph
+            structures and history, gradients and optimizer state, activations and pending gradients, the
+            drain's working set), for ``recompute="auto"``. ``None`` (default): keeping must fit the device's
+            free memory after the first step, less 10 %. Not the process's whole footprint (the CUDA context,
+            Python); ``torch.cuda.set_per_process_memory_fraction`` also bounds the free memory read.
         offload, offload_budget, offload_dir: historical embeddings (and, streaming, the values between
             layer groups) beyond ``offload_budget`` bytes on the device (``"auto"``: half the free memory;
             ``None``: none once ``offload`` is set) go to ``"host"`` memory or ``"disk"`` (memory-mapped files
@@ -117,6 +122,7 @@ class PipelineConfig:
     per_chunk_statistics: Union[bool, str] = "auto"
     split_points: Optional[Dict[str, SplitPoint]] = None
     recompute: Union[bool, str] = "auto"
+    memory_budget: Optional[int] = None
     offload: Optional[str] = None
     offload_budget: Union[None, int, str] = None
     offload_dir: Optional[str] = None
@@ -162,7 +168,12 @@ class PipelineConfig:
                              f"(the whole graph's: other chunks' sums from their latest run).")
         if self.recompute not in (True, False, "auto"):
             raise ValueError(f"recompute={self.recompute!r} must be True, False or 'auto' (recompute when the "
-                             f"activations of every chunk would not fit a quarter of the free memory).")
+                             f"predicted peak of keeping every chunk's activations would not fit memory_budget).")
+        if self.memory_budget is not None and (not isinstance(self.memory_budget, int)
+                                               or isinstance(self.memory_budget, bool) or self.memory_budget < 1):
+            raise ValueError(f"memory_budget={self.memory_budget!r} must be a positive number of bytes (what a "
+                             f"process may hold for the graph, history, gradients, optimizer state and "
+                             f"activations), or None (the device's free memory after the first step).")
         if self.boundary_dtype not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"boundary_dtype={self.boundary_dtype!r} must be torch.bfloat16 or torch.float16 (the "
                              f"dtype activations and gradients travel in between stages and ways), or None to send "

@@ -3,6 +3,7 @@ clipping by the norm over all stages."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Callable, Dict, List
 
 import torch
@@ -194,14 +195,19 @@ class MemoryCheck(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         from ..engine.plan.memory_cost import predict
+        from ..engine.step.chunk import decide_recompute
         strategy, engine = self.strategy, self.strategy.engine
         rt = engine.runtime if engine is not None else None
         if strategy.memory_prediction is not None or rt is None or rt.plan.streaming or not rt.memory.done:
             return
         meter = strategy._memory
-        strategy.memory_prediction = predict(rt, pl_module.parameters(), trainer.optimizers,
-                                             meter.in_use() if meter is not None else None)
-        line = strategy.memory_prediction.line()
+        prediction = predict(rt, pl_module.parameters(), trainer.optimizers,
+                             meter.in_use() if meter is not None else None)
+        if rt.recompute_pending:  # recompute="auto": decided now, from this prediction (optimizer state counted)
+            engine.notes.append(decide_recompute(rt, prediction))
+            prediction = replace(prediction, recompute=bool(rt.recompute))
+        strategy.memory_prediction = prediction
+        line = prediction.line()
         log.info(line)
         engine.notes.append(line)
 

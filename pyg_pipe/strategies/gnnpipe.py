@@ -42,9 +42,9 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
 
     Args:
         num_chunks, shuffle_chunks, snapshot_period, unbiased_gradients, late_gradients, balance, partition,
-        seed, per_chunk_statistics, split_points, recompute, offload, offload_budget, offload_dir, streaming,
-        cuda_graphs, overlap, boundary_dtype, history_dtype, timeline_trace, staleness_meter, max_age, max_staleness, smoothing,
-        halo_exchange: the engine's knobs, each documented in :class:`pyg_pipe.engine.PipelineConfig` (and
+        seed, per_chunk_statistics, split_points, recompute, memory_budget, offload, offload_budget, offload_dir,
+        streaming, cuda_graphs, overlap, boundary_dtype, history_dtype, timeline_trace, staleness_meter, max_age,
+        max_staleness, smoothing, halo_exchange: the engine's knobs, each documented in :class:`pyg_pipe.engine.PipelineConfig` (and
             when to use which in docs/gnnpipe.md).
         model: attribute name of the module to pipeline inside the LightningModule; by default the
             smallest sub-module that holds every ``MessagePassing`` layer.
@@ -82,6 +82,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         per_chunk_statistics: Union[bool, str] = "auto",
         split_points: Optional[Dict[str, Any]] = None,
         recompute: Union[bool, str] = "auto",
+        memory_budget: Optional[int] = None,
         offload: Optional[str] = None,
         offload_budget: Union[None, int, str] = None,
         offload_dir: Optional[str] = None,
@@ -114,7 +115,8 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
                                      late_gradients=late_gradients,
                                      balance=balance, partition=partition, seed=seed,
                                      per_chunk_statistics=per_chunk_statistics, split_points=split_points,
-                                     recompute=recompute, offload=offload, offload_budget=offload_budget,
+                                     recompute=recompute, memory_budget=memory_budget, offload=offload,
+                                     offload_budget=offload_budget,
                                      offload_dir=offload_dir, streaming=streaming, cuda_graphs=cuda_graphs,
                                      overlap=overlap,
                                      boundary_dtype=boundary_dtype, history_dtype=history_dtype,

@@ -130,21 +130,47 @@ def test_recompute_is_off_with_one_chunk_per_way():
         engine.uninstall()
 
 
-@pytest.mark.parametrize("free,expected", [(0, True), (10 ** 15, False)])
-def test_auto_recomputes_when_every_chunk_would_not_fit_a_quarter_of_free_memory(free, expected, monkeypatch):
-    """``recompute="auto"``: the first step recomputes and measures what its last chunk keeps; the decision for
-    the later steps follows the device's free memory (the results are the same either way, tested above)."""
-    from pyg_pipe.engine.runtime import tiers
-    monkeypatch.setattr(tiers, "free_memory", lambda device: free)
+def test_auto_keeps_from_the_second_step_when_the_predicted_peak_fits_the_budget():
+    """``recompute="auto"``: the first step replays and measures; before the second, the memory model's peak
+    with keeping is set against ``memory_budget`` (counted bytes: the same choice on every run) or, without
+    one, the device's free memory. (The results are the same either way: tested above.)"""
+    from pyg_pipe.engine.plan.memory_cost import predict
+    from pyg_pipe.engine.step.chunk import decide_recompute
     x, g, y, mask = zoo_graph()
     model = GCN(8, 12, 2, 3)
     engine = GNNPipeEngine(model, PipelineConfig(num_chunks=4, streaming=False), Comm(torch.device("cpu")))
     engine.install()
     try:
         model(x, g["edge_index"]).sum().backward()
-        assert engine.runtime.recompute is expected and not engine.runtime.recompute_pending
+        rt = engine.runtime
+        assert rt.recompute is True and rt.recompute_pending   # the first step replays; nothing decided yet
         model(x, g["edge_index"]).sum().backward()
-        assert engine.runtime.recompute is expected
+        assert rt.recompute is False and not rt.recompute_pending  # a small model: keeping fits this machine
+        p = predict(rt, model.parameters())
+        fixed = p.resident + p.state
+        keep, replay = p.held(False) + p.transient, p.held(True) + p.transient
+        assert 0 < replay < keep
+        for budget, replays, neither in [(fixed + keep, False, False), (fixed + keep - 1, True, False),
+                                         (fixed + replay - 1, True, True)]:
+            rt.config.memory_budget, rt.recompute_pending = budget, True
+            line = decide_recompute(rt, p)
+            assert rt.recompute is replays and not rt.recompute_pending, (budget, line)
+            assert ("memory_budget=" in line) and (("does not fit either" in line) is neither), line
+    finally:
+        engine.uninstall()
+
+
+def test_a_budget_too_small_to_keep_replays_from_the_second_step_on():
+    x, g, y, mask = zoo_graph()
+    model = GCN(8, 12, 2, 3)
+    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=4, streaming=False, memory_budget=1),
+                           Comm(torch.device("cpu")))
+    engine.install()
+    try:
+        for _ in range(3):
+            model(x, g["edge_index"]).sum().backward()
+            assert engine.runtime.recompute is True
+        assert not engine.runtime.recompute_pending
     finally:
         engine.uninstall()
 
@@ -152,3 +178,9 @@ def test_auto_recomputes_when_every_chunk_would_not_fit_a_quarter_of_free_memory
 def test_a_bad_recompute_value_names_the_knob():
     with pytest.raises(ValueError, match="recompute='always'"):
         PipelineConfig(recompute="always").validate()
+
+
+@pytest.mark.parametrize("budget", [0, -5, 1.5, True, "1GB"])
+def test_a_bad_memory_budget_names_the_knob(budget):
+    with pytest.raises(ValueError, match="memory_budget="):
+        PipelineConfig(memory_budget=budget).validate()

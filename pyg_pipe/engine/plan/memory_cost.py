@@ -28,8 +28,12 @@ over its rows; and the storages a replayed chunk kept, over its rows. A first st
 measures no ``b``: a replayed chunk keeps at most what it received, which a kept chunk's measure includes,
 so ``b`` is then taken as the received share of ``a`` (:meth:`MemorySample.replayed_per_row`).
 
-Both settings of ``recompute`` are predicted from one step, so ``recompute="auto"`` can read what keeping
-would cost before it keeps (:func:`~..step.chunk.decide_recompute`). The prediction is checked against the
+Both settings of ``recompute`` are predicted from one step, so ``recompute="auto"`` reads what keeping
+would cost before it keeps (:func:`recompute_choice`, applied by :func:`~..step.chunk.decide_recompute`
+before the second step): with ``memory_budget`` ``B``, it keeps if the counted peak with keeping,
+``resident + state + keep + transient``, is at most ``B`` (the counted parts: the same on every run, so the
+choice is too); without one, if what keeping adds at the peak, ``keep + transient``, fits the device's free
+memory after the first step (which already holds the rest) less :data:`MARGIN`. The prediction is checked against the
 fit's measured peak (:class:`pyg_pipe.memory.PeakMemory`, net of what the process held when the strategy
 started: the same base) at the end of training (``strategy.memory_check``, one line logged). Streaming (one
 device) is not covered.
@@ -37,12 +41,15 @@ device) is not covered.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Optional, Set
+from typing import Dict, Iterable, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
 
 MB = 2 ** 20
+#: the share of the free memory ``recompute="auto"`` leaves free (the allocator's fragmentation, the model's
+#: error: measured within 7 % over 96 processes, docs/memory.md)
+MARGIN = 0.10
 
 
 def add_storage(found: Dict[int, int], t: Tensor, exclude: Set[int] = frozenset()) -> None:
@@ -203,3 +210,23 @@ def predict(runtime, parameters: Iterable[Tensor], optimizers: Iterable = (), in
     other = max(0, in_use - counted) if in_use is not None else 0
     return MemoryPrediction(sum(resident.values()), sum(state.values()), keep, replay, transient, other,
                             bool(runtime.recompute))
+
+
+def recompute_choice(prediction: MemoryPrediction, budget: Optional[int], free: int) -> Tuple[bool, str]:
+    """``recompute="auto"`` (module docstring): ``(replay, the line that says why)``. ``budget``: the
+    ``memory_budget`` knob (bytes) or ``None``; ``free``: the device's free memory now (bytes)."""
+    fixed = prediction.resident + prediction.state
+    need = {r: prediction.held(r) + prediction.transient for r in (False, True)}
+    if budget is not None:
+        room, against = budget - fixed, f"memory_budget={budget / MB:.0f} MB less the structures, history, " \
+                                        f"gradients and optimizer state ({fixed / MB:.0f} MB)"
+    else:
+        room, against = int(free * (1 - MARGIN)), f"the {free / MB:.0f} MB free less {MARGIN:.0%}"
+    replay = need[False] > room
+    line = (f"pyg_pipe: recompute='auto': {'replaying' if replay else 'keeping'} the chunks' activations from the "
+            f"next step: keeping them adds {need[False] / MB:.0f} MB at the peak, replaying them "
+            f"{need[True] / MB:.0f} MB, against {against} ({max(room, 0) / MB:.0f} MB).")
+    if need[True] > room:
+        line += (" Replaying does not fit either: more chunks (num_chunks) hold fewer rows at once, "
+                 "offload='host' moves the history off the device, more devices split the graph further.")
+    return replay, line

@@ -5,6 +5,7 @@ Both the fill and the exact pass (:mod:`.pipeline`) run a chunk with :func:`run_
 drain recomputing a chunk) runs it again with what the fill received."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -20,7 +21,9 @@ from ..runtime.statistics import Statistics, StatisticsHistory
 from ..tree import flatten, pack_rows, unflatten
 from .checks import check_output
 from .rows import RowCheck
-from ..plan.memory_cost import add_storage, storages
+from ..plan.memory_cost import add_storage, predict, recompute_choice, storages
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -138,14 +141,19 @@ def input_storages(rt: Runtime, inputs) -> set:
     return out
 
 
-def decide_recompute(rt: Runtime) -> None:
-    """``recompute="auto"``: after the first step's last chunk was measured (:func:`sample_memory`), keep every
-    chunk's activations from now on if all of them (its bytes a row times the way's rows) fit a quarter of the
-    memory the device has free; else go on recomputing. Decided once; results are the same either way."""
+def decide_recompute(rt: Runtime, prediction=None) -> str:
+    """``recompute="auto"``, once the first step (fill, drain and, with a strategy, the optimizer step) has
+    run: replay the chunks from the next step on unless the predicted peak of keeping them fits the budget
+    (:func:`~..plan.memory_cost.recompute_choice`). ``prediction``: the strategy's (it counts the optimizer
+    state); else made here. Returns the line that says why (logged). Results are the same either way."""
     from ..runtime.tiers import free_memory
-    estimate = rt.memory.kept_per_row * rt.way_rows[rt.grid.way]
-    rt.recompute = estimate > free_memory(rt.comm.device) // 4
+    if prediction is None:
+        prediction = predict(rt, rt.module.parameters())
+    rt.recompute, line = recompute_choice(prediction, rt.config.memory_budget, free_memory(rt.comm.device))
     rt.recompute_pending = False
+    line = line.replace("pyg_pipe:", f"pyg_pipe rank {rt.comm.rank}:", 1)
+    log.info(line)
+    return line
 
 
 def _copied(value):

@@ -23,9 +23,9 @@ s-1 and the random-number state it started with; the drain runs the chunk again 
 inputs, same random numbers, the halo rows the fill read, :mod:`..runtime.halo`) and back-propagates through
 it at once. A stage then holds one chunk's activations instead of all of them, for one more forward
 per chunk; the results are the same bit for bit. With ``recompute="auto"`` the first step recomputes and
-measures the bytes autograd keeps for its last chunk; from the next step on a stage recomputes only if
-keeping every chunk's activations would take more than a quarter of the memory its device has free
-(:func:`decide_recompute`, once per runtime).
+measures what a kept chunk and a replayed one hold (:func:`sample_memory`); from the next step on a stage
+keeps every chunk's activations if the memory model's peak with keeping fits ``memory_budget`` or the
+device's free memory (:func:`decide_recompute`, once per runtime; :mod:`..plan.memory_cost`).
 
 The **exact pass** (inference, and the pass that fills a call's history before its first step) runs
 one chunk per way, whole partitions, halo rows exchanged fresh, stage after stage. Both passes run
@@ -78,6 +78,8 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
     plan, grid = rt.plan, rt.grid
     history = rt.history.of(call)
     use_history = plan.chunks_per_way > 1
+    if rt.recompute_pending and rt.memory.pending is not None:  # (a strategy decides it after the optimizer step)
+        decide_recompute(rt)
     replay = rt.recompute
     rt.release_exact()
     if use_history:
@@ -113,8 +115,6 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
                             statistics=stat_history, last=i == len(order) - 1)
         if measure:
             sample_memory(rt, rec, saved if keep else None, rt.chunked[0].chunks[c].rows)
-            if keep and rt.recompute_pending:
-                decide_recompute(rt)
         keys = site_keys(rec.ctx.sites)
         if reference is None:
             reference = keys

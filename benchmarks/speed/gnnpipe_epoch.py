@@ -182,7 +182,7 @@ def run_pipe(args) -> None:
                 self.sizes = list(engine.plan.sizes)
             if engine is not None and engine.plan is not None:
                 self.chunks = engine.plan.num_chunks
-                self.notes = [n for n in engine.notes if "num_chunks='auto'" in n]
+                self.notes = [n for n in engine.notes if "num_chunks='auto'" in n or "recompute='auto'" in n]
 
     memory = dict(recompute={"on": True, "off": False}.get(args.recompute, "auto"),
                   history_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.history_dtype),

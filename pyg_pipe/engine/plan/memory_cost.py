@@ -218,14 +218,15 @@ def recompute_choice(prediction: MemoryPrediction, budget: Optional[int], free: 
     fixed = prediction.resident + prediction.state
     need = {r: prediction.held(r) + prediction.transient for r in (False, True)}
     if budget is not None:
-        room, against = budget - fixed, f"memory_budget={budget / MB:.0f} MB less the structures, history, " \
-                                        f"gradients and optimizer state ({fixed / MB:.0f} MB)"
+        room = budget - fixed
+        against = (f"memory_budget={budget / MB:.0f} MB less {fixed / MB:.0f} MB of graph structures, history, "
+                   f"gradients and optimizer state")
     else:
-        room, against = int(free * (1 - MARGIN)), f"the {free / MB:.0f} MB free less {MARGIN:.0%}"
+        room, against = int(free * (1 - MARGIN)), f"{1 - MARGIN:.0%} of the {free / MB:.0f} MB free"
     replay = need[False] > room
     line = (f"pyg_pipe: recompute='auto': {'replaying' if replay else 'keeping'} the chunks' activations from the "
             f"next step: keeping them adds {need[False] / MB:.0f} MB at the peak, replaying them "
-            f"{need[True] / MB:.0f} MB, against {against} ({max(room, 0) / MB:.0f} MB).")
+            f"{need[True] / MB:.0f} MB; there is room for {max(room, 0) / MB:.0f} MB ({against}).")
     if need[True] > room:
         line += (" Replaying does not fit either: more chunks (num_chunks) hold fewer rows at once, "
                  "offload='host' moves the history off the device, more devices split the graph further.")

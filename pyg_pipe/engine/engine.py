@@ -117,6 +117,7 @@ class GNNPipeEngine:
         self._fn = forward_function(module)
         self._shape: Optional[Shape] = None
         self._sizes: Optional[tuple] = None
+        self.chunk_choice: Optional[tuple] = None   # num_chunks="auto" decided by an earlier engine: (count, step s)
         self._runtimes: List[Runtime] = []
         self._saved: Optional[dict] = None
         self._instance_forward = None
@@ -131,7 +132,6 @@ class GNNPipeEngine:
         self._depth = 0                             # > 0 while a routed call runs (calls inside run as written)
         self.timeline = Timeline(comm, on=comm.device.type == "cpu", keep=config.timeline_trace is not None)
         self.meter = StalenessMeter(on=config.staleness_meter)
-
     # ------------------------------------------------------------------ facts
     @property
     def plan(self) -> Optional[Plan]:
@@ -351,7 +351,8 @@ class GNNPipeEngine:
         probe = (self.module, self._fn, shape.program, shape.groups, inputs, comm.device)  # (timed on a chunk)
         plan = make_plan(self.module, self.config, shape, inputs, comm, grid.rank_of(0, 0), sizes=self._sizes,
                          costs=lambda perm, ptr: layer_costs(*probe, chunking=(perm, ptr)), saved=saved.get("plan"),
-                         notes=self.notes, pass_seconds=lambda *cut: training_pass_seconds(*probe, chunking=cut))
+                         notes=self.notes, pass_seconds=lambda *cut: training_pass_seconds(*probe, chunking=cut),
+                         chosen=self.chunk_choice)
         self._sizes = plan.sizes
         if self._grads is None:
             self._grads = GradientSum(self.module, plan.param_stages, grid, comm)

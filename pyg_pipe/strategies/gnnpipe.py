@@ -136,6 +136,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         self.plan_seconds = 0.0  # time the engine spent planning (tracing, partitioning, history passes)
         self.notes: List[str] = []  # what the engine decided on its own (e.g. graph-parallel ways for a shallow model)
         self.planned_chunks: Optional[int] = None  # the plan's chunk count (with num_chunks="auto": the choice)
+        self._chunk_choice: Optional[tuple] = None  # num_chunks="auto": (count, predicted step) measured once
         self.plan_check: Optional[dict] = None  # num_chunks="auto": predicted against measured step (callbacks.py)
         self.peak_memory: List[int] = []  # per rank: peak bytes of the fit net of the start (pyg_pipe.memory)
         self._memory: Optional[PeakMemory] = None
@@ -191,7 +192,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         return {"state": self.checkpoints.final_state, "comm_history": self.comm_history,
                 "plan_seconds": self.plan_seconds, "notes": self.notes, "peak_memory": self.peak_memory,
                 "planned_chunks": self.planned_chunks, "plan_check": self.plan_check,
-                "memory_check": self.memory_check}
+                "memory_check": self.memory_check, "chunk_choice": self._chunk_choice}
 
     def take_worker_results(self, results: dict) -> None:
         """Takes what :meth:`worker_results` sent, in the main process."""
@@ -199,6 +200,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         self.plan_seconds, self.notes = results["plan_seconds"], results["notes"]
         self.peak_memory, self.planned_chunks = results["peak_memory"], results["planned_chunks"]
         self.plan_check, self.memory_check = results["plan_check"], results["memory_check"]
+        self._chunk_choice = results["chunk_choice"]
 
     # ----------------------------------------------------------------------- setup / teardown
     @property
@@ -229,6 +231,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         sync_module_state(self.lightning_module, {}, [0], comm=self.comm)
         stages, ways, min_ways = self._grid()
         self.engine = GNNPipeEngine(target, self.config, self.comm, num_stages=stages, ways=ways, min_ways=min_ways)
+        self.engine.chunk_choice = self._chunk_choice  # (validate, fit, test: num_chunks="auto" measured once)
         self.engine.steps_only()  # training passes only inside training_step
         self.engine.install()
         if self.fused_kernels:
@@ -260,6 +263,8 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
             self.notes += [n for n in self.engine.notes if n not in self.notes]  # (fit, then test: both said)
             if self.engine.plan is not None:
                 self.planned_chunks = self.engine.plan.num_chunks
+                if self.config.num_chunks == "auto" and self.engine.plan.predicted_step is not None:
+                    self._chunk_choice = (self.planned_chunks, self.engine.plan.predicted_step)
             self.engine.uninstall()
             self.engine = None
         if self.comm is not None:

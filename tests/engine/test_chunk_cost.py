@@ -81,6 +81,14 @@ def _worker(rank, world):
         assert resumed.plan.num_chunks == C and resumed.plan.predicted_step is None  # (nothing chosen again)
         resumed.uninstall()
 
+        # a choice an earlier engine of the strategy made (validate, fit, test) is taken, measuring nothing
+        again = GNNPipeEngine(make_model("gcnii"), PipelineConfig(num_chunks="auto"), comm, num_stages=world)
+        again.chunk_choice = (C, predicted)
+        again.install()
+        forward_backward(again.module, torch.optim.SGD(again.module.parameters(), lr=0.01), x, edge_index, y, mask)
+        assert (again.plan.num_chunks, again.plan.predicted_step) == (C, predicted)
+        again.uninstall()
+
         # an integer overrides it
         fixed = GNNPipeEngine(make_model("gcnii"), PipelineConfig(num_chunks=6), comm, num_stages=world)
         fixed.install()

@@ -45,6 +45,9 @@ def test_a_default_trainer_just_works(strategy, tmp_path):
         assert check is not None and check["num_chunks"] == result["num_chunks"] and check["steps"] == 3, check
         assert check["predicted_step_s"] > 0 and check["measured_step_s"] > 0, check
         assert any("the measured step is" in n and "against the predicted" in n for n in result["notes"])
+        # what it chose is shown, as Lightning shows its own messages: once (rank 0; validate, fit, test and
+        # predict use the one count), on stderr
+        assert out.stderr.count("pyg_pipe: num_chunks='auto':") == 1, out.stderr[-3000:]
     assert result["checkpoints"], "the default ModelCheckpoint wrote nothing"
     ours = [w for w in result["warnings"] if _ours(w)]
     assert not ours, json.dumps(ours, indent=1)

@@ -159,7 +159,8 @@ def decide_shape(module: torch.nn.Module, inputs: CallInputs, world_size: int, s
 def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inputs: CallInputs, comm, root: int,
               sizes: Optional[Sequence[int]] = None, costs: Optional[Callable[[Tensor, Tensor], List[float]]] = None,
               saved: Optional[dict] = None, notes: Optional[List[str]] = None,
-              pass_seconds: Optional[Callable[[Tensor, Tensor], float]] = None) -> Plan:
+              pass_seconds: Optional[Callable[[Tensor, Tensor], float]] = None,
+              chosen: Optional[Tuple[int, Optional[float]]] = None) -> Plan:
     """The plan for ``inputs`` on the grid ``shape``.
 
     Args:
@@ -173,6 +174,8 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
         notes: where decisions pyg_pipe made on its own are told (also logged).
         pass_seconds: seconds of one training pass of the model over the first chunk of the chunking
             ``(perm, ptr)`` it is given (called on ``root`` for ``num_chunks="auto"``).
+        chosen: ``num_chunks="auto"``'s ``(count, predicted step)`` from an earlier engine of the same
+            strategy (fit, then test): taken instead of measuring again, unless a checkpoint's plan is resumed.
     """
     S, W = shape.stages, shape.ways
     auto = config.num_chunks == "auto"
@@ -183,6 +186,8 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
         fixed = chunk_count(replace(config, num_chunks=None), S, W, inputs.num_nodes, shape.ways_added)
         if saved is not None:
             wanted = saved["num_chunks"]
+        elif chosen is not None:
+            wanted, predicted = chosen
         else:
             wanted, predicted = choose_chunks(pass_seconds, inputs.num_nodes, S, W, fixed, comm, root, notes)
     else:

@@ -8,6 +8,17 @@ stages and ``W`` ways, ``k`` chunks a way and ``N`` vertices, a chunk has ``r = 
                                         one chunk (seconds)
     step(k)  = (t(r) / S) (k + S - 1)   one stage's share of it, over the k + S - 1 ticks of fill and drain
 
+That takes a stage waiting in the bubble as idle. When the processes of a machine share its cores (CPU
+devices: ``p`` processes of ``T`` threads each on ``c`` cores, ``p T > c``), a waiting stage gives its core
+to another, and the step is at least the machine's share of all the work over its cores::
+
+    step(k)  = max((t(r) / S) (k + S - 1),  u W k t(r)),   u = (p / P) T / c
+
+(``W k t(r)``: every chunk of every way through the whole model; ``p / P`` of it on this machine; the
+probe's seconds with ``T`` threads, ``T`` cores busy.) With ``p T <= c``, or on GPUs, ``u = 0``. Measured
+on 2 cores with 4 single-thread processes (docs/gnnpipe.md): without this term the choice on a random
+graph was 8 chunks, 1.45x the fastest (4).
+
 ``a`` (the per-chunk cost: launches, Python, halo bookkeeping, autograd's recording) and ``b`` (the cost
 per row) come from timing a training pass of the model on the first chunk of two contiguous chunkings
 (``k = 2 S`` and ``k = 8 S`` a way; :func:`~..profile.training_pass_seconds`: the forward with autograd through the
@@ -15,23 +26,30 @@ layer hooks, as the pipeline runs a chunk, and the backward to the parameters). 
 forward was timed (the measurement of ``balance="time"``) and taken three times: the step it predicted was
 1.3 - 1.5x below the measured one on 2 processes (docs/gnnpipe.md). A pass of every layer over ``N / (2 S W)``
 rows holds half the activations a stage holds over its ``N / W`` rows, so the probe fits where the pipeline
-does. The other ranks wait while the rank that measures runs it (:func:`~.plan.root_decides`): the probe
+does. The other ranks wait while the rank that measures runs it (:func:`~.decide.root_decides`): the probe
 times the model on a machine that is otherwise idle. The choice is the fewest
 chunks a way, among 1, 2, 4, ... (at most ``N / W``), whose predicted step is within ``SLACK`` of the
 fastest: the least stale history for nearly the best time. Transfers are left out (the stage link sends
 every row once a step whatever ``k``; the halo exchange between ways does not depend on ``k`` either).
 
-It is decided once, on one rank, broadcast (:func:`~.plan.choose_chunks`), and saved in checkpoints with
+It is decided once, on one rank, broadcast (:func:`choose_chunks`), and saved in checkpoints with
 the plan (a resume reuses the saved count); an integer ``num_chunks`` overrides it. One stage has no
 bubble: ``k = 1`` (exact). Streaming (one device) keeps its own rule (:func:`~.plan.stream_chunks`, from memory).
 """
 from __future__ import annotations
 
+import logging
+import os
+import socket
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from .decide import root_decides
+
+log = logging.getLogger(__name__)
 
 #: a plan within this share of the fastest predicted step counts as fast
 SLACK = 0.10
@@ -49,6 +67,7 @@ class ChunkChoice:
     per_chunk_s: float          # a
     per_row_s: float            # b
     predicted: dict             # chunks a way -> predicted step seconds
+    shared: float = 0.0         # u: the share of all the work a core of this machine does (0: not shared)
 
     def line(self, stages: int, ways: int) -> str:
         fastest = min(self.predicted, key=self.predicted.get)
@@ -56,17 +75,26 @@ class ChunkChoice:
         return (f"pyg_pipe: num_chunks='auto': {n} chunk{'s' * (n > 1)} ({self.per_way} a way over {stages} "
                 f"stages); predicted step {self.predicted[self.per_way]:.3g} s, the fastest "
                 f"{self.predicted[fastest]:.3g} s at {fastest * ways}; the fewest chunks within {SLACK:.0%} of it read the least stale "
-                f"history (a chunk {self.per_chunk_s * 1e3:.3g} ms + {self.per_row_s * 1e6:.3g} us a row, measured; "
-                f"num_chunks=<int> overrides).")
+                f"history (a chunk {self.per_chunk_s * 1e3:.3g} ms + {self.per_row_s * 1e6:.3g} us a row, measured"
+                f"{'; the processes share the cores' if self.shared else ''}; num_chunks=<int> overrides).")
 
 
-def predicted_step(a: float, b: float, num_nodes: int, stages: int, ways: int, per_way: int) -> float:
-    """``step(k)`` of the module docstring."""
-    rows = num_nodes / (ways * per_way)
-    return (a + b * rows) / stages * (per_way + stages - 1)
+def predicted_step(a: float, b: float, num_nodes: int, stages: int, ways: int, per_way: int,
+                   shared: float = 0.0) -> float:
+    """``step(k)`` of the module docstring (``shared``: ``u``)."""
+    t = a + b * num_nodes / (ways * per_way)
+    return max(t / stages * (per_way + stages - 1), shared * ways * per_way * t)
 
 
-def choose(a: float, b: float, num_nodes: int, stages: int, ways: int) -> ChunkChoice:
+def shared_cores(local: int, world: int, threads: int, cores: int) -> float:
+    """``u`` of the module docstring: ``local`` of the ``world`` processes on this machine, ``threads`` each,
+    ``cores`` usable; 0 when they do not outnumber the cores."""
+    if local * threads <= cores:
+        return 0.0
+    return local / world * threads / max(cores, 1)
+
+
+def choose(a: float, b: float, num_nodes: int, stages: int, ways: int, shared: float = 0.0) -> ChunkChoice:
     """The fewest chunks a way whose predicted step is within :data:`SLACK` of the fastest."""
     cap = max(1, min(MAX_PER_WAY, num_nodes // ways))
     ks, k = [], 1
@@ -75,10 +103,10 @@ def choose(a: float, b: float, num_nodes: int, stages: int, ways: int) -> ChunkC
         k *= 2
     if stages == 1:
         ks = [1]
-    predicted = {k: predicted_step(a, b, num_nodes, stages, ways, k) for k in ks}
+    predicted = {k: predicted_step(a, b, num_nodes, stages, ways, k, shared) for k in ks}
     best = min(predicted.values())
     per_way = next(k for k in ks if predicted[k] <= (1.0 + SLACK) * best)
-    return ChunkChoice(per_way, a, b, predicted)
+    return ChunkChoice(per_way, a, b, predicted, shared)
 
 
 def fit(samples: List[tuple]) -> tuple:
@@ -104,10 +132,10 @@ def measure(seconds_of: Callable[[Tensor, Tensor], float], num_nodes: int, stage
 
 
 def auto_chunks(seconds_of: Callable[[Tensor, Tensor], float], num_nodes: int, stages: int, ways: int,
-                fallback: int) -> Tuple[int, str, Optional[float]]:
+                fallback: int, shared: float = 0.0) -> Tuple[int, str, Optional[float]]:
     """``num_chunks="auto"`` on the rank that measures: ``(chunks, the line that says why, the predicted step
     in seconds)``; ``fallback`` chunks (the rule of ``num_chunks=None``, no prediction) where the layers cannot
-    be timed. (The plan broadcasts it.)"""
+    be timed; ``shared``: ``u`` (:func:`shared_cores`). (The plan broadcasts it.)"""
     if stages == 1:
         return ways, "", None
     try:
@@ -117,5 +145,37 @@ def auto_chunks(seconds_of: Callable[[Tensor, Tensor], float], num_nodes: int, s
                           f"({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0][:160]}); using {fallback} chunks (the rule of num_chunks=None: 4 "
                           f"per stage a way). Pass num_chunks=<int> to choose."), None
-    choice = choose(a, b, num_nodes, stages, ways)
+    choice = choose(a, b, num_nodes, stages, ways, shared)
     return choice.per_way * ways, choice.line(stages, ways), choice.predicted[choice.per_way]
+
+
+def choose_chunks(pass_seconds: Optional[Callable[[Tensor, Tensor], float]], num_nodes: int, stages: int, ways: int,
+                  fixed: int, comm, root: int, notes: Optional[List[str]] = None) -> Tuple[int, Optional[float]]:
+    """``num_chunks="auto"`` (:mod:`.chunk_cost`): measured and chosen on ``root``, broadcast, said in one line.
+    Returns the count and the step predicted for it (seconds; ``None`` when nothing was measured)."""
+    if pass_seconds is None or stages == 1:
+        return fixed, None
+    said: List[str] = []
+    shared = machine_share(comm, root)
+
+    def decide() -> Tensor:
+        chunks, line, predicted = auto_chunks(pass_seconds, num_nodes, stages, ways, fixed, shared)
+        said.append(line)
+        return torch.tensor([chunks, -1.0 if predicted is None else predicted], dtype=torch.float64)
+
+    got = root_decides(decide, torch.zeros(2, dtype=torch.float64), comm, root, "choosing num_chunks").tolist()
+    for line in said:
+        log.info(line)
+        if notes is not None:
+            notes.append(line)
+    return int(got[0]), (got[1] if got[1] >= 0 else None)
+
+
+def machine_share(comm, root: int) -> float:
+    """``u`` of :mod:`.chunk_cost` for ``root``'s machine: its processes (ranks with its host name), their
+    threads and its usable cores; 0 on GPUs (each process has a device of its own)."""
+    if comm.device.type != "cpu":
+        return 0.0
+    hosts = comm.all_gather_objects(socket.gethostname(), "finding the processes of each machine")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return shared_cores(hosts.count(hosts[root]), len(hosts), torch.get_num_threads(), cores)

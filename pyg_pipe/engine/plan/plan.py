@@ -26,7 +26,8 @@ from ...model.inputs import CallInputs, graph_edges, same_structure
 from ...model.split import balance, parameter_stages, split, stage_groups
 from ...model.trace import Program, trace
 from ..config import PipelineConfig
-from .chunk_cost import auto_chunks
+from .chunk_cost import choose_chunks
+from .decide import root_decides
 from .norms import refuse_statistics, resolve_statistics
 from .grid import check_chunks_per_way, grid_shape, ways_for_layers
 
@@ -341,27 +342,6 @@ def _partition(config: PipelineConfig, src: Tensor, dst: Tensor, N: int, num_chu
     return make_chunks(edge_index, N, num_chunks, method=config.partition, seed=config.seed)
 
 
-def choose_chunks(pass_seconds: Optional[Callable[[Tensor, Tensor], float]], num_nodes: int, stages: int, ways: int,
-                  fixed: int, comm, root: int, notes: Optional[List[str]] = None) -> Tuple[int, Optional[float]]:
-    """``num_chunks="auto"`` (:mod:`.chunk_cost`): measured and chosen on ``root``, broadcast, said in one line.
-    Returns the count and the step predicted for it (seconds; ``None`` when nothing was measured)."""
-    if pass_seconds is None or stages == 1:
-        return fixed, None
-    said: List[str] = []
-
-    def decide() -> Tensor:
-        chunks, line, predicted = auto_chunks(pass_seconds, num_nodes, stages, ways, fixed)
-        said.append(line)
-        return torch.tensor([chunks, -1.0 if predicted is None else predicted], dtype=torch.float64)
-
-    got = root_decides(decide, torch.zeros(2, dtype=torch.float64), comm, root, "choosing num_chunks").tolist()
-    for line in said:
-        log.info(line)
-        if notes is not None:
-            notes.append(line)
-    return int(got[0]), (got[1] if got[1] >= 0 else None)
-
-
 def choose_sizes(config: PipelineConfig, groups: list, stages: int, costs: Optional[Callable[[], List[float]]],
                  comm, root: int) -> List[int]:
     """Layer groups per stage: the configured list, equal counts, or balanced by measured cost
@@ -378,28 +358,3 @@ def choose_sizes(config: PipelineConfig, groups: list, stages: int, costs: Optio
     measured = root_decides(lambda: torch.tensor(costs(), dtype=torch.float64), torch.zeros(L, dtype=torch.float64),
                             comm, root, "measuring the layers' costs")
     return balance(measured.tolist(), S)
-
-
-def root_decides(fn: Callable[[], Tensor], empty: Tensor, comm, root: int, what: str) -> Tensor:
-    """``fn()`` computed on ``root`` and broadcast. If it fails there, every rank fails too (the others
-    are told through the broadcast instead of waiting on it). The ranks meet first, so the others wait
-    (idle) while ``root`` measures: on processes sharing cores, another rank still tracing its model would
-    slow what ``fn`` times."""
-    error = None
-    value = empty
-    comm.barrier(what)
-    if comm.rank == root:
-        try:
-            value = fn()
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after the others were told
-            error = exc
-    flag = comm.broadcast(torch.tensor([1.0 if error is not None else 0.0], dtype=torch.float64), root, what)
-    if float(flag) != 0.0:  # every rank raises the root's error: a refusal stays a refusal everywhere
-        told = comm.all_gather_objects(None if error is None else (type(error).__name__, str(error)), what)
-        if error is not None:
-            raise error
-        kind, message = told[root]
-        if kind == UnsupportedModelError.__name__:
-            raise UnsupportedModelError(message)
-        raise RuntimeError(f"pyg_pipe: rank {root} failed while {what}: {kind}: {message}")
-    return comm.broadcast(value, root, what)

@@ -18,7 +18,7 @@ class PipelineConfig:
 
     Attributes:
         num_chunks: chunks the graph is cut into. ``"auto"`` (the default): the fewest chunks a way whose
-            predicted step is within 10 % of the fastest, from the model's layers timed once on two
+            predicted step is within 10 % of the fastest, from a training pass of the model timed once on two
             chunkings (:mod:`.plan.chunk_cost`; logged, saved in checkpoints; one per way for a single
             stage; streaming on one device: from memory). ``None``: 4 per stage for each way, one per way
             for a single stage. At most |V|. One chunk per way gives exact model parallelism; more chunks

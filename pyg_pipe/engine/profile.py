@@ -1,4 +1,7 @@
-"""The cost model of ``balance="time"``: seconds each layer group takes in one pass over a chunk.
+"""Passes over a chunk that measure the model and change nothing: the cost model of ``balance="time"``
+(seconds each layer group takes in one no-grad pass over a chunk, :func:`layer_costs`), and the seconds of a
+whole training pass over a chunk that ``num_chunks="auto"`` fits (:func:`training_pass_seconds`,
+:mod:`.plan.chunk_cost`).
 
 Measured once per model, on one rank, in no-grad passes of the traced program over the first chunk of
 the plan's chunking, run as the pipeline runs a chunk: the layer hooks cut the inputs to the chunk, a

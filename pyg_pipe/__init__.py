@@ -23,16 +23,18 @@ for _cls in (GNNPipeStrategy, HybridStrategy, GraphParallelStrategy):
 
 
 class _RankZero(logging.Filter):
-    """Passes the records of global rank 0 (Lightning's ``rank_zero_only.rank``, set by the strategy)."""
+    """Passes the records of global rank 0 (Lightning's ``rank_zero_only.rank``, set by the strategy), and
+    warnings from every rank."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return getattr(rank_zero_only, "rank", 0) == 0
+        return record.levelno >= logging.WARNING or getattr(rank_zero_only, "rank", 0) == 0
 
 
 # What pyg_pipe decides on its own (the chunk count, recomputation, graph-parallel ways, historical statistics:
-# one line each, on the logger "pyg_pipe") is shown as Lightning shows its own messages: on rank 0, at INFO,
-# unless the program configured logging itself (then its handlers decide). Every rank's lines are also in
-# ``strategy.notes``; ``logging.getLogger("pyg_pipe").setLevel(logging.WARNING)`` quiets them.
+# one line each, on the logger "pyg_pipe") is shown as Lightning shows its own messages: on rank 0 at INFO,
+# warnings on every rank, unless the program configured logging itself (then its handlers decide). Every
+# rank's lines are also in ``strategy.notes``; ``logging.getLogger("pyg_pipe").setLevel(logging.WARNING)``
+# quiets them.
 _logger = logging.getLogger(__name__)
 if not logging.getLogger().hasHandlers() and _logger.level == logging.NOTSET:
     _handler = logging.StreamHandler()

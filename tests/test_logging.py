@@ -1,5 +1,5 @@
 """What pyg_pipe decides on its own is shown as Lightning shows its messages: a handler on the "pyg_pipe"
-logger at INFO, on global rank 0 only, unless the program configured logging itself."""
+logger at INFO, on global rank 0 only (warnings on every rank), unless the program configured logging itself."""
 import os
 import subprocess
 import sys
@@ -16,6 +16,7 @@ rank_zero_only.rank = 0
 log.info("pyg_pipe: said on rank 0")
 rank_zero_only.rank = 1
 log.info("pyg_pipe: said on rank 1")
+log.warning("pyg_pipe: warned on rank 1")
 """
 
 
@@ -29,8 +30,9 @@ def _stderr(before: str = "") -> str:
 def test_decisions_are_shown_on_rank_zero():
     err = _stderr()
     assert "pyg_pipe: said on rank 0" in err and "said on rank 1" not in err, err
+    assert "pyg_pipe: warned on rank 1" in err, err  # (warnings from every rank)
 
 
 def test_a_program_that_configured_logging_decides_itself():
-    err = _stderr("logging.basicConfig(level=logging.WARNING)")
-    assert "said on rank" not in err, err
+    err = _stderr("logging.basicConfig(level=logging.ERROR)")
+    assert "said on rank" not in err and "warned" not in err, err

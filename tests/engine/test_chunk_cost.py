@@ -1,5 +1,7 @@
 """``num_chunks="auto"`` (pyg_pipe/engine/plan/chunk_cost.py): the cost model's choice, and the plan's
 use of it: one count on every rank, decided once (a resume does not measure again), integers override."""
+import os
+
 import pytest
 import torch
 
@@ -64,6 +66,9 @@ def test_knob_is_checked():
 def _worker(rank, world):
     x, edge_index, y, mask = small_graph()
     comm = Comm(torch.device("cpu"))
+    # every process of this test runs on this machine: p = world, of one thread each (tests/dist.py)
+    cores = len(os.sched_getaffinity(0))
+    assert chunk_cost.machine_share(comm, 0) == chunk_cost.shared_cores(world, world, 1, cores)
     original = chunk_cost.measure
     try:
         torch.manual_seed(0)

@@ -3,8 +3,9 @@ clipping by the norm over all stages."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -74,7 +75,9 @@ class TimelineLogger(Callback):
     :data:`CHECK_STEPS` steps after the first (which plans and fills history exactly) have run, the measured
     step (compute + wait + bubble, the largest over the ranks, median over those steps) is set against the
     step predicted for the chosen count, in one line (logged and added to ``strategy.notes``) and in
-    ``strategy.plan_check``."""
+    ``strategy.plan_check``. Where no timeline is recorded (GPUs), the measured step is the training step's
+    wall time, the device synchronised at its start and end for those steps only (it then also holds the
+    optimizer step and Lightning's own work)."""
 
     #: steps after the first measured before the prediction is checked
     CHECK_STEPS = 3
@@ -84,26 +87,44 @@ class TimelineLogger(Callback):
         self._steps: List[Dict[str, float]] = []
         self._totals: List[float] = []   # per step after the first: compute + wait + bubble on this rank
         self._seen = 0                   # steps recorded so far in the run
+        self._started: Optional[float] = None  # no timeline: when this step started (wall clock)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._steps = []
 
+    def _checking(self, engine) -> bool:
+        plan = engine.plan if engine is not None else None
+        return plan is not None and plan.predicted_step is not None and self.strategy.plan_check is None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        engine = self.strategy.engine
+        if engine is not None and not engine.timeline.on and (engine.plan is None or self._checking(engine)):
+            self._started = _synchronized(self.strategy.root_device)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         engine = self.strategy.engine
-        if engine is not None:
+        if engine is None:
+            return
+        if engine.timeline.on:
             new = engine.timeline.take()
             self._steps += new
-            self._check(engine, new)
+            totals = [s["compute"] + s["wait"] + s["bubble"] for s in new]
+        elif self._started is not None:
+            totals = [_synchronized(self.strategy.root_device) - self._started]
+            self._started = None
+        else:
+            totals = []
+        self._check(engine, totals)
 
-    def _check(self, engine, new: List[Dict[str, float]]) -> None:
+    def _check(self, engine, totals: List[float]) -> None:
         """The predicted step against the measured ones (class docstring); a collective, once, on every rank
         at the same step (the prediction is broadcast with the count, so every rank decides alike)."""
         plan = engine.plan
-        if plan is None or plan.predicted_step is None or self.strategy.plan_check is not None:
+        if not self._checking(engine):
             return
-        for s in new:
+        for t in totals:
             if self._seen > 0:
-                self._totals.append(s["compute"] + s["wait"] + s["bubble"])
+                self._totals.append(t)
             self._seen += 1
         if len(self._totals) < self.CHECK_STEPS:
             return
@@ -114,9 +135,10 @@ class TimelineLogger(Callback):
         measured, predicted = steps[len(steps) // 2], plan.predicted_step
         self.strategy.plan_check = {"num_chunks": plan.num_chunks, "predicted_step_s": predicted,
                                     "measured_step_s": measured, "steps": len(steps)}
+        what = "compute + wait + bubble" if engine.timeline.on else "the training step's wall time"
         line = (f"pyg_pipe: num_chunks='auto' ({plan.num_chunks} chunks): the measured step is {measured:.3g} s "
                 f"against the predicted {predicted:.3g} s ({measured / predicted:.2f}x; the median of {len(steps)} "
-                f"steps after the first, compute + wait + bubble, the largest over the ranks).")
+                f"steps after the first, {what}, the largest over the ranks).")
         log.info(line)
         engine.notes.append(line)
 
@@ -141,6 +163,13 @@ class TimelineLogger(Callback):
         log = dict(on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
         for k, v in per_step.items():  # the per-stage values are the same on every rank (gathered above)
             pl_module.log(f"time/{k}", _metric(v, pl_module), **log)
+
+
+def _synchronized(device: torch.device) -> float:
+    """The wall clock once ``device`` has finished its queued work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 class StalenessLogger(Callback):

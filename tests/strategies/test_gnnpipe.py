@@ -121,6 +121,25 @@ def test_the_timeline_and_the_staleness_meter_reach_the_logger_and_the_trace_fil
         assert len([n for n in mine if n != "output"]) == 2 * 2 * 4 and mine.count("output") == 2, (rank, mine)
 
 
+class NoTimeline(pl.Callback):
+    """As on a GPU: no timeline is recorded."""
+
+    def on_fit_start(self, trainer, pl_module):
+        trainer.strategy.engine.timeline.on = False
+
+
+def test_without_a_timeline_the_prediction_is_checked_against_the_steps_wall_time(data, tmp_path):
+    """On GPUs no timeline is recorded: num_chunks="auto"'s predicted step is then set against the training
+    step's wall time (the device synchronised at its ends, for the steps checked only)."""
+    torch.manual_seed(0)
+    t = trainer(tmp_path, max_epochs=5, callbacks=[NoTimeline()])
+    strategy = t.strategy
+    t.fit(NodeClassifier(make_model("gcn")), train_dataloaders=graph_loader(data))
+    check = strategy.plan_check
+    assert check is not None and check["steps"] == 3 and check["measured_step_s"] > 0, check
+    assert any("the training step's wall time" in n for n in strategy.notes), strategy.notes
+
+
 def test_one_device_with_an_offload_tier_streams_exactly(data, tmp_path):
     """devices=1 with offload="disk": the model streams group by group over the chunks (NGra), every value
     between groups in memory-mapped files; the parameters after fit equal one process's at lr > 0."""

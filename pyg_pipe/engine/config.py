@@ -54,9 +54,10 @@ class PipelineConfig:
         recompute: keep only each chunk's stage inputs during the fill and recompute its activations in the
             drain (bit-identical; ``"auto"``: when a way runs several chunks, the first step replays them and
             the memory model (:mod:`.plan.memory_cost`) then predicts the peak of keeping them: kept from
-            the second step on if that fits ``memory_budget``; docs/memory.md). Streaming replays each chunk's forward in the backward the same way;
-            ``False`` keeps every chunk's activations instead (a third less compute), ``"auto"`` keeps them
-            when they fit a quarter of the free memory (measured in the first step's replays).
+            the second step on if that fits ``memory_budget``; docs/memory.md). Streaming replays each chunk's
+            forward in the backward the same way; ``False`` keeps every chunk's activations instead (a third
+            less compute), ``"auto"`` keeps them when they fit a quarter of the free memory (measured in the
+            first step's replays).
         memory_budget: bytes a pipeline process may hold for what the memory model counts (graph
             structures and history, gradients and optimizer state, activations and pending gradients, the
             drain's working set), for ``recompute="auto"``. ``None`` (default): keeping must fit the device's

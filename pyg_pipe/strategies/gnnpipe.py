@@ -44,8 +44,8 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         num_chunks, shuffle_chunks, snapshot_period, unbiased_gradients, late_gradients, balance, partition,
         seed, per_chunk_statistics, split_points, recompute, memory_budget, offload, offload_budget, offload_dir,
         streaming, cuda_graphs, overlap, boundary_dtype, history_dtype, timeline_trace, staleness_meter, max_age,
-        max_staleness, smoothing, halo_exchange: the engine's knobs, each documented in :class:`pyg_pipe.engine.PipelineConfig` (and
-            when to use which in docs/gnnpipe.md).
+        max_staleness, smoothing, halo_exchange: the engine's knobs, each documented in
+            :class:`pyg_pipe.engine.PipelineConfig` (and when to use which in docs/gnnpipe.md).
         model: attribute name of the module to pipeline inside the LightningModule; by default the
             smallest sub-module that holds every ``MessagePassing`` layer.
         comm_timeout: seconds a send, receive or collective may wait before failing (a stuck peer never

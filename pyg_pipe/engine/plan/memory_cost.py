@@ -33,10 +33,10 @@ would cost before it keeps (:func:`recompute_choice`, applied by :func:`~..step.
 before the second step): with ``memory_budget`` ``B``, it keeps if the counted peak with keeping,
 ``resident + state + keep + transient``, is at most ``B`` (the counted parts: the same on every run, so the
 choice is too); without one, if what keeping adds at the peak, ``keep + transient``, fits the device's free
-memory after the first step (which already holds the rest) less :data:`MARGIN`. The prediction is checked against the
-fit's measured peak (:class:`pyg_pipe.memory.PeakMemory`, net of what the process held when the strategy
-started: the same base) at the end of training (``strategy.memory_check``, one line logged). Streaming (one
-device) is not covered.
+memory after the first step (which already holds the rest) less :data:`MARGIN`. The prediction is checked
+against the fit's measured peak (:class:`pyg_pipe.memory.PeakMemory`, net of what the process held when the
+strategy started: the same base) at the end of training (``strategy.memory_check``, one line logged).
+Streaming (one device) is not covered.
 """
 from __future__ import annotations
 

@@ -187,7 +187,7 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
         fixed = chunk_count(replace(config, num_chunks=None), S, W, inputs.num_nodes, shape.ways_added)
         if saved is not None:
             wanted = saved["num_chunks"]
-        elif chosen is not None:
+        elif chosen is not None and chosen[0] <= inputs.num_nodes:
             wanted, predicted = chosen
         else:
             wanted, predicted = choose_chunks(pass_seconds, inputs.num_nodes, S, W, fixed, comm, root, notes)

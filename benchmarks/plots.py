@@ -11,6 +11,7 @@ does not depend on). One function per figure; from the command line, the figure'
     python benchmarks/plots.py sweep docs/results/cores/sweep.txt
     python benchmarks/plots.py timeline docs/results/timeline_p4.json
     python benchmarks/plots.py gpu docs/results/gpu/summary.json
+    python benchmarks/plots.py auto_chunks docs/img/auto_chunks.png GRID.json[:CHECK.json] ...
 """
 import json
 import os
@@ -282,6 +283,56 @@ def memory_prediction(path, out):
     print(out)
 
 
+def auto_chunks(args):
+    """Draws ``num_chunks="auto"``'s choice against measured grids of chunk counts: per setting, the epoch ÷
+    graph_parallel's for every count of the grid (``gnnpipe_epoch.py --chunks 2 4 8 16 auto``), the count the
+    current model chose circled. ``OUT`` first, then ``GRID.json`` or ``GRID.json:CHECK.json`` (the choice from a
+    later ``--chunks auto`` run, where the grid's own ``auto`` ran an older model):
+
+        R=docs/results/auto_chunks
+        python benchmarks/plots.py auto_chunks docs/img/auto_chunks.png \
+            $R/gcnii_20k_2procs.json:$R/check_training_pass_gcnii_20k_2procs_community.json \
+            $R/resgcn_20k_2procs.json:$R/check_training_pass_resgcn_20k_2procs_community.json \
+            $R/gcnii_20k_2procs_random.json:$R/check_training_pass_gcnii_20k_2procs_random.json \
+            $R/resgcn_20k_2procs_random.json \
+            $R/gcnii_20k_4procs.json:$R/check_shared_cores_gcnii_20k_4procs_community.json $R/resgcn_20k_4procs.json \
+            $R/gcnii_20k_4procs_random.json:$R/check_shared_cores_gcnii_20k_4procs_random.json \
+            $R/resgcn_20k_4procs_random.json
+    """
+    out, specs = args[0], args[1:]
+    fig, axes = plt.subplots(2, (len(specs) + 1) // 2, figsize=(2.6 * ((len(specs) + 1) // 2), 5.2), sharey=True)
+    for ax, spec in zip(axes.flat, specs):
+        grid_path, _, check_path = spec.partition(":")
+        grid = json.load(open(grid_path))
+        gp = grid["graph_parallel_summary"]["epoch_s"]
+        counts = [(r["chunks"], r["epoch_s"] / gp) for r in grid["rows"] if isinstance(r["chunks"], int)]
+        auto = [r for r in grid["rows"] if str(r["chunks"]).startswith("auto:")]
+        chosen = int(str(auto[0]["chunks"]).split(":")[1]) if auto else None
+        if check_path:
+            chosen = json.load(open(check_path))["gnnpipe_cauto"][0]["plan_check"]["num_chunks"]
+        xs, ys = zip(*counts)
+        ax.plot(xs, ys, "o-", color="tab:blue", ms=4)
+        for x, y in counts:
+            if x == chosen:
+                ax.scatter([x], [y], s=160, facecolors="none", edgecolors="tab:red", lw=1.6, zorder=3)
+        best = min(ys)
+        ax.axhspan(best, best * 1.1, color="tab:green", alpha=0.12)
+        ax.axhline(1.0, color="grey", lw=0.7, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([str(x) for x in xs], fontsize=7)
+        st = grid["setting"]
+        ax.set_title(f"{st['model']}, {st['graph']}, {st['procs']} processes", fontsize=8)
+        ax.set_xlabel("chunks", fontsize=7)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("epoch ÷ graph_parallel", fontsize=8)
+    fig.suptitle("num_chunks='auto': the grid (blue), within 10 % of its fastest (green), the choice (red)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(out)
+
+
 # --------------------------------------------------------------------------------------------
 # speed: Draws docs/img/speed.png from the JSON files written by ``gnnpipe_epoch.py --out`` (needs matplotlib).
 # --------------------------------------------------------------------------------------------
@@ -455,7 +506,7 @@ def gpu(path):
 #: figure name -> (function, whether it takes a list of inputs)
 FIGURES = {"epoch": (epoch, True), "comm": (comm, False), "convergence": (convergence, False), "memory": (memory, False),
            "memory_ab": (memory_ab, False), "memory_prediction": (memory_prediction, False), "speed": (speed, True), "sweep": (sweep, False), "timeline": (timeline, False),
-           "gpu": (gpu, False)}
+           "gpu": (gpu, False), "auto_chunks": (auto_chunks, True)}
 
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] not in FIGURES:

@@ -6,7 +6,7 @@ from torch import nn
 from torch_geometric.nn.models import GCN
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig, sync_module_state
-from pyg_pipe.engine.plan.memory_cost import MemorySample, activations, predict, reachable
+from pyg_pipe.engine.plan.memory_cost import MemorySample, activations, chunks_to_replay, predict, reachable
 from tests.dist import run_distributed
 from tests.zoo import zoo_graph
 
@@ -30,6 +30,15 @@ def test_the_formulas():
     # a first step that kept every chunk measured no replayed chunk: b is the received share of a
     s = MemorySample(kept_bytes=1000, kept_rows=10, received_bytes=200)
     assert s.replayed_per_row == 20
+
+
+def test_where_replaying_does_not_fit_the_line_names_a_chunk_count_that_would():
+    """Replaying adds b R + 2 a R / k + G with k chunks a way: the fewest doubling of the plan's count that fits
+    the room, or, when what every chunk keeps and the pending gradients alone do not, no count."""
+    s = MemorySample(kept_bytes=1000 * 10, kept_rows=10, replayed_bytes=100 * 10, replayed_rows=10, pending=0)
+    said = chunks_to_replay(s, way_rows=1000, per_way=2, ways=2, room=400_000)   # 2e6 / k <= 3e5: k = 8
+    assert "at least num_chunks=16 (8 a way)" in said, said
+    assert "No chunk count fits" in chunks_to_replay(s, 1000, 2, 2, room=50_000)
 
 
 def _sampled(rank, world_size, recompute, out):

@@ -156,6 +156,8 @@ def test_auto_keeps_from_the_second_step_when_the_predicted_peak_fits_the_budget
             line = decide_recompute(rt, p)
             assert rt.recompute is replays and not rt.recompute_pending, (budget, line)
             assert ("memory_budget=" in line) and (("does not fit either" in line) is neither), line
+            if neither:  # what would: a chunk count, or none
+                assert "num_chunks=" in line or "No chunk count fits" in line, line
     finally:
         engine.uninstall()
 

@@ -21,7 +21,7 @@ from ..runtime.statistics import Statistics, StatisticsHistory
 from ..tree import flatten, pack_rows, unflatten
 from .checks import check_output
 from .rows import RowCheck
-from ..plan.memory_cost import add_storage, predict, recompute_choice, storages
+from ..plan.memory_cost import add_storage, chunks_to_replay, predict, recompute_choice, storages
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,10 @@ def decide_recompute(rt: Runtime, prediction=None) -> str:
     from ..runtime.tiers import free_memory
     if prediction is None:
         prediction = predict(rt, rt.module.parameters())
-    rt.recompute, line = recompute_choice(prediction, rt.config.memory_budget, free_memory(rt.comm.device))
+    per_way, ways = rt.plan.chunks_per_way, rt.grid.ways
+    rt.recompute, line = recompute_choice(
+        prediction, rt.config.memory_budget, free_memory(rt.comm.device),
+        lambda room: chunks_to_replay(rt.memory, rt.way_rows[rt.grid.way], per_way, ways, room))
     rt.recompute_pending = False
     line = line.replace("pyg_pipe:", f"pyg_pipe rank {rt.comm.rank}:", 1)
     log.info(line)

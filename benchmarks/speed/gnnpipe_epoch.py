@@ -220,7 +220,7 @@ def launch(args, mode: str, **extra) -> dict:
         if hasattr(args, k):  # a caller without the option (benchmarks/memory/memory.py) gets the worker's default
             cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     for k, v in extra.items():
-        cmd += [f"--{k}", str(v)]
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
     env = dict(os.environ, OMP_NUM_THREADS="1" if mode == "pipe" else str(args.threads_single))
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
@@ -318,7 +318,8 @@ def main():
         net_gp = max(r["peak_mb"] - r["base_mb"] for r in ranks)
         for c in args.chunks:
             path = os.path.join(tmp, f"pipe{c}")
-            launch(args, "pipe", chunks=c, json=path, recompute=args.recompute)
+            launch(args, "pipe", chunks=c, json=path, recompute=args.recompute, offload=args.offload,
+                   offload_budget=args.offload_budget, memory_budget=args.memory_budget)
             ranks = [json.load(open(f"{path}.rank{r}")) for r in range(args.procs)]
             results[f"gnnpipe_c{c}"] = ranks
             t = med(ranks[0]["times"])

@@ -55,7 +55,7 @@ from .step.layers import LayerHooks
 from .reroute import Rerouted
 from .tree import unpack_rows
 from .plan.plan import Plan, Shape, decide_shape, make_plan
-from .profile import layer_costs, training_pass_seconds
+from .profile import layer_costs, training_pass_memory, training_pass_seconds
 from .runtime.runtime import Runtime
 from .step.norms import StatisticsHooks
 from .runtime.weights import GradientSum
@@ -352,7 +352,7 @@ class GNNPipeEngine:
         plan = make_plan(self.module, self.config, shape, inputs, comm, grid.rank_of(0, 0), sizes=self._sizes,
                          costs=lambda perm, ptr: layer_costs(*probe, chunking=(perm, ptr)), saved=saved.get("plan"),
                          notes=self.notes, pass_seconds=lambda *cut: training_pass_seconds(*probe, chunking=cut),
-                         chosen=self.chunk_choice)
+                         chosen=self.chunk_choice, pass_memory=lambda *cuts: training_pass_memory(*probe, *cuts))
         self._sizes = plan.sizes
         if self._grads is None:
             self._grads = GradientSum(self.module, plan.param_stages, grid, comm)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -168,6 +169,93 @@ def training_pass_seconds(module: torch.nn.Module, fn: Callable, program: Progra
     return best
 
 
+@dataclass(frozen=True)
+class PassMemory:
+    """What a training pass of the whole model holds over a chunk (:func:`training_pass_memory`), for the memory
+    model of ``num_chunks="auto"`` (:func:`~.plan.memory_cost.first_step_peak`). Bytes a row of the chunk,
+    but the caches' (a local edge) and ``params``."""
+
+    saved: float       # what autograd saves for the backward, with the output (the parameters, the inputs left out)
+    boundary: float    # the widest set of values that crosses a cut between layer groups: what a stage receives
+    history: float     # a row at every call site's halo join: a history row of each site, summed over the sites
+    cache: float       # what the layers cache on the chunk (normalisations, decisions), a local edge
+    way_cache: float   # ... and on a way's one chunk, as the exact passes run it, a local edge
+    adjacency: float   # the local adjacencies the inputs' graphs are cut to (every layer's), a local edge
+    params: float      # the parameters' bytes
+
+    def as_list(self) -> List[float]:
+        return [self.saved, self.boundary, self.history, self.cache, self.way_cache, self.adjacency, self.params]
+
+
+def training_pass_memory(module: torch.nn.Module, fn: Callable, program: Program, groups: list,
+                         inputs: CallInputs, device, chunking: Tuple[Tensor, Tensor],
+                         way_chunking: Tuple[Tensor, Tensor]) -> PassMemory:
+    """:class:`PassMemory` from one training pass of the whole model over the first chunk of ``chunking``, run
+    as :func:`training_pass_seconds` runs it, step by step: the storages autograd saves are counted
+    (:class:`~.step.chunk.SavedBytes`, as the first training fill counts a kept chunk), each step's value is
+    kept to measure what crosses each cut between ``groups``, and the halo joins report their sites' widths;
+    then a no-grad pass over the first chunk of ``way_chunking`` (one chunk a way, as the exact passes run) for
+    what the layers cache there. Changes nothing (the gradients, buffers and random streams are put back)."""
+    from .plan.memory_cost import reachable, storages
+    from .step.chunk import SavedBytes
+    probe = _ChunkProbe(module, fn, program, groups, inputs, device, chunking)
+    params = list(module.parameters())
+    exclude = set()
+    for t in params + [t for t in flatten((inputs.args, inputs.kwargs))[0] if isinstance(t, Tensor)]:
+        exclude |= storages(t)
+    for d in inputs.data:
+        for _, v in d.items():
+            if isinstance(v, Tensor):
+                exclude |= storages(v)
+    widths: Dict[str, float] = {}
+    if probe.halo is not None:
+        probe.halo = _Fillers(widths)
+    rows = probe.lg.rows
+    with probe.passes(params), torch.enable_grad():
+        ctx, localize = probe.inputs()
+        with ctx, SavedBytes(True, exclude) as saved:
+            args, kwargs = localize()
+            env = probe.runner.bind(args, kwargs)
+            for node in probe.steps:
+                env[node.name] = probe.runner.step(node, env)
+            out = fx.node.map_arg(program.output.args[0], lambda n, values=env: values[n.name])
+        kept = dict(saved.storages)
+        for t in flatten(out)[0]:
+            if isinstance(t, Tensor):
+                kept.update(reachable([t], exclude))
+        crossing = _crossing_bytes(program, groups, env, exclude)
+        cache = reachable([probe.cache], exclude)
+    del env, out, saved  # (before the way's pass)
+    exclude |= set(reachable([probe.cgs]))
+    adjacency = reachable([probe.localizer._adjacency], exclude)
+    way = _ChunkProbe(module, fn, program, groups, inputs, device, way_chunking)
+    with way.passes(), torch.no_grad():
+        ctx, localize = way.inputs()
+        with ctx:
+            args, kwargs = localize()
+            way.runner.run(args, kwargs, {})
+        way_cache = reachable([way.cache], exclude | set(reachable([way.cgs])))
+    return PassMemory(sum(kept.values()) / rows, max(crossing, default=0.0) / rows, sum(widths.values()),
+                      sum(cache.values()) / max(probe.lg.num_edges, 1),
+                      sum(way_cache.values()) / max(way.lg.num_edges, 1),
+                      sum(adjacency.values()) / max(probe.lg.num_edges, 1),
+                      float(sum(p.numel() * p.element_size() for p in params)))
+
+
+def _crossing_bytes(program: Program, groups: list, env: dict, exclude) -> List[float]:
+    """Per cut between consecutive ``groups``: the bytes of the values made before it and used after it."""
+    from .plan.memory_cost import reachable
+    group_of = {n.name: i for i, g in enumerate(groups) for n in g}
+    last = len(groups)
+    cuts = [dict() for _ in range(max(len(groups) - 1, 0))]
+    for i, g in enumerate(groups):
+        for n in g:
+            used = max((group_of.get(u.name, last) for u in n.users), default=i)
+            for cut in range(i, min(used, last - 1)):
+                cuts[cut].update(reachable([env.get(n.name)], exclude))
+    return [float(sum(c.values())) for c in cuts]
+
+
 def _timed_pass(runner: StageProgram, steps: list, inputs: tuple, times: Dict[str, List[float]],
                 shapes: Dict[str, tuple], cuda_device) -> None:
     """One no-grad pass over ``steps``, each step's seconds appended to ``times`` (on a GPU after a device
@@ -189,9 +277,14 @@ def _timed_pass(runner: StageProgram, steps: list, inputs: tuple, times: Dict[st
 class _Fillers:
     """The halo rows of a profiling pass: zeros. The pass times the layers as the pipeline runs them on a
     chunk (a layer reading the model's inputs computes its halo rows too, the others the chunk's rows with
-    their sources joined to halo rows), not their values."""
+    their sources joined to halo rows), not their values. ``widths``: where each site's bytes a row are told."""
+
+    def __init__(self, widths: Optional[Dict[str, float]] = None):
+        self.widths = widths
 
     def join(self, key: str, cg, lg, t: Tensor, vdim: int) -> Tensor:
+        if self.widths is not None:
+            self.widths[key] = t.numel() // max(t.size(vdim), 1) * t.element_size()
         rows = t.narrow(vdim, 0, lg.rows)
         shape = list(rows.shape)
         shape[vdim] = lg.num_local - lg.rows

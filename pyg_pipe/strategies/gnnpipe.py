@@ -309,6 +309,9 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         self.checkpoints.at_train_end(gather_now=isinstance(self._launcher, ResultsLauncher))
         if self._memory is not None and self.comm is not None:
             mine = self.memory_prediction.state_dict() if self.memory_prediction is not None else None
+            plan = self.engine.plan if self.engine is not None else None
+            if mine is not None and plan is not None and plan.first_step_peak is not None:
+                mine["first_step_estimate_bytes"] = plan.first_step_peak  # (num_chunks="auto" under a budget)
             gathered = self.comm.all_gather_objects((self._memory.net_bytes(), mine), "gathering peak memory")
             self.peak_memory = [m for m, _ in gathered]
             self.memory_check = memory_check([p for _, p in gathered], self.peak_memory)

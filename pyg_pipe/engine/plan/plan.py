@@ -26,7 +26,7 @@ from ...model.inputs import CallInputs, graph_edges, same_structure
 from ...model.split import balance, parameter_stages, split, stage_groups
 from ...model.trace import Program, trace
 from ..config import PipelineConfig
-from .chunk_cost import choose_chunks
+from .chunk_cost import choose_chunks, fit_memory
 from .decide import root_decides
 from .norms import refuse_statistics, resolve_statistics
 from .grid import check_chunks_per_way, grid_shape, ways_for_layers
@@ -58,6 +58,8 @@ class Plan:
         predicted_step: with ``num_chunks="auto"``, the step the cost model predicted for the chosen count
             (seconds; checked against the measured steps: :class:`~pyg_pipe.strategies.callbacks.TimelineLogger`);
             ``None`` otherwise, and on a resume (the count was not chosen again).
+        first_step_peak: with ``num_chunks="auto"`` under a memory budget, the first step's counted peak per
+            process estimated before it (bytes; :func:`~.chunk_cost.fit_memory`), else ``None``.
     """
 
     stages: int
@@ -74,6 +76,7 @@ class Plan:
     streaming: bool = False
     statistics: Union[bool, str] = False
     predicted_step: Optional[float] = None
+    first_step_peak: Optional[int] = None
 
     @property
     def chunks_per_way(self) -> int:
@@ -161,7 +164,8 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
               sizes: Optional[Sequence[int]] = None, costs: Optional[Callable[[Tensor, Tensor], List[float]]] = None,
               saved: Optional[dict] = None, notes: Optional[List[str]] = None,
               pass_seconds: Optional[Callable[[Tensor, Tensor], float]] = None,
-              chosen: Optional[Tuple[int, Optional[float]]] = None) -> Plan:
+              chosen: Optional[Tuple[int, Optional[float]]] = None,
+              pass_memory: Optional[Callable[[tuple, tuple], object]] = None) -> Plan:
     """The plan for ``inputs`` on the grid ``shape``.
 
     Args:
@@ -177,10 +181,14 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
             ``(perm, ptr)`` it is given (called on ``root`` for ``num_chunks="auto"``).
         chosen: ``num_chunks="auto"``'s ``(count, predicted step)`` from an earlier engine of the same
             strategy (fit, then test): taken instead of measuring again, unless a checkpoint's plan is resumed.
+        pass_memory: what one training pass of the model over the first chunk of the chunking it is given holds,
+            and what the layers cache on the first chunk of the one-chunk-a-way chunking given second
+            (:class:`~..profile.PassMemory`; called on ``root`` for ``num_chunks="auto"`` under a memory budget:
+            :func:`~.chunk_cost.fit_memory`).
     """
     S, W = shape.stages, shape.ways
     auto = config.num_chunks == "auto"
-    predicted = None
+    predicted, first_peak, fresh = None, None, False
     if shape.streaming and (config.num_chunks is None or auto):
         wanted = stream_chunks(config, inputs, comm.device)
     elif auto:  # measured once: a resume keeps the saved count
@@ -191,6 +199,7 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
             wanted, predicted = chosen
         else:
             wanted, predicted = choose_chunks(pass_seconds, inputs.num_nodes, S, W, fixed, comm, root, notes)
+            fresh = pass_seconds is not None
     else:
         wanted = chunk_count(config, S, W, inputs.num_nodes, shape.ways_added, notes)
     if saved is not None:
@@ -200,6 +209,10 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
     else:
         C = wanted
         perm, ptr = partition(config, inputs, C, W, comm, root)
+        if fresh and pass_memory is not None:  # the first step must fit the memory: more chunks if not
+            C, perm, ptr, first_peak = fit_memory(pass_memory, config, inputs, S, W, C, perm, ptr,
+                                                  lambda n: partition(config, inputs, n, W, comm, root), comm, root,
+                                                  notes)
     statistics = resolve_statistics(config.per_chunk_statistics, module, C // W, shape.streaming, notes)
     if C // W > 1 and statistics is not True:
         refuse_statistics(module, C // W, W, history=statistics == "history", streaming=shape.streaming)
@@ -224,7 +237,7 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
         owners = {n: {0} for n, _ in list(module.named_parameters()) + list(module.named_buffers())}
     return Plan(S, W, C, inputs.num_nodes, inputs.num_edges, perm.cpu(), ptr.cpu(), stage_sizes,
                 {n: frozenset(s) for n, s in owners.items()}, graph_digest(inputs.primary), tuple(inputs.graphs),
-                shape.streaming, statistics, predicted)
+                shape.streaming, statistics, predicted, first_peak)
 
 
 def chunk_count(config: PipelineConfig, stages: int, ways: int, num_nodes: int, ways_added: bool = False,

@@ -120,6 +120,9 @@ def _two_gpus(rank, world, chunks, one_gpu=False):
     engine.install()
     try:
         got = _train(model, x, ei, y, mask)
+        if chunks == "auto":  # on a GPU the first step is fitted to the least free memory of the ranks
+            peaks = engine.comm.all_gather_objects(engine.plan.first_step_peak, "test")
+            assert peaks[0] is not None and peaks[0] > 0 and peaks[0] == peaks[1], peaks
     finally:
         engine.uninstall()
     if chunks == 1:  # exact
@@ -136,6 +139,6 @@ def test_gnnpipe_over_nccl_on_two_gpus(chunks):
     run_distributed(_two_gpus, 2, chunks, timeout=300, backend="nccl")
 
 
-@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("chunks", [1, 4, "auto"])
 def test_gnnpipe_on_one_gpu_with_two_processes_over_gloo(chunks):
     run_distributed(_two_gpus, 2, chunks, True, timeout=300, backend="gloo", cuda=True)

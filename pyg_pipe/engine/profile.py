@@ -178,13 +178,13 @@ class PassMemory:
     saved: float       # what autograd saves for the backward, with the output (the parameters, the inputs left out)
     boundary: float    # the widest set of values that crosses a cut between layer groups: what a stage receives
     history: float     # a row at every call site's halo join: a history row of each site, summed over the sites
-    cache: float       # what the layers cache on the chunk (normalisations, decisions), a local edge
-    way_cache: float   # ... and on a way's one chunk, as the exact passes run it, a local edge
-    adjacency: float   # the local adjacencies the inputs' graphs are cut to (every layer's), a local edge
+    cache: float       # what the chunk keeps across steps: its local adjacencies, what the layers cache on it
+    #                    (normalisations, decisions; one entry a chunk, shared by the layers), a local edge
+    way_cache: float   # ... and a way's one chunk, as the exact passes run it, a local edge
     params: float      # the parameters' bytes
 
     def as_list(self) -> List[float]:
-        return [self.saved, self.boundary, self.history, self.cache, self.way_cache, self.adjacency, self.params]
+        return [self.saved, self.boundary, self.history, self.cache, self.way_cache, self.params]
 
 
 def training_pass_memory(module: torch.nn.Module, fn: Callable, program: Program, groups: list,
@@ -224,21 +224,18 @@ def training_pass_memory(module: torch.nn.Module, fn: Callable, program: Program
             if isinstance(t, Tensor):
                 kept.update(reachable([t], exclude))
         crossing = _crossing_bytes(program, groups, env, exclude)
-        cache = reachable([probe.cache], exclude)
     del env, out, saved  # (before the way's pass)
-    exclude |= set(reachable([probe.cgs]))
-    adjacency = reachable([probe.localizer._adjacency], exclude)
+    cache = reachable([probe.cache, probe.localizer._adjacency], exclude | set(reachable([probe.cgs])))
     way = _ChunkProbe(module, fn, program, groups, inputs, device, way_chunking)
     with way.passes(), torch.no_grad():
         ctx, localize = way.inputs()
         with ctx:
             args, kwargs = localize()
             way.runner.run(args, kwargs, {})
-        way_cache = reachable([way.cache], exclude | set(reachable([way.cgs])))
+        way_cache = reachable([way.cache, way.localizer._adjacency], exclude | set(reachable([way.cgs])))
     return PassMemory(sum(kept.values()) / rows, max(crossing, default=0.0) / rows, sum(widths.values()),
                       sum(cache.values()) / max(probe.lg.num_edges, 1),
                       sum(way_cache.values()) / max(way.lg.num_edges, 1),
-                      sum(adjacency.values()) / max(probe.lg.num_edges, 1),
                       float(sum(p.numel() * p.element_size() for p in params)))
 
 

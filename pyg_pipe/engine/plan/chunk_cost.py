@@ -212,7 +212,7 @@ def fit_memory(pass_memory: Callable[[tuple, tuple], "PassMemory"], config, inpu
     order = torch.arange(N)
     measured = root_decides(lambda: torch.tensor(pass_memory((order, probe), (order, way_ptr(probe, ways))).as_list(),
                                                  dtype=torch.float64),
-                            torch.zeros(7, dtype=torch.float64), comm, root, "measuring a chunk's memory")
+                            torch.zeros(6, dtype=torch.float64), comm, root, "measuring a chunk's memory")
     m = PassMemory(*measured.tolist())
     copies = 0 if config.offload is not None else \
         1 + (config.snapshot_period is not None) + (config.smoothing is not None) + bool(config.late_gradients)

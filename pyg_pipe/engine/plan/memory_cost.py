@@ -323,11 +323,12 @@ def first_step_peak(m, num_nodes: int, stages: int, ways: int, per_way: int, str
     before it: the chunking's ``structures`` and ``edges`` a way and its ``hist_rows`` counted
     (:func:`chunking_bytes`, :func:`history_rows`), the rest from ``m`` (:class:`~..profile.PassMemory`, one
     training pass of the whole model over a chunk) shared evenly by the ``stages`` (their split is balanced):
-    ``a = m.saved / S`` and ``h = m.history / S`` bytes a row, ``b = m.boundary``; ``R = N / W`` rows a way in
+    ``a = m.saved / S + b`` (a kept chunk also holds what crossed its stage's cut) and ``h = m.history / S``
+    bytes a row, ``b = m.boundary``; ``R = N / W`` rows a way in
     chunks of ``r = R / k``; the ``H`` history rows held in ``copies`` buffers (the buffer, T2's snapshot, ...)
     and once more as the pending gradients ``G = H h``::
 
-        resident    = structures + (cache + way_cache) E / S + adjacency E + copies G
+        resident    = structures + (cache + way_cache) E + copies G     (a chunk's caches: one per stage)
         state       = 3 params / S                          (gradients and Adam's two moments)
         activations = b R + a r + G    replaying  (a R + G keeping: no chunk count changes it)
         transient   = a r
@@ -336,8 +337,8 @@ def first_step_peak(m, num_nodes: int, stages: int, ways: int, per_way: int, str
     S, W = stages, ways
     R = -(-num_nodes // W)
     r = -(-R // per_way)
-    a, h = m.saved / S, m.history / S
+    a, h = m.saved / S + m.boundary, m.history / S
     G = hist_rows * h
-    resident = structures + (m.cache + m.way_cache) * edges / S + m.adjacency * edges + copies * G
+    resident = structures + (m.cache + m.way_cache) * edges + copies * G
     acts = (m.boundary * R + a * r if replay else a * R) + G
     return FirstStep(per_way, int(resident), int(3 * m.params / S), int(acts), int(a * r))

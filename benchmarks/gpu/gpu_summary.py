@@ -125,6 +125,13 @@ def stream_ratio(nodes: int, dev, chunks: int, steps: int, profile: bool) -> dic
     with _Engine(uncaptured_model, dev, num_chunks=chunks, cuda_graphs=False):
         uncaptured = _timed(_step_fn(uncaptured_model, data), dev, steps, warmup=3)
     del uncaptured_model
+    host_tier = None
+    if profile:  # every value between layer groups in pinned host memory, read ahead on a side stream
+        host_model = copy.deepcopy(model)
+        with _Engine(host_model, dev, num_chunks=chunks, offload="host", offload_budget=0) as engine:
+            host_tier = _timed(_step_fn(host_model, data), dev, steps, warmup=2)
+            read_ahead = sum(st.prefetched for st in engine.runtime.stores.values())
+        del host_model
     replayed = _replaying_capture(model, data, dev, chunks, steps)
     with _Engine(model, dev, num_chunks=chunks) as engine:
         step = _step_fn(model, data)
@@ -136,6 +143,8 @@ def stream_ratio(nodes: int, dev, chunks: int, steps: int, profile: bool) -> dic
                "captured": captured is not None and captured.graphs is not None,
                "uncaptured_because": captured.off if captured is not None else None,
                "replayed_in_capture_s": replayed, "replayed_in_capture_ratio": replayed / plain}
+        if host_tier is not None:
+            out.update(host_tier_s=host_tier, host_tier_ratio=host_tier / plain, host_tier_reads_ahead=read_ahead)
         if profile and dev.type == "cuda":
             from benchmarks.gpu.gpu_profile import profile as run_profile
             prof = run_profile(step, steps)
@@ -349,6 +358,7 @@ def main() -> None:
         summary["gpu_busy_share_200k"] = r200.get("gpu_busy_share")
         summary["copies_per_step_200k"] = r200.get("copies_per_step")
         summary["gpu_work_ratio_200k"] = r200.get("gpu_work_ratio")
+        summary["stream_ratio_200k_host_tier"] = r200.get("host_tier_ratio")  # offload="host", read ahead
         summary["detail_200k"] = r200
         done(f"200k: plain {r200['plain_s'] * 1e3:.1f} ms, streamed {r200['stream_s'] * 1e3:.1f} ms (captured: "
              f"{r200['captured']}), uncaptured {r200['uncaptured_s'] * 1e3:.1f} ms")

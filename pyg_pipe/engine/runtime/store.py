@@ -29,6 +29,8 @@ class Store:
         self.chunk_grads: Dict[str, Dict[int, Any]] = {}
         self.kinds: Dict[str, str] = {}                              # "rows" or "chunk", per value
         self.pending: Dict[str, Dict[int, Tuple[LocalGraph, Any]]] = {}
+        self.ahead: Dict[Tuple[str, int], tuple] = {}                # (value, chunk) -> rows on their way in
+        self.prefetched = 0                                          # reads served by :meth:`prefetch`
 
     def put(self, name: str, lg: LocalGraph, value) -> None:
         """Stores chunk ``lg``'s part of ``value`` (detached). Whether a value is a node value is decided by
@@ -57,6 +59,7 @@ class Store:
                     self._put("chunk", name, lg, v)
 
     def _put(self, kind: str, name: str, lg: LocalGraph, value) -> None:
+        self._forget(name)
         if kind == "rows":
             if not _is_rows(value, lg):
                 raise UnsupportedModelError(
@@ -83,14 +86,42 @@ class Store:
     def gather_local(self, name: str, lg: LocalGraph) -> Tensor:
         """``[rows | halo]`` of node value ``name`` for chunk ``lg``, on the device: the chunk's rows are a
         contiguous range of the buffer (new vertex ids), copied as one block; only the halo is gathered
-        (the same values as ``gather(name, lg.nodes)``, in a fraction of the time of a gather of every row)."""
-        buf = self.rows[name]
-        out = buf.new_empty((lg.num_local, *buf.shape[1:]))
+        (the same values as ``gather(name, lg.nodes)``, in a fraction of the time of a gather of every row).
+        Rows :meth:`prefetch` started reading are taken from there."""
+        ahead = self.ahead.pop((name, lg.index), None)
+        if ahead is not None:
+            self.prefetched += 1
+            return self.tiers.arrive(ahead)
+        return self.tiers.to_device(self._gather(self.rows[name], lg))
+
+    def prefetch(self, names, lg: LocalGraph) -> None:
+        """Starts reading ``[rows | halo]`` of those node values among ``names`` that sit in the offload tier (host
+        memory, disk) for chunk ``lg``, while the device still runs the chunk before it (NGra's overlap of a
+        chunk's transfer with another's compute): gathered on the host, into pinned memory on a GPU, and copied
+        to the device on a side stream (:meth:`~.tiers.Tiers.fetch`); :meth:`gather_local` then waits for the
+        copy, not the host. The same rows as without it. Not while a CUDA graph is being captured."""
+        if self.tiers.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        for name in names:
+            buf = self.rows.get(name)
+            if buf is not None and (name, lg.index) not in self.ahead and self.tiers.in_tier(buf):
+                self.ahead[(name, lg.index)] = self.tiers.fetch(self._gather(buf, lg))
+
+    def _gather(self, buf: Tensor, lg: LocalGraph) -> Tensor:
+        """``[rows | halo]`` of ``buf`` for chunk ``lg`` where ``buf`` is (a tier buffer: into a staging buffer)."""
+        shape = (lg.num_local, *buf.shape[1:])
+        out = self.tiers.staging(shape, buf.dtype) if self.tiers.in_tier(buf) else buf.new_empty(shape)
         out[:lg.rows].copy_(buf[lg.start:lg.end])
         if lg.halo.numel():
             torch.index_select(buf, 0, lg.halo.to(buf.device), out=out[lg.rows:])
         self.tiers.release(buf)
-        return self.tiers.to_device(out)
+        return out
+
+    def _forget(self, name: str) -> None:
+        """Rows of ``name`` read ahead are stale once it changes."""
+        if self.ahead:
+            for key in [k for k in self.ahead if k[0] == name]:
+                del self.ahead[key]
 
     def add_grad(self, name: str, ids: Tensor, grad: Tensor) -> None:
         """Adds ``grad`` to the gradient of rows ``ids`` of node value ``name``."""
@@ -125,6 +156,7 @@ class Store:
 
     def drop(self, name: str) -> None:
         """Frees a value and its gradient (after the backward of the group that produced it)."""
+        self._forget(name)
         for table in (self.rows, self.grads):
             t = table.pop(name, None)
             if t is not None:

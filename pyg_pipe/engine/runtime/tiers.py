@@ -49,6 +49,7 @@ class Tiers:
         self._device: Dict[int, int] = {}        # storage address -> bytes, of buffers counted on the device
         self._tmp: Optional[str] = None
         self._count = 0
+        self._side = None                        # the side stream of :meth:`fetch` (a GPU's)
 
     def zeros(self, shape, dtype: torch.dtype) -> Tensor:
         """A zero buffer, on the device while the budget allows, else in the tier."""
@@ -92,6 +93,38 @@ class Tiers:
 
     def to_device(self, rows: Tensor) -> Tensor:
         return rows if rows.device == self.device else rows.to(self.device, non_blocking=True)
+
+    def in_tier(self, t: Tensor) -> bool:
+        """Whether ``t`` (a buffer from :meth:`zeros`) is in the offload tier, not on the device."""
+        return self.offload is not None and t.untyped_storage().data_ptr() not in self._device
+
+    def staging(self, shape, dtype: torch.dtype) -> Tensor:
+        """A host buffer rows are gathered into on their way to the device: pinned on a GPU (so the copy to the
+        device runs asynchronously; PyTorch's pinned-memory cache keeps it until that copy is done)."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
+
+    def fetch(self, rows: Tensor) -> tuple:
+        """Starts copying host ``rows`` to the device ahead of their use: on a GPU on a side stream, with an event
+        :meth:`arrive` waits for (the current stream waits, the host does not); elsewhere the rows as they are."""
+        if self.device.type != "cuda" or rows.device == self.device:
+            return rows, None
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            out = rows.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._side)
+        return out, done
+
+    def arrive(self, fetched: tuple) -> Tensor:
+        """The rows :meth:`fetch` started copying, usable on the current stream."""
+        out, done = fetched
+        if done is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(done)
+            out.record_stream(current)  # (allocated on the side stream, used on this one)
+        return self.to_device(out)
 
     def close(self) -> None:
         """Drops the files (the buffers must not be used after)."""

@@ -103,6 +103,8 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
             barrier = None
             for c in range(cg.num_chunks):
                 lg = cg.chunks[c]
+                if c + 1 < cg.num_chunks:  # the next chunk's inputs on their way in from the tier while c runs
+                    store.prefetch(record.received[g], cg.chunks[c + 1])
                 grad = keep and not complete  # (a group with barrier sites is replayed: its passes differ)
                 try:
                     with torch.set_grad_enabled(grad):
@@ -162,6 +164,8 @@ def backward(grad: Tensor, record: StreamRecord) -> None:
         for k in range(len(barriers), -1, -1):  # phase k > 0 gathers G of barrier k-1; phase 0 is the full backward
             target = barriers[k - 1] if k > 0 else None
             for c in range(cg.num_chunks):
+                if c + 1 < cg.num_chunks and (g, c + 1) not in record.kept:  # (read ahead for a replay)
+                    store.prefetch(record.received[g], cg.chunks[c + 1])
                 with torch.enable_grad():
                     halo = StreamHalo(store, barriers, capture=target)
                     rec = record.kept.pop((g, c), None)

@@ -31,6 +31,7 @@ class Store:
         self.pending: Dict[str, Dict[int, Tuple[LocalGraph, Any]]] = {}
         self.ahead: Dict[Tuple[str, int], tuple] = {}                # (value, chunk) -> rows on their way in
         self.prefetched = 0                                          # reads served by :meth:`prefetch`
+        self._halos: Dict[int, Tuple[LocalGraph, Tensor]] = {}       # chunk -> its halo ids on the host
 
     def put(self, name: str, lg: LocalGraph, value) -> None:
         """Stores chunk ``lg``'s part of ``value`` (detached). Whether a value is a node value is decided by
@@ -113,9 +114,19 @@ class Store:
         out = self.tiers.staging(shape, buf.dtype) if self.tiers.in_tier(buf) else buf.new_empty(shape)
         out[:lg.rows].copy_(buf[lg.start:lg.end])
         if lg.halo.numel():
-            torch.index_select(buf, 0, lg.halo.to(buf.device), out=out[lg.rows:])
+            torch.index_select(buf, 0, self._halo(lg, buf.device), out=out[lg.rows:])
         self.tiers.release(buf)
         return out
+
+    def _halo(self, lg: LocalGraph, device: torch.device) -> Tensor:
+        """``lg``'s halo ids where ``device`` is: a tier's copy made once (copying the device's ids to the host at
+        every read would wait for everything the device has queued, the chunk running included)."""
+        if lg.halo.device == device:
+            return lg.halo
+        hit = self._halos.get(id(lg))
+        if hit is None or hit[0] is not lg:
+            hit = self._halos[id(lg)] = (lg, lg.halo.to(device))
+        return hit[1]
 
     def _forget(self, name: str) -> None:
         """Rows of ``name`` read ahead are stale once it changes."""
@@ -142,7 +153,7 @@ class Store:
         grad = grad.to(g.device, g.dtype)
         g[lg.start:lg.end] += grad[:lg.rows]
         if lg.halo.numel():
-            g.index_add_(0, lg.halo.to(g.device), grad[lg.rows:])
+            g.index_add_(0, self._halo(lg, g.device), grad[lg.rows:])
         self.tiers.release(g)
 
     def grad_rows(self, name: str, lg: LocalGraph) -> Optional[Tensor]:

@@ -110,8 +110,7 @@ class Tiers:
             return rows, None
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._side):
+        with torch.cuda.stream(self._side):  # (host rows, written already: nothing on the device to wait for)
             out = rows.to(self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._side)

@@ -117,7 +117,7 @@ class GNNPipeEngine:
         self._fn = forward_function(module)
         self._shape: Optional[Shape] = None
         self._sizes: Optional[tuple] = None
-        self.chunk_choice: Optional[tuple] = None   # num_chunks="auto" decided by an earlier engine: (count, step s)
+        self.chunk_choice: Optional[tuple] = None   # num_chunks="auto" by an earlier engine: (count, step s, offload)
         self._runtimes: List[Runtime] = []
         self._saved: Optional[dict] = None
         self._instance_forward = None

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -53,6 +52,7 @@ from ..model.localize import Localizer
 from ..model.split import Stage
 from ..model.trace import Program
 from .context import ChunkContext
+from .plan.memory_cost import PassMemory
 from .runtime.program import StageProgram
 from .runtime.runtime import chunk_graphs
 from .runtime.statistics import Statistics
@@ -167,24 +167,6 @@ def training_pass_seconds(module: torch.nn.Module, fn: Callable, program: Progra
             best = min(best, time.perf_counter() - t0)
             del out, roots
     return best
-
-
-@dataclass(frozen=True)
-class PassMemory:
-    """What a training pass of the whole model holds over a chunk (:func:`training_pass_memory`), for the memory
-    model of ``num_chunks="auto"`` (:func:`~.plan.memory_cost.first_step_peak`). Bytes a row of the chunk,
-    but the caches' (a local edge) and ``params``."""
-
-    saved: float       # what autograd saves for the backward, with the output (the parameters, the inputs left out)
-    boundary: float    # the widest set of values that crosses a cut between layer groups: what a stage receives
-    history: float     # a row at every call site's halo join: a history row of each site, summed over the sites
-    cache: float       # what the chunk keeps across steps: its local adjacencies, what the layers cache on it
-    #                    (normalisations, decisions; one entry a chunk, shared by the layers), a local edge
-    way_cache: float   # ... and a way's one chunk, as the exact passes run it, a local edge
-    params: float      # the parameters' bytes
-
-    def as_list(self) -> List[float]:
-        return [self.saved, self.boundary, self.history, self.cache, self.way_cache, self.params]
 
 
 def training_pass_memory(module: torch.nn.Module, fn: Callable, program: Program, groups: list,

@@ -136,7 +136,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         self.plan_seconds = 0.0  # time the engine spent planning (tracing, partitioning, history passes)
         self.notes: List[str] = []  # what the engine decided on its own (e.g. graph-parallel ways for a shallow model)
         self.planned_chunks: Optional[int] = None  # the plan's chunk count (with num_chunks="auto": the choice)
-        self._chunk_choice: Optional[tuple] = None  # num_chunks="auto": (count, predicted step) measured once
+        self._chunk_choice: Optional[tuple] = None  # num_chunks="auto": (count, predicted step, offload) measured once
         self.plan_check: Optional[dict] = None  # num_chunks="auto": predicted against measured step (callbacks.py)
         self.peak_memory: List[int] = []  # per rank: peak bytes of the fit net of the start (pyg_pipe.memory)
         self._memory: Optional[PeakMemory] = None
@@ -264,7 +264,8 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
             if self.engine.plan is not None:
                 self.planned_chunks = self.engine.plan.num_chunks
                 if self.config.num_chunks == "auto" and self.engine.plan.predicted_step is not None:
-                    self._chunk_choice = (self.planned_chunks, self.engine.plan.predicted_step)
+                    self._chunk_choice = (self.planned_chunks, self.engine.plan.predicted_step,
+                                          self.engine.plan.offload)
             self.engine.uninstall()
             self.engine = None
         if self.comm is not None:

@@ -6,9 +6,9 @@ import logging
 import torch
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
-from pyg_pipe.engine.plan.chunk_cost import fit_memory
-from pyg_pipe.engine.plan.memory_cost import chunking_bytes, first_step_peak, history_rows
-from pyg_pipe.engine.profile import PassMemory, training_pass_memory
+from pyg_pipe.engine.plan.memory_fit import fit_memory
+from pyg_pipe.engine.plan.memory_cost import PassMemory, chunking_bytes, first_step_peak, history_rows
+from pyg_pipe.engine.profile import training_pass_memory
 from pyg_pipe.engine.step.layers import LayerHooks
 from pyg_pipe.graph.partition import make_chunks
 from pyg_pipe.model.inputs import CallInputs
@@ -77,49 +77,59 @@ def test_a_pass_measures_what_crosses_a_cut_and_the_sites_and_changes_nothing():
         assert torch.equal(v, before[k]), k
 
 
-def _estimates(m, graphs, N, stages, counts):
+def _estimates(m, graphs, N, stages, counts, offloaded=False):
     """The first step's estimated peak for each count of chunks a way, contiguous chunks."""
     out = {}
     for k in counts:
         perm, ptr = torch.arange(N), torch.linspace(0, N, k + 1).round().long()
         structures, edges = chunking_bytes(graphs, perm, ptr, 1)
-        out[k] = first_step_peak(m, N, stages, 1, k, structures, edges, history_rows(graphs, perm, ptr, 1), 2).peak
+        out[k] = first_step_peak(m, N, stages, 1, k, structures, edges, history_rows(graphs, perm, ptr, 1),
+                                 0 if offloaded else 2, offloaded=offloaded).peak
     return out
 
 
 def test_the_count_is_raised_to_the_fewest_chunks_whose_first_step_fits(caplog):
     """Given a chunk's measures (here fixed: the decision, not the probe, is under test), the time model's count is
-    doubled until the estimate fits the budget; where none fits, the time model's count stays and a warning names
-    the fixes; without a budget on a CPU nothing changes."""
+    doubled until the estimate fits the budget; where no count fits, the history goes to host memory if that
+    fits (the fewest chunks that do), else the time model's count stays and a warning names the fix; without a
+    budget on a CPU nothing changes."""
     x, edge_index, _, _ = small_graph(num_nodes=240, num_edges=960)
     N = x.size(0)
     inputs = CallInputs((x, edge_index), {})
-    m = PassMemory(saved=40_000.0, boundary=128.0, history=256.0, cache=16.0, way_cache=16.0,
-                   params=4096.0)
-    est = _estimates(m, [edge_index], N, 2, (2, 4, 8, 16))
+    m = PassMemory(saved=40_000.0, boundary=128.0, history=2048.0, cache=16.0, way_cache=16.0, params=4096.0)
+    counts = (2, 4, 8, 16, 32, 64)
+    est = _estimates(m, [edge_index], N, 2, counts)
+    off = _estimates(m, [edge_index], N, 2, counts, offloaded=True)
     assert est[2] > est[4] > est[8]  # (the activations of a chunk shrink faster than the history grows here)
+    assert all(off[k] < est[k] for k in counts)
     comm = Comm(torch.device("cpu"))
 
     def cut(n):
         return torch.arange(N), torch.linspace(0, N, n + 1).round().long()
 
-    def run(budget):
-        config = PipelineConfig(num_chunks="auto", memory_budget=budget)
+    def run(budget, **knobs):
+        config = PipelineConfig(num_chunks="auto", memory_budget=budget, **knobs)
         notes = []
-        got = fit_memory(lambda *_: m, config, inputs, 2, 1, 2, *cut(2), cut, comm, 0, notes)
-        return got, notes
+        return fit_memory(lambda *_: m, config, inputs, 2, 1, 2, *cut(2), cut, comm, 0, notes), notes
 
-    (C, perm, ptr, peak), notes = run((est[4] + est[8]) // 2)
-    assert C == 8 and peak == est[8] and torch.equal(ptr, cut(8)[1])
+    got, notes = run((est[4] + est[8]) // 2)
+    assert (got.chunks, got.peak, got.offload) == (8, est[8], None) and torch.equal(got.ptr, cut(8)[1])
     assert "it fits (the 2 chunks the time model chose would not)" in notes[0]
-    (C, _, _, peak), notes = run(est[2] + 1)
-    assert C == 2 and peak == est[2] and "it fits." in notes[0]
+    got, notes = run(est[2] + 1)
+    assert (got.chunks, got.peak, got.offload) == (2, est[2], None) and "it fits." in notes[0]
+    floor = min(est.values())  # no count fits on the device; with the history in host memory the fewest that fit
+    got, notes = run(floor - 1)
+    want = min(k for k in counts if off[k] <= floor - 1)
+    assert (got.chunks, got.peak, got.offload) == (want, off[want], "host"), (got, off, est)
+    assert torch.equal(got.ptr, cut(want)[1]) and "offload='host', chosen here" in notes[0]
+    got, notes = run(floor - 1, offload="disk")  # (a tier the user set is kept: then nothing more to move)
+    assert got.offload is None
     with caplog.at_level(logging.WARNING, logger="pyg_pipe"):
-        (C, _, ptr, peak), notes = run(1000)
-    assert C == 2 and torch.equal(ptr, cut(2)[1]) and peak == est[2]
-    assert "does not fit" in notes[0] and "offload='host'" in notes[0] and "does not fit" in caplog.text
-    assert fit_memory(lambda *_: m, PipelineConfig(num_chunks="auto"), inputs, 2, 1, 2, *cut(2), cut, comm, 0)[3] \
-        is None
+        got, notes = run(1000)
+    assert (got.chunks, got.peak, got.offload) == (2, est[2], None) and torch.equal(got.ptr, cut(2)[1])
+    assert "does not fit" in notes[0] and "more devices" in notes[0] and "does not fit" in caplog.text
+    assert fit_memory(lambda *_: m, PipelineConfig(num_chunks="auto"), inputs, 2, 1, 2, *cut(2), cut, comm,
+                      0).peak is None
 
 
 def _worker(rank, world):
@@ -142,3 +152,44 @@ def _worker(rank, world):
 
 def test_under_a_budget_the_estimate_is_one_on_every_rank():
     run_distributed(_worker, 2, timeout=240)
+
+
+def _chosen_tier(rank, world):
+    """The plan's choice of the host tier (``num_chunks="auto"`` when only the history off the device fits) reaches
+    the runtime, is saved with the plan and taken back on a resume, and changes no result."""
+    x, edge_index, y, mask = small_graph()
+    comm = Comm(torch.device("cpu"))
+    runs = {}
+    for offload in (None, "host"):
+        torch.manual_seed(0)
+        model = make_model("gcnii")
+        engine = GNNPipeEngine(model, PipelineConfig(num_chunks="auto"), comm, num_stages=world)
+        engine.chunk_choice = (4, None, offload)  # (as an earlier engine of the strategy decided it)
+        engine.install()
+        try:
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            outs = []
+            for _ in range(3):
+                out, _ = forward_backward(model, opt, x, edge_index, y, mask)
+                opt.step()
+                outs.append(None if out is None else out.detach())
+            assert engine.plan.offload == offload and engine.runtime.tiers.offload == offload
+            assert engine.state_dict()["plan"]["offload"] == offload
+            runs[offload] = (outs, [p.detach().clone() for p in model.parameters()], engine.state_dict())
+        finally:
+            engine.uninstall()
+    for a, b in zip(runs[None][0] + runs[None][1], runs["host"][0] + runs["host"][1]):
+        assert (a is None and b is None) or torch.equal(a, b)
+    resumed = GNNPipeEngine(make_model("gcnii"), PipelineConfig(num_chunks="auto"), comm, num_stages=world)
+    resumed.load_state_dict(runs["host"][2])
+    resumed.install()
+    try:
+        forward_backward(resumed.module, torch.optim.SGD(resumed.module.parameters(), lr=0.05), x, edge_index, y,
+                         mask)
+        assert resumed.plan.offload == "host" and resumed.runtime.tiers.offload == "host"
+    finally:
+        resumed.uninstall()
+
+
+def test_the_host_tier_the_plan_chose_is_used_saved_and_changes_nothing():
+    run_distributed(_chosen_tier, 2, timeout=240)

@@ -33,8 +33,7 @@ fastest: the least stale history for nearly the best time. Transfers are left ou
 every row once a step whatever ``k``; the halo exchange between ways does not depend on ``k`` either).
 
 Under a memory budget (``memory_budget``; on an accelerator the least free memory of the ranks) the count is
-then doubled until the first step's peak, estimated before it, fits (:func:`fit_memory`,
-:func:`~.memory_cost.first_step_peak`; docs/memory.md).
+then doubled until the first step's peak, estimated before it, fits (:mod:`.memory_fit`; docs/memory.md).
 
 It is decided once, on one rank, broadcast (:func:`choose_chunks`), and saved in checkpoints with
 the plan (a resume reuses the saved count); an integer ``num_chunks`` overrides it. One stage has no
@@ -46,15 +45,12 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .decide import root_decides
-
-if TYPE_CHECKING:
-    from ..profile import PassMemory
 
 log = logging.getLogger(__name__)
 
@@ -176,86 +172,6 @@ def choose_chunks(pass_seconds: Optional[Callable[[Tensor, Tensor], float]], num
         if notes is not None:
             notes.append(line)
     return int(got[0]), (got[1] if got[1] >= 0 else None)
-
-
-def memory_room(config, comm) -> Optional[int]:
-    """The bytes the counted parts of a step may take on every process (:mod:`.memory_cost`): ``memory_budget``,
-    or on an accelerator the least free memory over the ranks less :data:`~.memory_cost.MARGIN`; ``None`` on a
-    CPU without a budget (the processes share the machine's memory: nothing to fit the count to)."""
-    from ..runtime.tiers import free_memory
-    from .memory_cost import MARGIN
-    if config.memory_budget is not None:
-        return int(config.memory_budget)
-    if comm.device.type == "cpu":
-        return None
-    free = comm.all_gather_objects(free_memory(comm.device), "reading each device's free memory")
-    return int(min(free) * (1 - MARGIN))
-
-
-def fit_memory(pass_memory: Callable[[tuple, tuple], "PassMemory"], config, inputs, stages: int, ways: int,
-               chunks: int, perm: Tensor, ptr: Tensor, partition: Callable[[int], Tuple[Tensor, Tensor]], comm,
-               root: int, notes: Optional[List[str]] = None) -> Tuple[int, Tensor, Tensor, Optional[int]]:
-    """``num_chunks="auto"`` under a memory budget (:func:`memory_room`): the chunk count the time model chose,
-    doubled (and the graph partitioned again: ``partition(count)``) until the first step's counted peak
-    (:func:`~.memory_cost.first_step_peak`, from one training pass over a chunk, measured on ``root``) fits; the
-    time model's count when none would. Returns ``(chunks, perm, ptr, the estimated peak in bytes)``; the count
-    unchanged and no estimate without a budget. A decision of ``root``'s, broadcast, like the count."""
-    from ...graph.chunks import way_ptr
-    from .memory_cost import MB, chunking_bytes, first_step_peak, history_rows
-    room = memory_room(config, comm)
-    if room is None or stages == 1:
-        return chunks, perm, ptr, None
-    from ..profile import PassMemory  # noqa: F811 - (the engine's module imports the plan's)
-    N = inputs.num_nodes
-    C = min(N, ways * PROBES[0] * stages)
-    probe = torch.linspace(0, N, C + 1).round().long()
-    order = torch.arange(N)
-    measured = root_decides(lambda: torch.tensor(pass_memory((order, probe), (order, way_ptr(probe, ways))).as_list(),
-                                                 dtype=torch.float64),
-                            torch.zeros(6, dtype=torch.float64), comm, root, "measuring a chunk's memory")
-    m = PassMemory(*measured.tolist())
-    copies = 0 if config.offload is not None else \
-        1 + (config.snapshot_period is not None) + (config.smoothing is not None) + bool(config.late_gradients)
-    replay = config.recompute != False  # noqa: E712 - "auto" replays the first step, True every step
-    cap = max(1, min(MAX_PER_WAY, N // ways))
-    first, k = chunks // ways, chunks // ways
-    cut = (perm, ptr)
-    said, peaks = [], []
-    while True:
-        def estimate() -> Tensor:
-            structures, edges = chunking_bytes(inputs.graphs, perm, ptr, ways)
-            est = first_step_peak(m, N, stages, ways, k, structures, edges,
-                                  history_rows(inputs.graphs, perm, ptr, ways), copies, replay)
-            said.append(est)
-            return torch.tensor([est.peak], dtype=torch.float64)
-        peaks.append(int(root_decides(estimate, torch.zeros(1, dtype=torch.float64), comm, root,
-                                      "estimating the first step's memory").item()))
-        if peaks[-1] <= room or k * 2 > cap or not replay:
-            break
-        k *= 2
-        perm, ptr = partition(k * ways)
-    fits = peaks[-1] <= room
-    if not fits and k != first:  # no count fits: the time model's, the least stale
-        k, (perm, ptr) = first, cut
-    peak = peaks[-1] if fits else peaks[0]
-    if said:
-        est = said[-1] if fits else said[0]
-        line = (f"pyg_pipe: num_chunks='auto': the first step with {k * ways} chunks is estimated at {peak / MB:.0f} "
-                f"MB a process (structures and history {est.resident / MB:.0f}, gradients and optimizer state "
-                f"{est.state / MB:.0f}, activations {(est.activations + est.transient) / MB:.0f}, "
-                f"{'replayed' if replay else 'kept'}) against room for {room / MB:.0f} MB")
-        if fits:
-            line += f": it fits{f' (the {first * ways} chunks the time model chose would not)' if k != first else ''}."
-        elif not replay:
-            line += ": it does not fit; recompute='auto' or True replays the activations, which more chunks shrink."
-        else:
-            line += (f": it does not fit, nor would any count up to {said[-1].per_way * ways} (the smallest estimate "
-                     f"{min(peaks) / MB:.0f} MB); offload='host' moves the history off the device, more devices "
-                     f"split the graph further.")
-        (log.info if fits else log.warning)(line)
-        if notes is not None:
-            notes.append(line)
-    return k * ways, perm, ptr, peak
 
 
 def machine_share(comm, root: int) -> float:

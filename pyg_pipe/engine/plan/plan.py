@@ -26,7 +26,8 @@ from ...model.inputs import CallInputs, graph_edges, same_structure
 from ...model.split import balance, parameter_stages, split, stage_groups
 from ...model.trace import Program, trace
 from ..config import PipelineConfig
-from .chunk_cost import choose_chunks, fit_memory
+from .chunk_cost import choose_chunks
+from .memory_fit import fit_memory
 from .decide import root_decides
 from .norms import refuse_statistics, resolve_statistics
 from .grid import check_chunks_per_way, grid_shape, ways_for_layers
@@ -59,7 +60,9 @@ class Plan:
             (seconds; checked against the measured steps: :class:`~pyg_pipe.strategies.callbacks.TimelineLogger`);
             ``None`` otherwise, and on a resume (the count was not chosen again).
         first_step_peak: with ``num_chunks="auto"`` under a memory budget, the first step's counted peak per
-            process estimated before it (bytes; :func:`~.chunk_cost.fit_memory`), else ``None``.
+            process estimated before it (bytes; :func:`~.memory_fit.fit_memory`), else ``None``.
+        offload: ``"host"`` where that choice put the history in host memory (``offload`` unset and no chunk
+            count fitting with it on the device), else ``None``; saved with the plan.
     """
 
     stages: int
@@ -77,6 +80,7 @@ class Plan:
     statistics: Union[bool, str] = False
     predicted_step: Optional[float] = None
     first_step_peak: Optional[int] = None
+    offload: Optional[str] = None
 
     @property
     def chunks_per_way(self) -> int:
@@ -98,7 +102,7 @@ class Plan:
         return {"stages": self.stages, "ways": self.ways, "num_chunks": self.num_chunks, "num_nodes": self.num_nodes,
                 "num_edges": self.num_edges, "perm": self.perm.cpu(), "ptr": self.ptr.cpu(),
                 "sizes": list(self.sizes) if self.sizes is not None else None, "digest": self.digest,
-                "streaming": self.streaming}
+                "streaming": self.streaming, "offload": self.offload}
 
 
 @dataclass(frozen=True)
@@ -179,16 +183,16 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
         notes: where decisions pyg_pipe made on its own are told (also logged).
         pass_seconds: seconds of one training pass of the model over the first chunk of the chunking
             ``(perm, ptr)`` it is given (called on ``root`` for ``num_chunks="auto"``).
-        chosen: ``num_chunks="auto"``'s ``(count, predicted step)`` from an earlier engine of the same
+        chosen: ``num_chunks="auto"``'s ``(count, predicted step, offload)`` from an earlier engine of the same
             strategy (fit, then test): taken instead of measuring again, unless a checkpoint's plan is resumed.
         pass_memory: what one training pass of the model over the first chunk of the chunking it is given holds,
             and what the layers cache on the first chunk of the one-chunk-a-way chunking given second
             (:class:`~..profile.PassMemory`; called on ``root`` for ``num_chunks="auto"`` under a memory budget:
-            :func:`~.chunk_cost.fit_memory`).
+            :func:`~.memory_fit.fit_memory`).
     """
     S, W = shape.stages, shape.ways
     auto = config.num_chunks == "auto"
-    predicted, first_peak, fresh = None, None, False
+    predicted, first_peak, fresh, offload = None, None, False, None
     if shape.streaming and (config.num_chunks is None or auto):
         wanted = stream_chunks(config, inputs, comm.device)
     elif auto:  # measured once: a resume keeps the saved count
@@ -196,7 +200,7 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
         if saved is not None:
             wanted = saved["num_chunks"]
         elif chosen is not None and chosen[0] <= inputs.num_nodes:
-            wanted, predicted = chosen
+            wanted, predicted, offload = (tuple(chosen) + (None,))[:3]
         else:
             wanted, predicted = choose_chunks(pass_seconds, inputs.num_nodes, S, W, fixed, comm, root, notes)
             fresh = pass_seconds is not None
@@ -205,14 +209,15 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
     if saved is not None:
         check_resume(saved, S, W, wanted, inputs)
         C, perm, ptr = saved["num_chunks"], saved["perm"], saved["ptr"]
+        offload = saved.get("offload")
         sizes = saved.get("sizes") or sizes
     else:
         C = wanted
         perm, ptr = partition(config, inputs, C, W, comm, root)
         if fresh and pass_memory is not None:  # the first step must fit the memory: more chunks if not
-            C, perm, ptr, first_peak = fit_memory(pass_memory, config, inputs, S, W, C, perm, ptr,
-                                                  lambda n: partition(config, inputs, n, W, comm, root), comm, root,
-                                                  notes)
+            fitted = fit_memory(pass_memory, config, inputs, S, W, C, perm, ptr,
+                                lambda n: partition(config, inputs, n, W, comm, root), comm, root, notes)
+            C, perm, ptr, first_peak, offload = fitted.chunks, fitted.perm, fitted.ptr, fitted.peak, fitted.offload
     statistics = resolve_statistics(config.per_chunk_statistics, module, C // W, shape.streaming, notes)
     if C // W > 1 and statistics is not True:
         refuse_statistics(module, C // W, W, history=statistics == "history", streaming=shape.streaming)
@@ -237,7 +242,7 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
         owners = {n: {0} for n, _ in list(module.named_parameters()) + list(module.named_buffers())}
     return Plan(S, W, C, inputs.num_nodes, inputs.num_edges, perm.cpu(), ptr.cpu(), stage_sizes,
                 {n: frozenset(s) for n, s in owners.items()}, graph_digest(inputs.primary), tuple(inputs.graphs),
-                shape.streaming, statistics, predicted, first_peak)
+                shape.streaming, statistics, predicted, first_peak, offload)
 
 
 def chunk_count(config: PipelineConfig, stages: int, ways: int, num_nodes: int, ways_added: bool = False,

@@ -81,7 +81,10 @@ class Runtime:
         self.memory = MemorySample()  # what the first training fill held per chunk (..plan.memory_cost)
         self.schedule = Schedule(plan.num_chunks, W, config.shuffle_chunks, config.seed,
                                  config.unbiased_gradients and not config.late_gradients)  # late: nothing dropped
-        self.tiers = Tiers(dev, config.offload, config.offload_budget, config.offload_dir)
+        if config.offload is None and plan.offload is not None:  # (num_chunks="auto" chose it: plan/memory_fit.py)
+            self.tiers = Tiers(dev, plan.offload, None, config.offload_dir)
+        else:
+            self.tiers = Tiers(dev, config.offload, config.offload_budget, config.offload_dir)
         held = boundary(self.chunked, *bounds[grid.way:grid.way + 2])
         self.history = HistoryStore(plan.num_nodes, dev, self.tiers, held if held.numel() < plan.num_nodes else None,
                                     dtype=config.history_dtype)

@@ -1,0 +1,141 @@
+"""``num_chunks="auto"`` under a memory budget: the first step made to fit before it runs.
+
+The time model (:mod:`.chunk_cost`) picks the fewest chunks near the fastest step. Under a budget
+(:func:`memory_room`: ``memory_budget``, or on an accelerator the least free memory of the ranks less
+:data:`~.memory_cost.MARGIN`) the first step's counted peak per process is then estimated before it
+(:func:`~.memory_cost.first_step_peak`: the candidate partition's structures and history rows counted, the
+rest from one training pass of the model over a chunk, :func:`~..profile.training_pass_memory`), and::
+
+    k = the time model's chunks a way
+    while the estimate at k does not fit and 2k <= min(64, N / W):   k = 2k, partition again
+    fits at some k                     -> the first such k (the fewest: the least stale history)
+    else, the history in host memory   -> the fewest k whose estimate fits with the history, its snapshots
+       fits at some k (offload unset)     and pending gradients in the ``"host"`` tier (chosen here, said in
+                                          the line, saved with the plan; results are the same in every tier)
+    else                               -> the time model's k, and a warning naming the fixes
+
+More chunks shrink a replayed chunk's activations (``a R / k``) but not what every chunk keeps (``b R``) nor
+the history, which grows with the chunks' boundaries: past some count nothing more fits. Keeping the
+activations (``recompute=False``) holds ``a R`` whatever ``k``: the count is not changed then, and the line
+says so. Measured (docs/memory.md): the estimate is 0.92 - 1.00 of the memory model's counted peak of the
+same step after it, on 2 and 4 processes.
+
+Everything is measured and estimated on one rank and broadcast (:func:`~.decide.root_decides`); the other ranks
+take the same decisions from the broadcast numbers.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .chunk_cost import MAX_PER_WAY, PROBES
+from .decide import root_decides
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """What :func:`fit_memory` decided."""
+
+    chunks: int
+    perm: Tensor
+    ptr: Tensor
+    peak: Optional[int] = None         # the estimated first step's counted peak (bytes); None without a budget
+    offload: Optional[str] = None      # "host" where only the history off the device fits
+
+
+def memory_room(config, comm) -> Optional[int]:
+    """The bytes the counted parts of a step may take on every process (:mod:`.memory_cost`): ``memory_budget``,
+    or on an accelerator the least free memory over the ranks less :data:`~.memory_cost.MARGIN`; ``None`` on a
+    CPU without a budget (the processes share the machine's memory: nothing to fit the count to)."""
+    from ..runtime.tiers import free_memory
+    from .memory_cost import MARGIN
+    if config.memory_budget is not None:
+        return int(config.memory_budget)
+    if comm.device.type == "cpu":
+        return None
+    free = comm.all_gather_objects(free_memory(comm.device), "reading each device's free memory")
+    return int(min(free) * (1 - MARGIN))
+
+
+def fit_memory(pass_memory: Callable[[tuple, tuple], object], config, inputs, stages: int, ways: int,
+               chunks: int, perm: Tensor, ptr: Tensor, partition: Callable[[int], Tuple[Tensor, Tensor]], comm,
+               root: int, notes: Optional[List[str]] = None) -> Fitted:
+    """The module docstring's rule for ``chunks`` (the time model's count) cut as ``(perm, ptr)``;
+    ``partition(count)`` cuts the graph again; ``pass_memory``: the training pass of
+    :func:`~..profile.training_pass_memory` on the chunkings it is given (run on ``root``)."""
+    from ...graph.chunks import way_ptr
+    from .memory_cost import MB, PassMemory, chunking_bytes, first_step_peak, history_rows
+    room = memory_room(config, comm)
+    if room is None or stages == 1:
+        return Fitted(chunks, perm, ptr)
+    N = inputs.num_nodes
+    C = min(N, ways * PROBES[0] * stages)
+    probe = torch.linspace(0, N, C + 1).round().long()
+    order = torch.arange(N)
+    measured = root_decides(lambda: torch.tensor(pass_memory((order, probe), (order, way_ptr(probe, ways))).as_list(),
+                                                 dtype=torch.float64),
+                            torch.zeros(6, dtype=torch.float64), comm, root, "measuring a chunk's memory")
+    m = PassMemory(*measured.tolist())
+    copies = 0 if config.offload is not None else \
+        1 + (config.snapshot_period is not None) + (config.smoothing is not None) + bool(config.late_gradients)
+    replay = config.recompute != False  # noqa: E712 - "auto" replays the first step, True every step
+    may_offload = replay and config.offload is None
+    cap = max(1, min(MAX_PER_WAY, N // ways))
+    first = k = chunks // ways
+    cuts = {k: (perm, ptr)}
+    peaks: Dict[int, Tuple[int, int]] = {}   # chunks a way -> the estimate with the history on the device / in the tier
+    said: Dict[int, object] = {}             # (root) chunks a way -> the estimate's parts
+    while True:
+        def estimate() -> Tensor:
+            p, q = cuts[k]
+            structures, edges = chunking_bytes(inputs.graphs, p, q, ways)
+            rows = history_rows(inputs.graphs, p, q, ways)
+            on = first_step_peak(m, N, stages, ways, k, structures, edges, rows, copies, replay,
+                                 offloaded=config.offload is not None)
+            off = first_step_peak(m, N, stages, ways, k, structures, edges, rows, 0, replay, offloaded=True) \
+                if may_offload else on
+            said[k] = on
+            return torch.tensor([on.peak, off.peak], dtype=torch.float64)
+        got = root_decides(estimate, torch.zeros(2, dtype=torch.float64), comm, root,
+                           "estimating the first step's memory").tolist()
+        peaks[k] = (int(got[0]), int(got[1]))
+        if peaks[k][0] <= room or k * 2 > cap or not replay:
+            break
+        k *= 2
+        cuts[k] = partition(k * ways)
+    offload = None
+    if peaks[k][0] <= room:
+        line = f"it fits{f' (the {first * ways} chunks the time model chose would not)' if k != first else ''}."
+    elif any(off <= room for _, off in peaks.values()) and may_offload:
+        k = min(j for j, (_, off) in peaks.items() if off <= room)
+        offload = "host"
+        line = (f"no count up to {max(peaks) * ways} fits with the history on the device; with the history, its "
+                f"snapshots and pending gradients in host memory (offload='host', chosen here: the same results) "
+                f"{k * ways} chunks are estimated at {peaks[k][1] / MB:.0f} MB, which fits.")
+    elif not replay:
+        k, line = first, "it does not fit; recompute='auto' or True replays the activations, which more chunks shrink."
+    else:
+        k = first
+        tier = min(off for _, off in peaks.values())
+        line = (f"it does not fit, nor would any count up to {max(peaks) * ways} (the smallest estimate "
+                f"{min(on for on, _ in peaks.values()) / MB:.0f} MB"
+                f"{f', with the history in host memory {tier / MB:.0f} MB' if may_offload else ''}); more devices "
+                f"split the graph further.")
+    fits = offload is not None or peaks[k][0] <= room
+    if said:
+        est = said[k]
+        line = (f"pyg_pipe: num_chunks='auto': the first step with {k * ways} chunks is estimated at "
+                f"{peaks[k][0] / MB:.0f} MB a process (structures and history {est.resident / MB:.0f}, gradients and "
+                f"optimizer state {est.state / MB:.0f}, activations {(est.activations + est.transient) / MB:.0f}, "
+                f"{'replayed' if replay else 'kept'}) against room for {room / MB:.0f} MB: " + line)
+        (log.info if fits else log.warning)(line)
+        if notes is not None:
+            notes.append(line)
+    perm, ptr = cuts[k]
+    return Fitted(k * ways, perm, ptr, peaks[k][1] if offload else peaks[k][0], offload)

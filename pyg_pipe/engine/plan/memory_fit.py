@@ -17,7 +17,7 @@ rest from one training pass of the model over a chunk, :func:`~..profile.trainin
 More chunks shrink a replayed chunk's activations (``a R / k``) but not what every chunk keeps (``b R``) nor
 the history, which grows with the chunks' boundaries: past some count nothing more fits. Keeping the
 activations (``recompute=False``) holds ``a R`` whatever ``k``: the count is not changed then, and the line
-says so. Measured (docs/memory.md): the estimate is 0.92 - 1.00 of the memory model's counted peak of the
+says so. Measured (docs/memory.md): the estimate is 0.93 - 1.01 of the memory model's counted peak of the
 same step after it, on 2 and 4 processes.
 
 Everything is measured and estimated on one rank and broadcast (:func:`~.decide.root_decides`); the other ranks
@@ -75,7 +75,7 @@ def fit_memory(pass_memory: Callable[[tuple, tuple], object], config, inputs, st
     if room is None or stages == 1:
         return Fitted(chunks, perm, ptr)
     N = inputs.num_nodes
-    C = min(N, ways * PROBES[0] * stages)
+    C = min(N, ways * PROBES[1] * stages)  # (the smaller probe chunk: a quarter of what the time probe holds)
     probe = torch.linspace(0, N, C + 1).round().long()
     order = torch.arange(N)
     measured = root_decides(lambda: torch.tensor(pass_memory((order, probe), (order, way_ptr(probe, ways))).as_list(),

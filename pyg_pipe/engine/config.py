@@ -62,9 +62,10 @@ class PipelineConfig:
             structures and history, gradients and optimizer state, activations and pending gradients, the
             drain's working set), for ``recompute="auto"`` and for ``num_chunks="auto"`` (its count is doubled
             until the first step's peak, estimated before it from one training pass over a chunk, fits; where
-            none does, the history goes to host memory if that fits and ``offload`` is unset: :mod:`.plan.memory_fit`). ``None`` (default): keeping must fit the device's free memory
-            after the first step, less 10 %, and on an accelerator the first step the least free memory of the
-            ranks, less 10 %; on a CPU the count is then chosen from time alone. Not the process's whole
+            none does, the history goes to host memory if that fits and ``offload`` is unset:
+            :mod:`.plan.memory_fit`). ``None`` (default): keeping must fit the device's free memory after the
+            first step, less 10 %, and on an accelerator the first step the least free memory of the ranks,
+            less 10 %; on a CPU the count is then chosen from time alone. Not the process's whole
             footprint (the CUDA context, Python); ``torch.cuda.set_per_process_memory_fraction`` also bounds
             the free memory read.
         offload, offload_budget, offload_dir: historical embeddings (and, streaming, the values between

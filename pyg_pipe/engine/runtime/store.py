@@ -32,6 +32,7 @@ class Store:
         self.ahead: Dict[Tuple[str, int], tuple] = {}                # (value, chunk) -> rows on their way in
         self.prefetched = 0                                          # reads served by :meth:`prefetch`
         self._halos: Dict[int, Tuple[LocalGraph, Tensor]] = {}       # chunk -> its halo ids on the host
+        self.writes: Dict[tuple, list] = {}                         # ("rows"/"grads", value) -> writes to land
 
     def put(self, name: str, lg: LocalGraph, value) -> None:
         """Stores chunk ``lg``'s part of ``value`` (detached). Whether a value is a node value is decided by
@@ -70,8 +71,11 @@ class Store:
             buf = self.rows.get(name)
             if buf is None:
                 buf = self.rows[name] = self.tiers.zeros((self.num_nodes, *value.shape[1:]), value.dtype)
-            buf[lg.start:lg.end] = value.detach().to(buf.device)
-            self.tiers.release(buf)
+
+            def write(rows: Tensor, buf=buf, start=lg.start, end=lg.end) -> None:
+                buf[start:end] = rows.to(buf.device)
+                self.tiers.release(buf)
+            self._write(("rows", name), buf, value.detach(), write)
         else:
             leaves, spec = flatten(value)
             self.chunks.setdefault(name, {})[lg.index] = unflatten(
@@ -79,6 +83,7 @@ class Store:
 
     def gather(self, name: str, ids: Tensor) -> Tensor:
         """Rows ``ids`` of node value ``name``, on the device."""
+        self._land(("rows", name))
         buf = self.rows[name]
         out = self.tiers.to_device(buf[ids.to(buf.device)])
         self.tiers.release(buf)
@@ -93,6 +98,7 @@ class Store:
         if ahead is not None:
             self.prefetched += 1
             return self.tiers.arrive(ahead)
+        self._land(("rows", name))
         return self.tiers.to_device(self._gather(self.rows[name], lg))
 
     def prefetch(self, names, lg: LocalGraph) -> None:
@@ -106,6 +112,7 @@ class Store:
         for name in names:
             buf = self.rows.get(name)
             if buf is not None and (name, lg.index) not in self.ahead and self.tiers.in_tier(buf):
+                self._land(("rows", name))
                 self.ahead[(name, lg.index)] = self.tiers.fetch(self._gather(buf, lg))
 
     def _gather(self, buf: Tensor, lg: LocalGraph) -> Tensor:
@@ -128,6 +135,21 @@ class Store:
             hit = self._halos[id(lg)] = (lg, lg.halo.to(device))
         return hit[1]
 
+    def _write(self, key: tuple, buf: Tensor, rows: Tensor, write) -> None:
+        """``write(rows)`` into ``buf``: at once, or, for a tier buffer on a GPU, once the rows have come to the host
+        on a side stream (:meth:`~.tiers.Tiers.send`), when ``key`` is next read (:meth:`_land`): the host does
+        not wait for the chunk that computed them. In the order they were made, so sums are the same."""
+        sent = self.tiers.send(rows) if self.tiers.in_tier(buf) else None
+        if sent is None:
+            write(rows)
+        else:
+            self.writes.setdefault(key, []).append((sent, write))
+
+    def _land(self, key: tuple) -> None:
+        """The writes :meth:`_write` left for ``key``, done (after their rows arrived)."""
+        for sent, write in self.writes.pop(key, ()):
+            write(self.tiers.received(sent))
+
     def _forget(self, name: str) -> None:
         """Rows of ``name`` read ahead are stale once it changes."""
         if self.ahead:
@@ -140,8 +162,11 @@ class Store:
         if g is None:
             like = self.rows[name]
             g = self.grads[name] = self.tiers.zeros(like.shape, like.dtype)
-        g.index_add_(0, ids.to(g.device), grad.to(g.device, g.dtype))
-        self.tiers.release(g)
+
+        def add(grad: Tensor, g=g, ids=ids) -> None:
+            g.index_add_(0, ids.to(g.device), grad.to(g.device, g.dtype))
+            self.tiers.release(g)
+        self._write(("grads", name), g, grad, add)
 
     def add_grad_local(self, name: str, lg: LocalGraph, grad: Tensor) -> None:
         """Adds ``grad`` (``[rows | halo]`` of chunk ``lg``) to the gradient of node value ``name``: the rows'
@@ -150,17 +175,21 @@ class Store:
         if g is None:
             like = self.rows[name]
             g = self.grads[name] = self.tiers.zeros(like.shape, like.dtype)
-        grad = grad.to(g.device, g.dtype)
-        g[lg.start:lg.end] += grad[:lg.rows]
-        if lg.halo.numel():
-            g.index_add_(0, self._halo(lg, g.device), grad[lg.rows:])
-        self.tiers.release(g)
+
+        def add(grad: Tensor, g=g, lg=lg) -> None:
+            grad = grad.to(g.device, g.dtype)
+            g[lg.start:lg.end] += grad[:lg.rows]
+            if lg.halo.numel():
+                g.index_add_(0, self._halo(lg, g.device), grad[lg.rows:])
+            self.tiers.release(g)
+        self._write(("grads", name), g, grad, add)
 
     def grad_rows(self, name: str, lg: LocalGraph) -> Optional[Tensor]:
         """The gradient of chunk ``lg``'s rows of node value ``name`` (``None``: nothing reached it)."""
         g = self.grads.get(name)
         if g is None:
             return None
+        self._land(("grads", name))
         out = self.tiers.to_device(g[lg.start:lg.end])
         self.tiers.release(g)
         return out
@@ -168,6 +197,8 @@ class Store:
     def drop(self, name: str) -> None:
         """Frees a value and its gradient (after the backward of the group that produced it)."""
         self._forget(name)
+        self.writes.pop(("rows", name), None)
+        self.writes.pop(("grads", name), None)
         for table in (self.rows, self.grads):
             t = table.pop(name, None)
             if t is not None:

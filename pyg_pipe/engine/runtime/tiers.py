@@ -108,13 +108,39 @@ class Tiers:
         :meth:`arrive` waits for (the current stream waits, the host does not); elsewhere the rows as they are."""
         if self.device.type != "cuda" or rows.device == self.device:
             return rows, None
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(self._side):  # (host rows, written already: nothing on the device to wait for)
+        with torch.cuda.stream(self._stream()):  # (host rows, written already: nothing on the device to wait for)
             out = rows.to(self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._side)
         return out, done
+
+    def send(self, rows: Tensor) -> Optional[tuple]:
+        """Starts copying device ``rows`` to pinned host memory on the side stream, after what the current stream
+        has queued (which computes them); ``None`` (nothing started: copy them now) unless on a GPU and not
+        capturing. :meth:`received` waits for the copy."""
+        if self.device.type != "cuda" or rows.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return None
+        side = self._stream()
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        rows.record_stream(side)  # (its memory is not reused before the copy has read it)
+        return host, done
+
+    @staticmethod
+    def received(sent: tuple) -> Tensor:
+        """The host rows :meth:`send` copied, once the copy is done."""
+        host, done = sent
+        done.synchronize()
+        return host
+
+    def _stream(self):
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
 
     def arrive(self, fetched: tuple) -> Tensor:
         """The rows :meth:`fetch` started copying, usable on the current stream."""

@@ -6,7 +6,8 @@ import logging
 import torch
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
-from pyg_pipe.engine.plan.memory_fit import fit_memory
+from pyg_pipe.engine.plan import chunk_cost
+from pyg_pipe.engine.plan.memory_fit import fit_memory, probe_scale
 from pyg_pipe.engine.plan.memory_cost import PassMemory, chunking_bytes, first_step_peak, history_rows
 from pyg_pipe.engine.profile import training_pass_memory
 from pyg_pipe.engine.step.layers import LayerHooks
@@ -110,7 +111,7 @@ def test_the_count_is_raised_to_the_fewest_chunks_whose_first_step_fits(caplog):
     def run(budget, **knobs):
         config = PipelineConfig(num_chunks="auto", memory_budget=budget, **knobs)
         notes = []
-        return fit_memory(lambda *_: m, config, inputs, 2, 1, 2, *cut(2), cut, comm, 0, notes), notes
+        return fit_memory(m, budget, config, inputs, 2, 1, 2, *cut(2), cut, comm, 0, notes), notes
 
     got, notes = run((est[4] + est[8]) // 2)
     assert (got.chunks, got.peak, got.offload) == (8, est[8], None) and torch.equal(got.ptr, cut(8)[1])
@@ -128,8 +129,26 @@ def test_the_count_is_raised_to_the_fewest_chunks_whose_first_step_fits(caplog):
         got, notes = run(1000)
     assert (got.chunks, got.peak, got.offload) == (2, est[2], None) and torch.equal(got.ptr, cut(2)[1])
     assert "does not fit" in notes[0] and "more devices" in notes[0] and "does not fit" in caplog.text
-    assert fit_memory(lambda *_: m, PipelineConfig(num_chunks="auto"), inputs, 2, 1, 2, *cut(2), cut, comm,
-                      0).peak is None
+    assert fit_memory(m, None, PipelineConfig(num_chunks="auto"), inputs, 2, 1, 2, *cut(2), cut, comm, 0).peak \
+        is None
+
+
+def test_under_a_tight_budget_the_time_model_times_smaller_chunks():
+    """The time model's larger probe holds the whole model's activations over N / (2 S W) rows; where that is more
+    than half the room its chunks are made smaller, by powers of 2 (and the timing then samples those)."""
+    m = PassMemory(saved=1000.0, boundary=0.0, history=0.0, cache=0.0, way_cache=0.0, params=0.0)
+    N, S, W = 8000, 2, 1                     # the larger probe: 2000 rows, 2 MB
+    assert probe_scale(m, 10 ** 7, N, S, W) == 1
+    assert probe_scale(m, 2 * 10 ** 6, N, S, W) == 2
+    assert probe_scale(m, 10 ** 6, N, S, W) == 4
+    assert probe_scale(m, 1, N, S, W) == 2048  # (down to a row)
+    rows = []
+
+    def seconds_of(perm, ptr):
+        rows.append(int(ptr[1] - ptr[0]))
+        return 1e-3 * (1 + rows[-1] / 100)
+    chunk_cost.measure(seconds_of, N, S, W, scale=4)
+    assert rows == [N // (2 * 2 * 4), N // (8 * 2 * 4)]
 
 
 def _worker(rank, world):

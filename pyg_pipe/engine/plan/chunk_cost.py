@@ -122,12 +122,14 @@ def fit(samples: List[tuple]) -> tuple:
     return max(0.0, t1 - b * r1), b
 
 
-def measure(seconds_of: Callable[[Tensor, Tensor], float], num_nodes: int, stages: int, ways: int) -> tuple:
+def measure(seconds_of: Callable[[Tensor, Tensor], float], num_nodes: int, stages: int, ways: int,
+            scale: int = 1) -> tuple:
     """``(a, b)`` from a training pass timed on the first chunk of contiguous chunkings with :data:`PROBES`
-    times ``stages`` chunks a way (``seconds_of(perm, ptr)``)."""
+    times ``stages`` chunks a way (``seconds_of(perm, ptr)``); ``scale`` times more chunks where a memory budget
+    leaves no room for the larger probe (:func:`~.memory_fit.probe_scale`)."""
     samples = []
     for k in PROBES:
-        C = min(num_nodes, ways * k * stages)
+        C = min(num_nodes, ways * k * stages * scale)
         ptr = torch.linspace(0, num_nodes, C + 1).round().long()
         seconds = float(seconds_of(torch.arange(num_nodes), ptr))
         samples.append((int(ptr[1] - ptr[0]), seconds))
@@ -135,14 +137,14 @@ def measure(seconds_of: Callable[[Tensor, Tensor], float], num_nodes: int, stage
 
 
 def auto_chunks(seconds_of: Callable[[Tensor, Tensor], float], num_nodes: int, stages: int, ways: int,
-                fallback: int, shared: float = 0.0) -> Tuple[int, str, Optional[float]]:
+                fallback: int, shared: float = 0.0, scale: int = 1) -> Tuple[int, str, Optional[float]]:
     """``num_chunks="auto"`` on the rank that measures: ``(chunks, the line that says why, the predicted step
     in seconds)``; ``fallback`` chunks (the rule of ``num_chunks=None``, no prediction) where the layers cannot
     be timed; ``shared``: ``u`` (:func:`shared_cores`). (The plan broadcasts it.)"""
     if stages == 1:
         return ways, "", None
     try:
-        a, b = measure(seconds_of, num_nodes, stages, ways)
+        a, b = measure(seconds_of, num_nodes, stages, ways, scale)
     except Exception as exc:  # noqa: BLE001 - a model the timing pass cannot run still trains, with the fixed rule
         return fallback, (f"pyg_pipe: num_chunks='auto' could not time a training pass of the model "
                           f"({type(exc).__name__}: "
@@ -153,16 +155,18 @@ def auto_chunks(seconds_of: Callable[[Tensor, Tensor], float], num_nodes: int, s
 
 
 def choose_chunks(pass_seconds: Optional[Callable[[Tensor, Tensor], float]], num_nodes: int, stages: int, ways: int,
-                  fixed: int, comm, root: int, notes: Optional[List[str]] = None) -> Tuple[int, Optional[float]]:
+                  fixed: int, comm, root: int, notes: Optional[List[str]] = None,
+                  scale: int = 1) -> Tuple[int, Optional[float]]:
     """``num_chunks="auto"`` (:mod:`.chunk_cost`): measured and chosen on ``root``, broadcast, said in one line.
-    Returns the count and the step predicted for it (seconds; ``None`` when nothing was measured)."""
+    Returns the count and the step predicted for it (seconds; ``None`` when nothing was measured). ``scale``: of
+    :func:`measure`."""
     if pass_seconds is None or stages == 1:
         return fixed, None
     said: List[str] = []
     shared = machine_share(comm, root)
 
     def decide() -> Tensor:
-        chunks, line, predicted = auto_chunks(pass_seconds, num_nodes, stages, ways, fixed, shared)
+        chunks, line, predicted = auto_chunks(pass_seconds, num_nodes, stages, ways, fixed, shared, scale)
         said.append(line)
         return torch.tensor([chunks, -1.0 if predicted is None else predicted], dtype=torch.float64)
 

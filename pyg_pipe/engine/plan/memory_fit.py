@@ -20,6 +20,10 @@ activations (``recompute=False``) holds ``a R`` whatever ``k``: the count is not
 says so. Measured (docs/memory.md): the estimate is 0.93 - 1.01 of the memory model's counted peak of the
 same step after it, on 2 and 4 processes.
 
+The memory is measured before the time model times anything: its larger probe runs the whole model over
+``N / (2 S W)`` rows, half a stage's activations, and where that would take more than half the room the probe
+chunks are made smaller (:func:`probe_scale`), so that choosing the plan is not what runs out of memory.
+
 Everything is measured and estimated on one rank and broadcast (:func:`~.decide.root_decides`); the other ranks
 take the same decisions from the broadcast numbers.
 """
@@ -32,8 +36,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ...graph.chunks import way_ptr
 from .chunk_cost import MAX_PER_WAY, PROBES
 from .decide import root_decides
+from .memory_cost import MB, PassMemory, chunking_bytes, first_step_peak, history_rows
 
 log = logging.getLogger(__name__)
 
@@ -63,25 +69,49 @@ def memory_room(config, comm) -> Optional[int]:
     return int(min(free) * (1 - MARGIN))
 
 
-def fit_memory(pass_memory: Callable[[tuple, tuple], object], config, inputs, stages: int, ways: int,
-               chunks: int, perm: Tensor, ptr: Tensor, partition: Callable[[int], Tuple[Tensor, Tensor]], comm,
-               root: int, notes: Optional[List[str]] = None) -> Fitted:
-    """The module docstring's rule for ``chunks`` (the time model's count) cut as ``(perm, ptr)``;
-    ``partition(count)`` cuts the graph again; ``pass_memory``: the training pass of
-    :func:`~..profile.training_pass_memory` on the chunkings it is given (run on ``root``)."""
-    from ...graph.chunks import way_ptr
-    from .memory_cost import MB, PassMemory, chunking_bytes, first_step_peak, history_rows
-    room = memory_room(config, comm)
-    if room is None or stages == 1:
-        return Fitted(chunks, perm, ptr)
-    N = inputs.num_nodes
-    C = min(N, ways * PROBES[1] * stages)  # (the smaller probe chunk: a quarter of what the time probe holds)
+def measure_memory(pass_memory: Callable[[tuple, tuple], object], num_nodes: int, stages: int, ways: int, comm,
+                   root: int) -> PassMemory:
+    """:class:`~.memory_cost.PassMemory` from ``pass_memory`` (:func:`~..profile.training_pass_memory` on the
+    chunkings it is given) on ``root``, on the smaller probe chunk of the time model (``N / (8 S W)`` rows: a
+    quarter of what its larger one holds), broadcast."""
+    N = num_nodes
+    C = min(N, ways * PROBES[1] * stages)
     probe = torch.linspace(0, N, C + 1).round().long()
     order = torch.arange(N)
     measured = root_decides(lambda: torch.tensor(pass_memory((order, probe), (order, way_ptr(probe, ways))).as_list(),
                                                  dtype=torch.float64),
                             torch.zeros(6, dtype=torch.float64), comm, root, "measuring a chunk's memory")
-    m = PassMemory(*measured.tolist())
+    return PassMemory(*measured.tolist())
+
+
+def probe_scale(m, room: int, num_nodes: int, stages: int, ways: int, notes: Optional[List[str]] = None) -> int:
+    """How many times smaller the time model's probe chunks must be (a power of 2) for its larger pass, which
+    holds the whole model's activations over ``N / (2 S W)`` rows (``m.saved`` a row), to take at most half of
+    ``room``: on a device that the graph nearly fills, timing must not be what runs out of memory (said in a
+    line when it does)."""
+    rows = num_nodes / (PROBES[0] * stages * ways)
+    scale = 1
+    while m.saved * rows / scale > room / 2 and rows / scale > 1:
+        scale *= 2
+    if scale > 1:
+        line = (f"pyg_pipe: num_chunks='auto': timing the model on chunks {scale}x smaller than usual (a pass of the "
+                f"whole model over {rows:.0f} rows would hold about {m.saved * rows / MB:.0f} MB, more than half the "
+                f"room for {room / MB:.0f} MB).")
+        log.info(line)
+        if notes is not None and line not in notes:
+            notes.append(line)
+    return scale
+
+
+def fit_memory(m, room: Optional[int], config, inputs, stages: int, ways: int, chunks: int, perm: Tensor,
+               ptr: Tensor, partition: Callable[[int], Tuple[Tensor, Tensor]], comm, root: int,
+               notes: Optional[List[str]] = None) -> Fitted:
+    """The module docstring's rule for ``chunks`` (the time model's count) cut as ``(perm, ptr)``, under ``room``
+    bytes (:func:`memory_room`; ``None``: nothing to fit); ``m``: :func:`measure_memory`'s measures;
+    ``partition(count)`` cuts the graph again."""
+    if room is None or stages == 1:
+        return Fitted(chunks, perm, ptr)
+    N = inputs.num_nodes
     copies = 0 if config.offload is not None else \
         1 + (config.snapshot_period is not None) + (config.smoothing is not None) + bool(config.late_gradients)
     replay = config.recompute != False  # noqa: E712 - "auto" replays the first step, True every step

@@ -27,7 +27,7 @@ from ...model.split import balance, parameter_stages, split, stage_groups
 from ...model.trace import Program, trace
 from ..config import PipelineConfig
 from .chunk_cost import choose_chunks
-from .memory_fit import fit_memory
+from .memory_fit import fit_memory, measure_memory, memory_room, probe_scale
 from .decide import root_decides
 from .norms import refuse_statistics, resolve_statistics
 from .grid import check_chunks_per_way, grid_shape, ways_for_layers
@@ -192,7 +192,7 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
     """
     S, W = shape.stages, shape.ways
     auto = config.num_chunks == "auto"
-    predicted, first_peak, fresh, offload = None, None, False, None
+    predicted, first_peak, fresh, offload, measured = None, None, False, None, None
     if shape.streaming and (config.num_chunks is None or auto):
         wanted = stream_chunks(config, inputs, comm.device)
     elif auto:  # measured once: a resume keeps the saved count
@@ -201,8 +201,12 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
             wanted = saved["num_chunks"]
         elif chosen is not None and chosen[0] <= inputs.num_nodes:
             wanted, predicted, offload = (tuple(chosen) + (None,))[:3]
-        else:
-            wanted, predicted = choose_chunks(pass_seconds, inputs.num_nodes, S, W, fixed, comm, root, notes)
+        else:  # under a memory budget the memory is measured first, so that the timing fits too (memory_fit)
+            room = memory_room(config, comm) if pass_seconds is not None and pass_memory is not None and S > 1 \
+                else None
+            measured = None if room is None else measure_memory(pass_memory, inputs.num_nodes, S, W, comm, root)
+            scale = 1 if measured is None else probe_scale(measured, room, inputs.num_nodes, S, W, notes)
+            wanted, predicted = choose_chunks(pass_seconds, inputs.num_nodes, S, W, fixed, comm, root, notes, scale)
             fresh = pass_seconds is not None
     else:
         wanted = chunk_count(config, S, W, inputs.num_nodes, shape.ways_added, notes)
@@ -214,8 +218,8 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
     else:
         C = wanted
         perm, ptr = partition(config, inputs, C, W, comm, root)
-        if fresh and pass_memory is not None:  # the first step must fit the memory: more chunks if not
-            fitted = fit_memory(pass_memory, config, inputs, S, W, C, perm, ptr,
+        if fresh and measured is not None:  # the first step must fit the memory: more chunks if not
+            fitted = fit_memory(measured, room, config, inputs, S, W, C, perm, ptr,
                                 lambda n: partition(config, inputs, n, W, comm, root), comm, root, notes)
             C, perm, ptr, first_peak, offload = fitted.chunks, fitted.perm, fitted.ptr, fitted.peak, fitted.offload
     statistics = resolve_statistics(config.per_chunk_statistics, module, C // W, shape.streaming, notes)

@@ -179,13 +179,11 @@ def training_pass_memory(module: torch.nn.Module, fn: Callable, program: Program
     then a no-grad pass over the first chunk of ``way_chunking`` (one chunk a way, as the exact passes run) for
     what the layers cache there. Changes nothing (the gradients, buffers and random streams are put back)."""
     from .plan.memory_cost import reachable, storages
-    from .step.chunk import SavedBytes
+    from .step.chunk import SavedBytes, input_storages
     probe = _ChunkProbe(module, fn, program, groups, inputs, device, chunking)
     params = list(module.parameters())
-    exclude = set()
-    for t in params + [t for t in flatten((inputs.args, inputs.kwargs))[0] if isinstance(t, Tensor)]:
-        exclude |= storages(t)
-    for d in inputs.data:
+    exclude = input_storages(module, inputs)
+    for d in inputs.data:  # (and what ``Data`` arguments carry)
         for _, v in d.items():
             if isinstance(v, Tensor):
                 exclude |= storages(v)
@@ -230,8 +228,10 @@ def _crossing_bytes(program: Program, groups: list, env: dict, exclude) -> List[
     for i, g in enumerate(groups):
         for n in g:
             used = max((group_of.get(u.name, last) for u in n.users), default=i)
-            for cut in range(i, min(used, last - 1)):
-                cuts[cut].update(reachable([env.get(n.name)], exclude))
+            if used > i and i < last - 1:  # (its storages found once, for every cut it crosses)
+                found = reachable([env.get(n.name)], exclude)
+                for cut in range(i, min(used, last - 1)):
+                    cuts[cut].update(found)
     return [float(sum(c.values())) for c in cuts]
 
 

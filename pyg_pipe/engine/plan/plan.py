@@ -27,8 +27,8 @@ from ...model.split import balance, parameter_stages, split, stage_groups
 from ...model.trace import Program, trace
 from ..config import PipelineConfig
 from .chunk_cost import choose_chunks
-from .memory_fit import fit_memory, measure_memory, memory_room, probe_scale
 from .decide import root_decides
+from .memory_fit import fit_memory, measure_memory, memory_room, probe_scale
 from .norms import refuse_statistics, resolve_statistics
 from .grid import check_chunks_per_way, grid_shape, ways_for_layers
 
@@ -187,7 +187,7 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
             strategy (fit, then test): taken instead of measuring again, unless a checkpoint's plan is resumed.
         pass_memory: what one training pass of the model over the first chunk of the chunking it is given holds,
             and what the layers cache on the first chunk of the one-chunk-a-way chunking given second
-            (:class:`~..profile.PassMemory`; called on ``root`` for ``num_chunks="auto"`` under a memory budget:
+            (:class:`~.memory_cost.PassMemory`; called on ``root`` for ``num_chunks="auto"`` under a memory budget:
             :func:`~.memory_fit.fit_memory`).
     """
     S, W = shape.stages, shape.ways

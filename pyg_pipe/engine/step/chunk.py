@@ -132,10 +132,10 @@ def sample_memory(rt: Runtime, rec: "ChunkRecord", saved: Optional[SavedBytes], 
     sample.kept(rows, held, received)
 
 
-def input_storages(rt: Runtime, inputs) -> set:
-    """The storages a chunk's measure leaves out: the call's inputs (the user's data) and the parameters."""
+def input_storages(module: torch.nn.Module, inputs) -> set:
+    """The storages a chunk's measure leaves out: the call's inputs (the user's data) and ``module``'s parameters."""
     out: set = set()
-    for t in flatten((inputs.args, inputs.kwargs))[0] + list(rt.module.parameters()):
+    for t in flatten((inputs.args, inputs.kwargs))[0] + list(module.parameters()):
         if isinstance(t, Tensor):
             out |= storages(t)
     return out

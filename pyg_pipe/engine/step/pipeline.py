@@ -97,7 +97,7 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
     stat_history = rt.statistics_history(call)
     measure = not rt.memory.done  # the first training fill: what a chunk holds (..plan.memory_cost)
     if measure:
-        rt.memory.exclude = input_storages(rt, inputs)
+        rt.memory.exclude = input_storages(rt.module, inputs)
     ahead = rt.config.overlap and grid.prev is not None
     watching = use_history and rt.meter.on and rt.meter.random is None  # (the first step: whether the fill draws
     if watching:                                                        # random numbers, staleness.py)

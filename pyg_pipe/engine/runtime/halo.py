@@ -78,6 +78,7 @@ class _Routes:
 
     def __init__(self):
         self.own_pos = self.own_scale = self.own_ids = None                 # fresh reads of this way's chunks
+        self.own_at = None                                                  # ... their rows in the history's buffers
         self.stale_pos = self.stale_ids = None                              # halo rows read stale
         self.sends: List[Tuple[int, Tensor, Tensor]] = []                   # (way, halo positions, scale)
         self.recvs: List[Tuple[int, int, Tensor, Tensor, Tensor, Tensor]] = []  # (way, n, cur sel, cur rows,
@@ -153,6 +154,13 @@ class HaloPass:
         self.clock = clock
         self.read_history, self.write_history = read_history, write_history
         self.late = exchange.late and read_history
+        # one way reading and writing history (the pipeline's fill): a chunk's rows and halo sit in the buffers
+        # at places decided once (:meth:`CallHistory.slot`), so a join only copies and gathers
+        own = self.grid.ways == 1 and isinstance(history, CallHistory)
+        self._direct = own and read_history and write_history
+        # ... and the pending gradients on the device, none kept for the next step: a backward adds and takes
+        # them in place (:meth:`_direct_backward`)
+        self._direct_grads = own and history.tiers.offload is None and not self.late
         self._routes: Dict[Tuple[int, int], _Routes] = {}
         self.reads: Dict[str, List[Tuple[ChunkedGraph, LocalGraph]]] = {}  # site -> chunks that read history there
 
@@ -172,12 +180,30 @@ class HaloPass:
         if vdim:
             rows = rows.movedim(vdim, 0)
         out = rows.new_empty((lg.num_local, *rows.shape[1:]))
-        self._halo(key, cg, lg, rows, out[lg.rows:])
+        if not (self._direct and self._direct_halo(key, cg, lg, rows, out[lg.rows:])):
+            self._halo(key, cg, lg, rows, out[lg.rows:])
         if torch.is_grad_enabled() and rows.requires_grad:
             out = _HaloJoin.apply(rows, [out], self, (key, cg, lg))
         else:
             out[:lg.rows].copy_(rows)
         return out.movedim(0, vdim) if vdim else out
+
+    def _direct_halo(self, key: str, cg: ChunkedGraph, lg: LocalGraph, rows: Tensor, halo: Tensor) -> bool:
+        """:meth:`_halo` of a fill with one way, where the buffer is read and written in place (``False``: not
+        here, a replay or recomputation, or a buffer in a tier or another dtype)."""
+        ctx = current()
+        if ctx is None or ctx.replay or ctx.recomputing():
+            return False
+        slot = self.history.slot(key, lg, rows)
+        if slot is None:
+            return False
+        if slot.pos is None:
+            slot.into.copy_(rows.detach())
+        else:
+            torch.index_select(rows.detach(), 0, slot.pos, out=slot.into)
+        torch.index_select(slot.buf, 0, slot.halo, out=halo)
+        self.reads.setdefault(key, []).append((cg, lg))
+        return True
 
     def _halo(self, key: str, cg: ChunkedGraph, lg: LocalGraph, rows: Tensor, halo: Tensor) -> None:
         """Fills ``halo`` with the true halo rows (exchanged, or from history)."""
@@ -273,6 +299,8 @@ class HaloPass:
     def backward(self, token: tuple, g_rows: Tensor, g_halo: Tensor) -> Tensor:
         key, cg, lg = token
         r = self._route(cg, lg)
+        if self._direct_grads:
+            return self._direct_backward(key, lg, r, g_rows, g_halo)
         g_rows = g_rows.clone()
         if self.history is not None:  # what other chunks' reads of these rows sent back
             self.history.take_grad(key, lg.start, lg.end, g_rows)
@@ -298,6 +326,32 @@ class HaloPass:
                 g_rows.index_add_(0, cur_rows, g[cur_sel])
             if other_sel.numel():
                 self.history.add_grad(key, other_ids, g[other_sel])
+        return g_rows
+
+    def _direct_backward(self, key: str, lg: LocalGraph, r: _Routes, g_rows: Tensor, g_halo: Tensor) -> Tensor:
+        """:meth:`backward` with one way and the pending gradients ``G`` on the device: ``g_rows`` plus what
+        later chunks' reads sent back, and the fresh reads' gradients (scaled by T3) added to ``G`` at their
+        owners' rows."""
+        h = self.history
+        g = h.grads.get(key)
+        if g is not None and g.dtype == g_rows.dtype:
+            pos, at = h.span(lg.start, lg.end, g)
+            g_rows = g_rows + g[at] if pos is None else g_rows.index_add(0, pos, g[at])
+        else:
+            g_rows = g_rows.clone()
+            if g is not None:
+                h.take_grad(key, lg.start, lg.end, g_rows)
+        if r.own_pos is None:
+            return g_rows
+        fresh = g_halo.index_select(0, r.own_pos)
+        if g is None:
+            g = h.grads[key] = g_halo.new_zeros((h.size, *g_halo.shape[1:]))
+        if r.own_at is None or r.own_at.device != g.device:
+            r.own_at = h.positions(r.own_ids, g)
+        if isinstance(r.own_scale, float):  # T3's scale applied as the gradient is added (one call less)
+            g.index_add_(0, r.own_at, fresh.to(g.dtype), alpha=r.own_scale)
+        else:
+            g.index_add_(0, r.own_at, _scaled(fresh, r.own_scale).to(g.dtype))
         return g_rows
 
 

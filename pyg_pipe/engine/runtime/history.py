@@ -38,12 +38,22 @@ memory, files on disk) is :mod:`.tiers`' business.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from .tiers import Tiers
+
+
+class Slot(NamedTuple):
+    """Where one chunk's rows and halo sit in the buffer of one key (:meth:`CallHistory.slot`): decided once,
+    then only indexed."""
+
+    buf: Tensor                  # the buffer
+    into: Tensor                 # the buffer rows the chunk's held rows are written to (one slice)
+    pos: Optional[Tensor]        # which of the chunk's rows are held (``None``: all)
+    halo: Tensor                 # the buffer rows of the chunk's halo
 
 
 class CallHistory:
@@ -73,6 +83,8 @@ class CallHistory:
         self.size, self.local = num_nodes, None          # buffer rows; vertex id -> buffer row (None: the same)
         self._spans: Dict[tuple, tuple] = {}
         self._maps: Dict[int, tuple] = {}
+        self._slots: Dict[tuple, tuple] = {}
+        self._halo_rows: Dict[int, tuple] = {}
         if rows is not None:
             self.size = rows.numel()
             self.local = torch.full((num_nodes,), -1, dtype=torch.long, device=device)
@@ -104,7 +116,26 @@ class CallHistory:
             buf = self.buffers[key] = self.tiers.zeros((self.size, *like.shape[1:]), dtype)
         return buf
 
-    def _at(self, ids: Tensor, buf: Tensor) -> Tensor:
+    def slot(self, key: str, lg, like: Tensor) -> Optional[Slot]:
+        """The :class:`Slot` of chunk ``lg`` (a :class:`~pyg_pipe.graph.chunks.LocalGraph`) in the buffer of
+        ``key``, or ``None`` where the buffer cannot be read and written in place by ``like``'s rows (kept in
+        another dtype, on another device, or in a tier). Kept while the buffer is the same tensor."""
+        buf = self.buffer(key, like)
+        hit = self._slots.get((key, id(lg)))
+        if hit is not None and hit[0] is buf and hit[1] is lg:
+            return hit[2]
+        slot = None
+        if buf.device == like.device and buf.dtype == like.dtype and not self.tiers.in_tier(buf):
+            pos, at = self.span(lg.start, lg.end, buf)
+            halo = self._halo_rows.get(id(lg))  # (one per chunk, whatever the key)
+            if halo is None or halo[0] is not lg or halo[1].device != buf.device:
+                halo = self._halo_rows[id(lg)] = (lg, (lg.halo if self.local is None else self.local[lg.halo]).to(
+                    buf.device))
+            slot = Slot(buf, buf[at], pos, halo[1])
+        self._slots[(key, id(lg))] = (buf, lg, slot)
+        return slot
+
+    def positions(self, ids: Tensor, buf: Tensor) -> Tensor:
         """Buffer rows of the vertices ``ids``, on ``buf``'s device (the map's lookup kept per ``ids`` tensor:
         a chunk's halo ids are the same tensor every step)."""
         if self.local is None:
@@ -116,7 +147,7 @@ class CallHistory:
             hit = self._maps[id(ids)] = (ids, self.local[ids].to(buf.device))
         return hit[1]
 
-    def _span(self, start: int, end: int, buf: Tensor):
+    def span(self, start: int, end: int, buf: Tensor):
         """``(positions, buffer rows)`` of the held vertices among ``start .. end-1``: positions within the
         span (``None``: all of them), and the buffer rows, always one slice (buffer rows follow vertex ids),
         computed once per span."""
@@ -143,7 +174,7 @@ class CallHistory:
     def write(self, key: str, start: int, rows: Tensor) -> None:
         """Stores the rows ``start .. start + len(rows) - 1`` (vertex-first, detached)."""
         buf = self.buffer(key, rows)
-        pos, at = self._span(start, start + rows.size(0), buf)
+        pos, at = self.span(start, start + rows.size(0), buf)
         rows = rows.detach()
         into = buf.narrow(0, at.start, at.stop - at.start)
         if pos is None:
@@ -157,13 +188,13 @@ class CallHistory:
     def write_ids(self, key: str, ids: Tensor, rows: Tensor) -> None:
         """Stores ``rows`` at the vertices ``ids``."""
         buf = self.buffer(key, rows)
-        buf.index_copy_(0, self._at(ids, buf), rows.detach().to(buf.device, buf.dtype))
+        buf.index_copy_(0, self.positions(ids, buf), rows.detach().to(buf.device, buf.dtype))
         self.tiers.release(buf)
 
     def read(self, key: str, ids: Tensor, like: Tensor, out: Optional[Tensor] = None) -> Tensor:
         """The stored rows ``ids`` (a copy, on the device; into ``out`` when given)."""
         buf = self.buffer(key, like)
-        at = self._at(ids, buf)
+        at = self.positions(ids, buf)
         if out is not None and buf.device == out.device and buf.dtype == out.dtype:
             rows = torch.index_select(buf, 0, at, out=out)
         else:
@@ -179,7 +210,7 @@ class CallHistory:
         start = self.start.get(key)
         if start is None:
             return like.new_zeros((ids.numel(), *like.shape[1:]))
-        rows = self.tiers.to_device(start.index_select(0, self._at(ids, start))).to(like.dtype)
+        rows = self.tiers.to_device(start.index_select(0, self.positions(ids, start))).to(like.dtype)
         self.tiers.release(start)
         return rows
 
@@ -196,7 +227,7 @@ class CallHistory:
             else:  # offloaded: the same files every step (two for the late ones: this step's and the last)
                 role = f"late{self._step % 2}" if late else "grads"
                 g = store[key] = self._reused(role, key, shape, grad.dtype).zero_()
-        g.index_add_(0, self._at(ids, g), grad.to(g.device, g.dtype), alpha=alpha)
+        g.index_add_(0, self.positions(ids, g), grad.to(g.device, g.dtype), alpha=alpha)
         self.tiers.release(g)
 
     def take_grad(self, key: str, start: int, end: int, into: Tensor) -> None:
@@ -206,7 +237,7 @@ class CallHistory:
             g = store.get(key)
             if g is None:
                 continue
-            pos, at = self._span(start, end, g)
+            pos, at = self.span(start, end, g)
             part = self.tiers.to_device(g[at]).to(into.dtype)
             self.tiers.release(g)
             if pos is None:

@@ -12,6 +12,7 @@ does not depend on). One function per figure; from the command line, the figure'
     python benchmarks/plots.py timeline docs/results/timeline_p4.json
     python benchmarks/plots.py gpu docs/results/gpu/summary.json
     python benchmarks/plots.py auto_chunks docs/img/auto_chunks.png GRID.json[:CHECK.json] ...
+    python benchmarks/plots.py zoo docs/img/zoo_accuracy.png docs/results/zoo_accuracy_2.json docs/results/zoo_accuracy_8.json
 """
 import json
 import os
@@ -503,10 +504,41 @@ def gpu(path):
     print(out)
 
 
+def zoo(args):
+    """Draws what chunks cost each PyG conv class (``zoo_accuracy.py``'s JSON, one file per chunk count): the
+    test accuracy's difference to one process in points, a bar per layer and count, sorted by the last file's.
+
+        python benchmarks/plots.py zoo OUT.png RESULT.json ...
+    """
+    out, paths = args[0], args[1:]
+    runs = []
+    for path in paths:
+        d = json.load(open(path))
+        for c in d["setting"]["chunks"]:
+            deltas = {name: 100 * (statistics.mean(r[str(c)]) - statistics.mean(r["one"]))
+                      for name, r in d["results"].items() if not isinstance(r[str(c)], str)}
+            runs.append((f"{c} chunks", deltas))
+    names = sorted(runs[-1][1], key=lambda n: runs[-1][1][n])
+    fig, ax = plt.subplots(figsize=(6.5, 0.16 * len(names) + 1.2))
+    h = 0.8 / len(runs)
+    for i, (label, deltas) in enumerate(runs):
+        ys = [j + (i - (len(runs) - 1) / 2) * h for j in range(len(names))]
+        ax.barh(ys, [deltas.get(n, 0.0) for n in names], h, label=label)
+    ax.axvline(0, color="black", lw=0.6)
+    for x in (-1, 1):
+        ax.axvline(x, color="grey", lw=0.5, ls=":")
+    ax.set_yticks(range(len(names)), names, fontsize=6)
+    ax.set_xlabel("test accuracy, points against one process (mean over seeds)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(out)
+
+
 #: figure name -> (function, whether it takes a list of inputs)
 FIGURES = {"epoch": (epoch, True), "comm": (comm, False), "convergence": (convergence, False), "memory": (memory, False),
            "memory_ab": (memory_ab, False), "memory_prediction": (memory_prediction, False), "speed": (speed, True), "sweep": (sweep, False), "timeline": (timeline, False),
-           "gpu": (gpu, False), "auto_chunks": (auto_chunks, True)}
+           "gpu": (gpu, False), "auto_chunks": (auto_chunks, True), "zoo": (zoo, True)}
 
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] not in FIGURES:

@@ -14,6 +14,7 @@ So this measures what staleness costs each layer, many cases in one process.
 
     python benchmarks/convergence/zoo_accuracy.py --chunks 4 8 --seeds 0 1 2 --out docs/results/zoo_accuracy.json
     python benchmarks/convergence/zoo_accuracy.py --cases GCNConv GATConv --chunks 8 --seeds 0   # a few
+    python benchmarks/convergence/zoo_accuracy.py --cases ChebConv --config '{"max_age": 0}'     # other knobs
 """
 import argparse
 import copy
@@ -64,7 +65,7 @@ def train(net, data, inputs, epochs: int) -> dict:
     return {"test": test, "val": best_val, "loss": float(loss)}
 
 
-def run_case(name: str, data, inputs, chunks, seeds, epochs: int) -> dict:
+def run_case(name: str, data, inputs, chunks, seeds, epochs: int, config: dict = None) -> dict:
     import torch
 
     from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
@@ -77,7 +78,8 @@ def run_case(name: str, data, inputs, chunks, seeds, epochs: int) -> dict:
         out["one"].append(train(copy.deepcopy(init), data, inputs, epochs)["test"])
         for c in chunks:
             net = copy.deepcopy(init)
-            engine = GNNPipeEngine(net, PipelineConfig(num_chunks=c, balance="layers", streaming=False),
+            engine = GNNPipeEngine(net, PipelineConfig(num_chunks=c, balance="layers", streaming=False,
+                                                               **(config or {})),
                                    Comm(torch.device("cpu")), num_stages=1, ways=1)
             engine.install()
             try:
@@ -98,6 +100,8 @@ def main():
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--nodes", type=int, default=1200)
     p.add_argument("--epochs", type=int, default=100)
+    p.add_argument("--config", type=json.loads, default={},
+                   help='engine knobs as JSON, e.g. \'{"max_age": 0}\' or \'{"late_gradients": true}\'')
     p.add_argument("--out", default=None)
     args = p.parse_args()
     import logging
@@ -110,11 +114,12 @@ def main():
     data, inputs = community(args.nodes)
     names = args.cases or list(ZOO)
     results = {}
-    print(f"| layer | one process | " + " | ".join(f"{c} chunks (Δ points)" for c in args.chunks) + " | s |")
+    print("| layer | one process | " + " | ".join(f"{c} chunks (Δ points)" for c in args.chunks) + " | s |")
     print("|---|---:|" + "---:|" * len(args.chunks) + "---:|")
     for name in names:
         t0 = time.perf_counter()
-        r = results[name] = run_case(name, data, inputs, args.chunks, args.seeds, args.epochs)
+        r = results[name] = run_case(name, data, inputs, args.chunks, args.seeds, args.epochs,
+                                              args.config)
         one = statistics.mean(r["one"])
         cells = []
         for c in args.chunks:

@@ -81,6 +81,9 @@ class Observer(Protocol):
     def paused(self):
         """A context manager: the operations run inside are the engine's, not the user's."""
 
+    def refuse(self, message: str) -> None:
+        """A refusal found while the pass runs: raised on every rank once the pass is over."""
+
 
 @dataclass
 class Invocation:

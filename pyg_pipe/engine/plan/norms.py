@@ -19,19 +19,19 @@ def resolve_statistics(setting: Union[bool, str], module: torch.nn.Module, chunk
     """``per_chunk_statistics="auto"`` (the default): with several chunks per way in the pipeline, BatchNorm and
     GraphNorm on vertex rows take historical statistics (``"history"``: measured within 0.1 point of one
     process, docs/convergence.md), told in one line; anything else is as ``False`` (refused before training,
-    naming the choices), including a norm inside a message-passing layer, whose statistics may run over the
-    layer's edges (``"history"`` covers vertex rows; which one it is shows only when the layer runs)."""
+    naming the choices). A BatchNorm inside a message-passing layer is included: on the vertex rows the layer
+    computes (GIN's MLP after aggregation, GENConv's) it takes historical statistics; one in the layer's message
+    function normalises over edges, which history does not cover, and is refused by name when the layer first
+    runs, on every rank (:mod:`..step.norms`); so is a GraphNorm there."""
     if setting != "auto":
         return setting
     if chunks_per_way == 1 or streaming:
         return False
     from torch_geometric.nn import BatchNorm as PygBatchNorm
     from torch_geometric.nn import GraphNorm
-    from torch_geometric.nn import MessagePassing
     norms = [name for name, m in module.named_modules() if needs_statistics(m)]
     covered = [name for name, m in module.named_modules() if isinstance(m, (BATCH_NORM, PygBatchNorm, GraphNorm))]
-    layers = [name + "." for name, m in module.named_modules() if isinstance(m, MessagePassing)]
-    if not norms or not set(norms) <= set(covered) or any(n.startswith(p) for n in norms for p in layers):
+    if not norms or not set(norms) <= set(covered):
         return False
     named = ", ".join(f"'{n}'" for n in norms[:3]) + (", ..." if len(norms) > 3 else "")
     note = (f"pyg_pipe: BatchNorm/GraphNorm ({named}) with {chunks_per_way} chunks per way: the whole graph's "

@@ -81,10 +81,10 @@ def _patched(module: torch.nn.Module, original: Callable):
             elif stats.history is not None and inv is None and isinstance(module, GraphNorm):
                 out = _historical_graph_norm(module, stats, *args, **kwargs)
             elif inv is not None:
-                raise UnsupportedModelError(
-                    f"{type(module).__name__} runs inside the message function of layer '{inv.name}' with "
-                    f"statistics over the edges; pyg_pipe completes BatchNorm there, not this norm. Use a "
-                    f"BatchNorm or a per-row norm (torch.nn.LayerNorm) in the message MLP.")
+                _refuse(ctx, f"{type(module).__name__} runs inside the message function of layer '{inv.name}' "
+                             f"with statistics over the edges; pyg_pipe completes BatchNorm there, not this norm. "
+                             f"Use a BatchNorm or a per-row norm (torch.nn.LayerNorm) in the message MLP.")
+                out = original(module, *args, **kwargs)  # (the pass goes on to its end; every rank then raises)
             else:
                 if stats.prime is not None and isinstance(module, GraphNorm):  # exact pass: its sums, per chunk
                     x = args[0]
@@ -96,6 +96,14 @@ def _patched(module: torch.nn.Module, original: Callable):
     return forward
 
 
+def _refuse(ctx, message: str) -> None:
+    """Refuses the model: after the pass on every rank where the pass is checked (the first of each mode, which
+    the plan's first step always is: no rank stops while another waits for it), else now."""
+    if ctx is None or ctx.observer is None:
+        raise UnsupportedModelError(message)
+    ctx.observer.refuse(message)
+
+
 def _batch_norm(module, original, stats: Statistics, inv, x: Tensor) -> Tensor:
     uses_batch = module.training or not module.track_running_stats
     if not uses_batch:
@@ -105,11 +113,13 @@ def _batch_norm(module, original, stats: Statistics, inv, x: Tensor) -> Tensor:
     per_row = x[0].numel() // x.size(1) if x.size(0) else 1
     if inv is None and stats.history is not None:
         return _historical_batch_norm(module, stats, x, dims, shape, per_row)
-    if inv is not None and stats.history is not None:
-        raise UnsupportedModelError(
-            f"A BatchNorm in the message function of layer '{inv.name}' normalises over edges; "
-            f"per_chunk_statistics='history' covers BatchNorm over vertex rows. Use per_chunk_statistics=True "
-            f"(each chunk's own edges, approximate) or one chunk per way.")
+    if inv is not None and (stats.history is not None or stats.prime is not None):  # (prime: the pass filling it)
+        _refuse(current(), f"A BatchNorm in the message function of layer '{inv.name}' normalises over edges; "
+                           f"per_chunk_statistics='history' (the default with several chunks per way) covers "
+                           f"BatchNorm over vertex rows. Use per_chunk_statistics=True (each chunk's own edges, "
+                           f"approximate) or one chunk per way.")
+        if stats.history is not None:  # (a pass that goes on to its end: each chunk's own statistics meanwhile)
+            return original(module, x)
     if inv is None:  # vertex rows: the chunk's are the first ``rows``
         rows = x.narrow(0, 0, min(stats.rows, x.size(0)))
         weight = None

@@ -1,0 +1,239 @@
+"""Which operations combine the rows of different vertices (:mod:`.rows` follows the tensors with a row per
+vertex; these rules judge each operation on them): reductions and scans over the vertex dimension, contractions
+over it, scatters and gathers along it, indexing by position, and how an operation moves that dimension."""
+from __future__ import annotations
+
+import sys
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+#: reductions and scans over a dimension: name -> (position of the ``dim`` argument, default dim;
+#: ``None``: all dimensions)
+_REDUCE: Dict[str, Tuple[int, Optional[int]]] = {
+    **{n: (1, None) for n in ("sum", "nansum", "mean", "nanmean", "prod", "amax", "amin", "aminmax", "max", "min",
+                              "argmax", "argmin", "median", "nanmedian", "logsumexp", "count_nonzero", "std", "var",
+                              "std_mean", "var_mean", "unique", "unique_consecutive")},
+    **{n: (1, -1) for n in ("softmax", "log_softmax", "softmin", "cumsum", "cumprod", "cummax", "cummin",
+                            "logcumsumexp", "sort", "argsort", "mode", "msort")},
+    **{n: (2, -1) for n in ("topk", "kthvalue")},
+    **{n: (2, None) for n in ("norm", "quantile", "nanquantile")},
+    "normalize": (2, 1),
+}
+_CONTRACT = {"mm", "matmul", "bmm", "__matmul__", "__rmatmul__", "addmm", "baddbmm", "addbmm", "einsum",
+             "scaled_dot_product_attention", "multi_head_attention_forward", "_native_multi_head_attention"}
+_SCATTER = {"scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "index_add",
+            "index_add_", "index_reduce", "index_reduce_", "index_copy", "index_copy_", "index_fill", "index_fill_",
+            "index_put", "index_put_", "index_select", "gather", "take_along_dim", "narrow", "roll", "flip"}
+#: torch's dispatch helpers between a caller and a function mode
+_HELPERS = ("torch.overrides", "torch._tensor", "torch.functional", "torch.nn.functional", "torch._jit_internal")
+
+
+def caller():
+    """The frame that called the operation (past torch's dispatch helpers)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_HELPERS):
+        frame = frame.f_back
+    return frame
+
+
+def op_name(func) -> str:
+    """The operation's name; the transposing properties (``x.T``, ``x.mT``) by their own."""
+    name = getattr(func, "__name__", str(func))
+    if name == "__get__":
+        owner = getattr(func, "__self__", None)
+        for prop in ("T", "mT", "H", "mH"):
+            if owner is getattr(Tensor, prop, None):
+                return prop
+    return name
+
+
+def tensors(args, kwargs) -> List[Tensor]:
+    out = []
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, Tensor):
+            out.append(v)
+        elif isinstance(v, (tuple, list)):
+            out += [u for u in v if isinstance(u, Tensor)]
+    return out
+
+
+def _norm(d: int, n: int) -> int:
+    return d + n if d < 0 else d
+
+
+def _arg(args, kwargs, pos: int, *names, default=None):
+    for n in names:
+        if n in kwargs:
+            return kwargs[n]
+    return args[pos] if len(args) > pos else default
+
+
+def mixes(name: str, args, kwargs, aligned) -> Optional[str]:
+    """How the operation combines vertex rows (``None``: it does not)."""
+    first = args[0] if args else None
+    for t, v in aligned:
+        if name in _REDUCE:
+            if t is not first:
+                continue
+            pos, default = _REDUCE[name]
+            dim = _arg(args, kwargs, pos, "dim", "axis", default=default)
+            if isinstance(dim, Tensor) or isinstance(dim, bool):
+                if name in ("max", "min") and isinstance(dim, Tensor):
+                    continue  # elementwise maximum of two tensors
+                dim = default  # std(x, unbiased) and friends
+            dims = range(t.dim()) if dim is None else [dim] if isinstance(dim, int) else list(dim)
+            if v in [_norm(d, t.dim()) for d in dims]:
+                return "orders or accumulates {rows}" if name in ("sort", "argsort", "msort", "cumsum", "cumprod",
+                                                                 "cummax", "cummin", "logcumsumexp") \
+                    else "reduces over {rows}"
+        elif name in _CONTRACT:
+            if _contracts(name, args, kwargs, t, v):
+                return "multiplies {rows} together"
+        elif name in _SCATTER:
+            if name in ("roll", "flip"):
+                dims = _arg(args, kwargs, 2 if name == "roll" else 1, "dims")
+                dims = range(t.dim()) if dims is None else [dims] if isinstance(dims, int) else list(dims)
+                if t is first and v in [_norm(d, t.dim()) for d in dims]:
+                    return "reorders {rows}"
+                continue
+            dim = _arg(args, kwargs, 1, "dim")
+            if name == "take_along_dim":
+                dim = _arg(args, kwargs, 2, "dim")
+            if not isinstance(dim, int) or _norm(dim, t.dim()) != v:
+                continue
+            if name == "narrow":
+                start, length = _arg(args, kwargs, 2, "start"), _arg(args, kwargs, 3, "length")
+                if start == 0 and length == t.size(v):
+                    continue
+            index_arg = _arg(args, kwargs, 2, "index")
+            if index_arg is t:
+                continue  # the aligned tensor is an index into something else
+            return "selects or scatters {rows} by position"
+        elif name in ("__getitem__", "__setitem__") and t is first:
+            if _positional_index(args[1] if len(args) > 1 else None, v, t.size(v)):
+                return "selects {rows} by position"
+        elif name in ("nonzero", "argwhere") or (name == "where" and len(args) == 1):
+            return "lists the positions of {rows}"
+        elif name == "batch_norm" and bool(_arg(args, kwargs, 5, "training", default=False)) and v == 0:
+            return "normalises with statistics over {rows}"
+        elif name in ("layer_norm", "group_norm") and t is first:
+            shape = _arg(args, kwargs, 1, "normalized_shape", "num_groups")
+            if name == "group_norm" and v > 0:
+                return "normalises with statistics over {rows}"
+            if name == "layer_norm" and isinstance(shape, (tuple, list, torch.Size)) and v >= t.dim() - len(shape):
+                return "normalises with statistics over {rows}"
+    return None
+
+
+def _contracts(name: str, args, kwargs, t: Tensor, v: int) -> bool:
+    if name == "einsum":
+        eq = args[0] if args and isinstance(args[0], str) else None
+        ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
+        if eq is None or "..." in eq:
+            return False
+        lhs, _, rhs = eq.replace(" ", "").partition("->")
+        terms = lhs.split(",")
+        if not rhs and "->" not in eq:
+            rhs = "".join(sorted(c for c in set(lhs) if c.isalpha() and lhs.count(c) == 1))
+        for term, op in zip(terms, ops):
+            if op is t and v < len(term) and term[v] not in rhs:
+                return True
+        return False
+    if name == "scaled_dot_product_attention":
+        return any(_arg(args, kwargs, i, n) is t for i, n in ((1, "key"), (2, "value"))) and v == t.dim() - 2
+    if name in ("multi_head_attention_forward", "_native_multi_head_attention"):
+        seq = 0 if name == "multi_head_attention_forward" else 1  # (L, B, E) / (B, L, E)
+        return any(_arg(args, kwargs, i, n) is t for i, n in ((1, "key"), (2, "value"))) and v == seq
+    ops = list(args)
+    if name in ("addmm", "baddbmm", "addbmm"):
+        ops = ops[1:3]
+    elif name == "__rmatmul__":
+        ops = ops[:2][::-1]
+    else:
+        ops = ops[:2]
+    if len(ops) != 2 or not all(isinstance(o, Tensor) for o in ops):
+        return False
+    a, b = ops
+    if a is t and v == a.dim() - 1:
+        return True
+    return b is t and v == (b.dim() - 2 if b.dim() >= 2 else 0)
+
+
+def _positional_index(index, v: int, n: int) -> bool:
+    """Whether indexing with ``index`` selects along dimension ``v`` (of ``n`` rows) by position."""
+    entries = list(index) if isinstance(index, tuple) else [index]
+    if any(e is None or e is Ellipsis for e in entries):
+        return False  # a layout change this check does not follow
+    if v >= len(entries):
+        return False
+    before = entries[:v]
+    if any(not (isinstance(e, slice) and e == slice(None)) for e in before):
+        return False
+    e = entries[v]
+    if isinstance(e, slice):  # positional unless it covers all n rows (``x[:x.size(0)]`` as much as ``x[:]``)
+        return not (e.start in (None, 0) and e.step in (None, 1) and
+                    (e.stop is None or (isinstance(e.stop, int) and e.stop >= n)))
+    if isinstance(e, bool):
+        return False
+    if isinstance(e, int):
+        return True
+    if isinstance(e, Tensor):
+        return e.dtype != torch.bool
+    if isinstance(e, (list, range)):
+        return True
+    return False
+
+
+def moved(name: str, args, kwargs, t: Tensor, v: int, o: Tensor) -> Optional[int]:
+    """Where the vertex dimension ``v`` of input ``t`` is in output ``o`` (``None``: lost)."""
+    n = t.dim()
+    if name in ("transpose", "swapaxes", "swapdims") and len(args) >= 3:
+        a, b = _norm(args[1], n), _norm(args[2], n)
+        return b if v == a else a if v == b else v
+    if name in ("t", "T", "H"):
+        return n - 1 - v if n >= 2 else v
+    if name in ("mT", "mH"):
+        return n - 1 if v == n - 2 else n - 2 if v == n - 1 else v
+    if name == "permute":
+        dims = args[1:] if len(args) > 2 or not isinstance(args[1] if len(args) > 1 else None, (tuple, list)) \
+            else args[1]
+        dims = [_norm(d, n) for d in dims]
+        return dims.index(v) if v in dims else None
+    if name in ("movedim", "moveaxis"):
+        src, dst = args[1], args[2]
+        src = [src] if isinstance(src, int) else list(src)
+        dst = [dst] if isinstance(dst, int) else list(dst)
+        order = [d for d in range(n) if d not in [_norm(s, n) for s in src]]
+        for s, d in sorted(zip([_norm(s, n) for s in src], [_norm(d, n) for d in dst]), key=lambda p: p[1]):
+            order.insert(d, s)
+        return order.index(v)
+    if name in ("unsqueeze", "stack"):
+        d = _arg(args, kwargs, 1, "dim", default=0)
+        d = _norm(d, o.dim())
+        return v + 1 if d <= v else v
+    if name in ("cat", "concat", "concatenate"):
+        d = _norm(_arg(args, kwargs, 1, "dim", "axis", default=0), n)
+        return None if d == v else v
+    if name in ("unbind",):
+        d = _norm(_arg(args, kwargs, 1, "dim", default=0), n)
+        return None if d == v else v - 1 if d < v else v
+    if name in ("chunk", "split", "tensor_split"):
+        d = _norm(_arg(args, kwargs, 2, "dim", default=0), n)
+        return None if d == v else v
+    if name == "squeeze":
+        if o.dim() == n:
+            return v
+        dims = _arg(args, kwargs, 1, "dim")
+        dims = [d for d in range(n) if t.size(d) == 1] if dims is None else \
+            [dims] if isinstance(dims, int) else list(dims)
+        removed = [_norm(d, n) for d in dims if t.size(_norm(d, n)) == 1]
+        return None if v in removed else v - sum(1 for d in removed if d < v)
+    if name in ("__getitem__",):
+        return v if o.dim() == n else (0 if v == 0 and o.dim() > 0 and o.size(0) == t.size(0) else None)
+    if o.dim() == n and o.size(v) == t.size(v):
+        return v
+    if v == 0 and o.dim() > 0 and o.size(0) == t.size(0):
+        return 0  # reshapes that keep the leading dimension
+    return None

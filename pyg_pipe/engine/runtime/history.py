@@ -337,6 +337,7 @@ class CallHistory:
                                  for k, v in (state.get(name) or {}).items()})
         # the steps whose weights computed the rows (ages, smoothing); unknown in older states: as just refilled
         self.written, self._snapshot_written = state.get("written"), state.get("snapshot_written")
+        self._slots = {}  # (they hold the buffers replaced)
         self.tiers.evict()
         self.initialised = bool(state.get("initialised", False)) and bool(self.buffers)
 

@@ -78,7 +78,6 @@ class _Routes:
 
     def __init__(self):
         self.own_pos = self.own_scale = self.own_ids = None                 # fresh reads of this way's chunks
-        self.own_at = None                                                  # ... their rows in the history's buffers
         self.stale_pos = self.stale_ids = None                              # halo rows read stale
         self.sends: List[Tuple[int, Tensor, Tensor]] = []                   # (way, halo positions, scale)
         self.recvs: List[Tuple[int, int, Tensor, Tensor, Tensor, Tensor]] = []  # (way, n, cur sel, cur rows,
@@ -344,14 +343,10 @@ class HaloPass:
         if r.own_pos is None:
             return g_rows
         fresh = g_halo.index_select(0, r.own_pos)
-        if g is None:
-            g = h.grads[key] = g_halo.new_zeros((h.size, *g_halo.shape[1:]))
-        if r.own_at is None or r.own_at.device != g.device:
-            r.own_at = h.positions(r.own_ids, g)
         if isinstance(r.own_scale, float):  # T3's scale applied as the gradient is added (one call less)
-            g.index_add_(0, r.own_at, fresh.to(g.dtype), alpha=r.own_scale)
+            h.add_grad(key, r.own_ids, fresh, alpha=r.own_scale)
         else:
-            g.index_add_(0, r.own_at, _scaled(fresh, r.own_scale).to(g.dtype))
+            h.add_grad(key, r.own_ids, _scaled(fresh, r.own_scale))
         return g_rows
 
 

@@ -84,7 +84,6 @@ class CallHistory:
         self._spans: Dict[tuple, tuple] = {}
         self._maps: Dict[int, tuple] = {}
         self._slots: Dict[tuple, tuple] = {}
-        self._halo_rows: Dict[int, tuple] = {}
         if rows is not None:
             self.size = rows.numel()
             self.local = torch.full((num_nodes,), -1, dtype=torch.long, device=device)
@@ -127,11 +126,7 @@ class CallHistory:
         slot = None
         if buf.device == like.device and buf.dtype == like.dtype and not self.tiers.in_tier(buf):
             pos, at = self.span(lg.start, lg.end, buf)
-            halo = self._halo_rows.get(id(lg))  # (one per chunk, whatever the key)
-            if halo is None or halo[0] is not lg or halo[1].device != buf.device:
-                halo = self._halo_rows[id(lg)] = (lg, (lg.halo if self.local is None else self.local[lg.halo]).to(
-                    buf.device))
-            slot = Slot(buf, buf[at], pos, halo[1])
+            slot = Slot(buf, buf[at], pos, self.positions(lg.halo, buf))  # (the halo's rows: one tensor a chunk)
         self._slots[(key, id(lg))] = (buf, lg, slot)
         return slot
 

@@ -52,7 +52,7 @@ from ..model.localize import Localizer
 from ..model.split import Stage
 from ..model.trace import Program
 from .context import ChunkContext
-from .plan.memory_cost import PassMemory
+from .plan.first_step import PassDetail, PassMemory
 from .runtime.program import StageProgram
 from .runtime.runtime import chunk_graphs
 from .runtime.statistics import Statistics
@@ -191,19 +191,29 @@ def training_pass_memory(module: torch.nn.Module, fn: Callable, program: Program
     if probe.halo is not None:
         probe.halo = _Fillers(widths)
     rows = probe.lg.rows
+    by_group: List[Dict[int, int]] = []   # every storage each group's steps saved
+    group_widths: List[float] = []
     with probe.passes(params), torch.enable_grad():
         ctx, localize = probe.inputs()
         with ctx, SavedBytes(True, exclude) as saved:
             args, kwargs = localize()
             env = probe.runner.bind(args, kwargs)
-            for node in probe.steps:
-                env[node.name] = probe.runner.step(node, env)
+            for group in groups:
+                saved.storages, sites = {}, len(widths)
+                for node in group:
+                    env[node.name] = probe.runner.step(node, env)
+                by_group.append(saved.storages)
+                group_widths.append(sum(list(widths.values())[sites:]))
             out = fx.node.map_arg(program.output.args[0], lambda n, values=env: values[n.name])
-        kept = dict(saved.storages)
+        kept: Dict[int, int] = {}
+        for found in by_group:
+            kept.update(found)
+        output: Dict[int, int] = {}
         for t in flatten(out)[0]:
             if isinstance(t, Tensor):
-                kept.update(reachable([t], exclude))
-        crossing = _crossing_bytes(program, groups, env, exclude)
+                output.update(reachable([t], exclude))
+        kept.update(output)
+        crossing = _crossing(program, groups, env, exclude)
     del env, out, saved  # (before the way's pass)
     cache = reachable([probe.cache, probe.localizer._adjacency], exclude | set(reachable([probe.cgs])))
     way = _ChunkProbe(module, fn, program, groups, inputs, device, way_chunking)
@@ -213,18 +223,19 @@ def training_pass_memory(module: torch.nn.Module, fn: Callable, program: Program
             args, kwargs = localize()
             way.runner.run(args, kwargs, {})
         way_cache = reachable([way.cache, way.localizer._adjacency], exclude | set(reachable([way.cgs])))
-    return PassMemory(sum(kept.values()) / rows, max(crossing, default=0.0) / rows, sum(widths.values()),
-                      sum(cache.values()) / max(probe.lg.num_edges, 1),
+    return PassMemory(sum(kept.values()) / rows, max((sum(c.values()) for c in crossing), default=0.0) / rows,
+                      sum(widths.values()), sum(cache.values()) / max(probe.lg.num_edges, 1),
                       sum(way_cache.values()) / max(way.lg.num_edges, 1),
-                      float(sum(p.numel() * p.element_size() for p in params)))
+                      float(sum(p.numel() * p.element_size() for p in params)),
+                      PassDetail(rows, by_group, group_widths, crossing, output))
 
 
-def _crossing_bytes(program: Program, groups: list, env: dict, exclude) -> List[float]:
-    """Per cut between consecutive ``groups``: the bytes of the values made before it and used after it."""
+def _crossing(program: Program, groups: list, env: dict, exclude) -> List[Dict[int, int]]:
+    """Per cut between consecutive ``groups``: the storages of the values made before it and used after it."""
     from .plan.memory_cost import reachable
     group_of = {n.name: i for i, g in enumerate(groups) for n in g}
     last = len(groups)
-    cuts = [dict() for _ in range(max(len(groups) - 1, 0))]
+    cuts: List[Dict[int, int]] = [dict() for _ in range(max(len(groups) - 1, 0))]
     for i, g in enumerate(groups):
         for n in g:
             used = max((group_of.get(u.name, last) for u in n.users), default=i)
@@ -232,7 +243,7 @@ def _crossing_bytes(program: Program, groups: list, env: dict, exclude) -> List[
                 found = reachable([env.get(n.name)], exclude)
                 for cut in range(i, min(used, last - 1)):
                     cuts[cut].update(found)
-    return [float(sum(c.values())) for c in cuts]
+    return cuts
 
 
 def _timed_pass(runner: StageProgram, steps: list, inputs: tuple, times: Dict[str, List[float]],

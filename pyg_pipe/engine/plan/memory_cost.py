@@ -41,7 +41,7 @@ Streaming (one device) is not covered.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterable, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -258,107 +258,3 @@ def recompute_choice(prediction: MemoryPrediction, budget: Optional[int], free: 
                                                      "offload='host' moves the history off the device, more "
                                                      "devices split the graph further.")
     return replay, line
-
-
-# ---------------------------------------------------------------------------------------------
-# before the first step: num_chunks="auto" under a memory budget
-# ---------------------------------------------------------------------------------------------
-
-def chunking_bytes(graphs, perm: Tensor, ptr: Tensor, ways: int) -> Tuple[int, int]:
-    """``(structures, local edges)`` of the chunking ``(perm, ptr)`` a way, built as the runtime builds it (here on
-    the host): the bytes of the chunked graphs of ``graphs`` with their one-chunk-per-way chunking
-    (:mod:`..runtime.runtime`), and the local edges of a way's chunks (the largest way's)."""
-    from ...graph.chunks import ChunkedGraph, way_ptr
-    from ...model.inputs import graph_edges
-    cgs = [ChunkedGraph(*graph_edges(g)[:2], perm.numel(), perm.cpu(), ptr.cpu(), ways) for g in graphs]
-    way = [cg.rechunked(way_ptr(ptr.cpu(), ways), ways) for cg in cgs] if ptr.numel() - 1 > ways else []
-    k = (ptr.numel() - 1) // ways
-    edges = max(sum(lg.num_edges for cg in cgs for lg in cg.chunks[w * k:(w + 1) * k]) for w in range(ways))
-    return sum(reachable([cgs, way]).values()) // ways, int(edges)
-
-
-def history_rows(graphs, perm: Tensor, ptr: Tensor, ways: int) -> int:
-    """The rows a way's history holds for the chunking ``(perm, ptr)`` (:mod:`..runtime.history`): both ends of
-    every edge between chunks (over ``graphs``, in the user's ids) with an end in the way's rows; the largest
-    way's count."""
-    from ...model.inputs import graph_edges
-    N = perm.numel()
-    C = ptr.numel() - 1
-    chunk = torch.empty(N, dtype=torch.long)
-    chunk[perm.cpu()] = torch.bucketize(torch.arange(N), ptr.cpu()[1:], right=True)
-    way_of = chunk // max(C // ways, 1)
-    pairs = []
-    for g in graphs:
-        src, dst, _ = graph_edges(g)
-        src, dst = src.cpu(), dst.cpu()
-        cross = chunk[src] != chunk[dst]
-        src, dst = src[cross], dst[cross]
-        for w in (way_of[src], way_of[dst]):
-            pairs += [w * N + src, w * N + dst]
-    if not pairs:
-        return 0
-    held = torch.unique(torch.cat(pairs)) // N
-    return int(torch.bincount(held, minlength=ways).max())
-
-
-@dataclass(frozen=True)
-class PassMemory:
-    """What a training pass of the whole model holds over a chunk (:func:`~..profile.training_pass_memory`), for
-    the estimate of the first step (:func:`first_step_peak`). Bytes a row of the chunk, but the caches' (a local
-    edge) and ``params``."""
-
-    saved: float       # what autograd saves for the backward, with the output (the parameters, the inputs left out)
-    boundary: float    # the widest set of values that crosses a cut between layer groups: what a stage receives
-    history: float     # a row at every call site's halo join: a history row of each site, summed over the sites
-    cache: float       # what the chunk keeps across steps: its local adjacencies, what the layers cache on it
-    #                    (normalisations, decisions; one entry a chunk, shared by the layers), a local edge
-    way_cache: float   # ... and a way's one chunk, as the exact passes run it, a local edge
-    params: float      # the parameters' bytes
-
-    def as_list(self) -> List[float]:
-        return [self.saved, self.boundary, self.history, self.cache, self.way_cache, self.params]
-
-
-@dataclass(frozen=True)
-class FirstStep:
-    """The counted peak of the first training step (it replays, ``recompute="auto"``) per process for a candidate
-    chunk count, estimated before any step from one training pass over a chunk (:func:`first_step_peak`)."""
-
-    per_way: int
-    resident: int      # structures, layer caches, history and snapshots
-    state: int         # gradients and an Adam-sized optimizer state
-    activations: int   # what every replayed chunk keeps, one chunk's activations, the pending gradients
-    transient: int     # the drain's working set
-
-    @property
-    def peak(self) -> int:
-        return self.resident + self.state + self.activations + self.transient
-
-
-def first_step_peak(m, num_nodes: int, stages: int, ways: int, per_way: int, structures: int, edges: int,
-                    hist_rows: int, copies: int, replay: bool = True, offloaded: bool = False) -> FirstStep:
-    """The module docstring's counted peak (``resident + state + activations + transient``) of the first step,
-    before it: the chunking's ``structures`` and ``edges`` a way and its ``hist_rows`` counted
-    (:func:`chunking_bytes`, :func:`history_rows`), the rest from ``m`` (:class:`~..profile.PassMemory`, one
-    training pass of the whole model over a chunk) shared evenly by the ``stages`` (their split is balanced):
-    ``a = m.saved / S + b`` (a kept chunk also holds what crossed its stage's cut) and ``h = m.history / S``
-    bytes a row, ``b = m.boundary``; ``R = N / W`` rows a way in
-    chunks of ``r = R / k``; the ``H`` history rows held in ``copies`` buffers (the buffer, T2's snapshot, ...)
-    and once more as the pending gradients ``G = H h``::
-
-        resident    = structures + (cache + way_cache) E + copies G     (a chunk's caches: one per stage)
-        state       = 3 params / S                          (gradients and Adam's two moments)
-        activations = b R + a r + G    replaying  (a R + G keeping: no chunk count changes it)
-        transient   = a r
-
-    A process of the first stage receives nothing (``b`` is the later stages'); the widest stage sets the peak.
-    ``offloaded``: the history, its copies and the pending gradients are in the offload tier (``G`` off the
-    device too)."""
-    S, W = stages, ways
-    R = -(-num_nodes // W)
-    r = -(-R // per_way)
-    a, h = m.saved / S + m.boundary, m.history / S
-    G = 0.0 if offloaded else hist_rows * h
-    resident = structures + (m.cache + m.way_cache) * edges + copies * G
-    acts = (m.boundary * R + a * r if replay else a * R) + G
-    return FirstStep(per_way, int(resident), int(3 * m.params / S), int(acts), int(a * r))

@@ -3,7 +3,7 @@
 The time model (:mod:`.chunk_cost`) picks the fewest chunks near the fastest step. Under a budget
 (:func:`memory_room`: ``memory_budget``, or on an accelerator the least free memory of the ranks less
 :data:`~.memory_cost.MARGIN`) the first step's counted peak per process is then estimated before it
-(:func:`~.memory_cost.first_step_peak`: the candidate partition's structures and history rows counted, the
+(:func:`~.first_step.first_step_peak`: the candidate partition's structures and history rows counted, the
 rest from one training pass of the model over a chunk, :func:`~..profile.training_pass_memory`), and::
 
     k = the time model's chunks a way
@@ -17,8 +17,9 @@ rest from one training pass of the model over a chunk, :func:`~..profile.trainin
 More chunks shrink a replayed chunk's activations (``a R / k``) but not what every chunk keeps (``b R``) nor
 the history, which grows with the chunks' boundaries: past some count nothing more fits. Keeping the
 activations (``recompute=False``) holds ``a R`` whatever ``k``: the count is not changed then, and the line
-says so. Measured (docs/memory.md): the estimate is 0.93 - 1.01 of the memory model's counted peak of the
-same step after it, on 2 and 4 processes.
+says so. The estimate is the widest stage's (:func:`~.first_step.stage_shares`: the stage split is made before
+this, on the time model's chunks). Measured (docs/memory.md): 0.95 - 0.96 of the widest stage's counted peak in
+the memory model after the same step, on 2 and 4 processes.
 
 The memory is measured before the time model times anything: its larger probe runs the whole model over
 ``N / (2 S W)`` rows, half a stage's activations, and where that would take more than half the room the probe
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -39,7 +40,8 @@ from torch import Tensor
 from ...graph.chunks import way_ptr
 from .chunk_cost import MAX_PER_WAY, PROBES
 from .decide import root_decides
-from .memory_cost import MB, PassMemory, chunking_bytes, first_step_peak, history_rows
+from .first_step import PassMemory, chunking_bytes, first_step_peak, history_rows, stage_shares
+from .memory_cost import MB
 
 log = logging.getLogger(__name__)
 
@@ -71,17 +73,21 @@ def memory_room(config, comm) -> Optional[int]:
 
 def measure_memory(pass_memory: Callable[[tuple, tuple], object], num_nodes: int, stages: int, ways: int, comm,
                    root: int) -> PassMemory:
-    """:class:`~.memory_cost.PassMemory` from ``pass_memory`` (:func:`~..profile.training_pass_memory` on the
+    """:class:`~.first_step.PassMemory` from ``pass_memory`` (:func:`~..profile.training_pass_memory` on the
     chunkings it is given) on ``root``, on the smaller probe chunk of the time model (``N / (8 S W)`` rows: a
     quarter of what its larger one holds), broadcast."""
     N = num_nodes
     C = min(N, ways * PROBES[1] * stages)
     probe = torch.linspace(0, N, C + 1).round().long()
     order = torch.arange(N)
-    measured = root_decides(lambda: torch.tensor(pass_memory((order, probe), (order, way_ptr(probe, ways))).as_list(),
-                                                 dtype=torch.float64),
-                            torch.zeros(6, dtype=torch.float64), comm, root, "measuring a chunk's memory")
-    return PassMemory(*measured.tolist())
+    kept = []
+
+    def measure() -> Tensor:
+        kept.append(pass_memory((order, probe), (order, way_ptr(probe, ways))))
+        return torch.tensor(kept[0].as_list(), dtype=torch.float64)
+    measured = root_decides(measure, torch.zeros(6, dtype=torch.float64), comm, root, "measuring a chunk's memory")
+    # the rank that measured keeps where the bytes were, group by group: it makes the estimate (fit_memory)
+    return kept[0] if kept else PassMemory(*measured.tolist())
 
 
 def probe_scale(m, room: int, num_nodes: int, stages: int, ways: int, notes: Optional[List[str]] = None) -> int:
@@ -105,10 +111,12 @@ def probe_scale(m, room: int, num_nodes: int, stages: int, ways: int, notes: Opt
 
 def fit_memory(m, room: Optional[int], config, inputs, stages: int, ways: int, chunks: int, perm: Tensor,
                ptr: Tensor, partition: Callable[[int], Tuple[Tensor, Tensor]], comm, root: int,
-               notes: Optional[List[str]] = None) -> Fitted:
+               notes: Optional[List[str]] = None, split: Optional[Tuple[Sequence[int], Sequence[float]]] = None) \
+        -> Fitted:
     """The module docstring's rule for ``chunks`` (the time model's count) cut as ``(perm, ptr)``, under ``room``
     bytes (:func:`memory_room`; ``None``: nothing to fit); ``m``: :func:`measure_memory`'s measures;
-    ``partition(count)`` cuts the graph again."""
+    ``partition(count)`` cuts the graph again; ``split``: the stages' layer groups and parameter bytes, so that the
+    widest stage is estimated (``None``: the mean one; :func:`~.first_step.stage_shares`)."""
     if room is None or stages == 1:
         return Fitted(chunks, perm, ptr)
     N = inputs.num_nodes
@@ -122,14 +130,15 @@ def fit_memory(m, room: Optional[int], config, inputs, stages: int, ways: int, c
     peaks: Dict[int, Tuple[int, int]] = {}   # chunks a way -> the estimate with the history on the device / in the tier
     said: Dict[int, object] = {}             # (root) chunks a way -> the estimate's parts
     while True:
-        def estimate() -> Tensor:
+        def estimate() -> Tensor:  # (on root, which measured: ``m`` has the detail there)
             p, q = cuts[k]
             structures, edges = chunking_bytes(inputs.graphs, p, q, ways)
             rows = history_rows(inputs.graphs, p, q, ways)
+            shares = stage_shares(m, *split) if split is not None else None
             on = first_step_peak(m, N, stages, ways, k, structures, edges, rows, copies, replay,
-                                 offloaded=config.offload is not None)
-            off = first_step_peak(m, N, stages, ways, k, structures, edges, rows, 0, replay, offloaded=True) \
-                if may_offload else on
+                                 offloaded=config.offload is not None, shares=shares)
+            off = first_step_peak(m, N, stages, ways, k, structures, edges, rows, 0, replay, offloaded=True,
+                                  shares=shares) if may_offload else on
             said[k] = on
             return torch.tensor([on.peak, off.peak], dtype=torch.float64)
         got = root_decides(estimate, torch.zeros(2, dtype=torch.float64), comm, root,
@@ -160,8 +169,9 @@ def fit_memory(m, room: Optional[int], config, inputs, stages: int, ways: int, c
     fits = offload is not None or peaks[k][0] <= room
     if said:
         est = said[k]
+        widest = f" (stage {est.stage}, the widest)" if split is not None and stages > 1 else ""
         line = (f"pyg_pipe: num_chunks='auto': the first step with {k * ways} chunks is estimated at "
-                f"{peaks[k][0] / MB:.0f} MB a process (structures and history {est.resident / MB:.0f}, gradients and "
+                f"{peaks[k][0] / MB:.0f} MB a process{widest} (structures and history {est.resident / MB:.0f}, gradients and "
                 f"optimizer state {est.state / MB:.0f}, activations {(est.activations + est.transient) / MB:.0f}, "
                 f"{'replayed' if replay else 'kept'}) against room for {room / MB:.0f} MB: " + line)
         (log.info if fits else log.warning)(line)

@@ -187,7 +187,7 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
             strategy (fit, then test): taken instead of measuring again, unless a checkpoint's plan is resumed.
         pass_memory: what one training pass of the model over the first chunk of the chunking it is given holds,
             and what the layers cache on the first chunk of the one-chunk-a-way chunking given second
-            (:class:`~.memory_cost.PassMemory`; called on ``root`` for ``num_chunks="auto"`` under a memory budget:
+            (:class:`~.first_step.PassMemory`; called on ``root`` for ``num_chunks="auto"`` under a memory budget:
             :func:`~.memory_fit.fit_memory`).
     """
     S, W = shape.stages, shape.ways
@@ -219,8 +219,13 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
         C = wanted
         perm, ptr = partition(config, inputs, C, W, comm, root)
         if fresh and measured is not None:  # the first step must fit the memory: more chunks if not
+            layout = None  # (the widest stage is estimated: the split is made first, on the time model's chunks)
+            if shape.program is not None and not shape.forced:
+                sizes = sizes or choose_sizes(config, shape.groups, S,
+                                              None if costs is None else lambda: costs(perm, ptr), comm, root)
+                layout = (sizes, stage_parameter_bytes(module, shape, sizes))
             fitted = fit_memory(measured, room, config, inputs, S, W, C, perm, ptr,
-                                lambda n: partition(config, inputs, n, W, comm, root), comm, root, notes)
+                                lambda n: partition(config, inputs, n, W, comm, root), comm, root, notes, layout)
             C, perm, ptr, first_peak, offload = fitted.chunks, fitted.perm, fitted.ptr, fitted.peak, fitted.offload
     statistics = resolve_statistics(config.per_chunk_statistics, module, C // W, shape.streaming, notes)
     if C // W > 1 and statistics is not True:
@@ -247,6 +252,16 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
     return Plan(S, W, C, inputs.num_nodes, inputs.num_edges, perm.cpu(), ptr.cpu(), stage_sizes,
                 {n: frozenset(s) for n, s in owners.items()}, graph_digest(inputs.primary), tuple(inputs.graphs),
                 shape.streaming, statistics, predicted, first_peak, offload)
+
+
+def stage_parameter_bytes(module: torch.nn.Module, shape: Shape, sizes: Sequence[int]) -> List[float]:
+    """The bytes of the parameters each stage of the split ``sizes`` holds (a shared one on every stage using it)."""
+    owners = parameter_stages(module, split(shape.program, shape.groups, sizes))
+    held = [0.0] * len(sizes)
+    for name, p in module.named_parameters():
+        for s in owners.get(name, ()):
+            held[s] += p.numel() * p.element_size()
+    return held
 
 
 def chunk_count(config: PipelineConfig, stages: int, ways: int, num_nodes: int, ways_added: bool = False,

@@ -535,10 +535,56 @@ def zoo(args):
     print(out)
 
 
+def zoo_causes(args):
+    """Why a conv class loses accuracy with chunks: each layer's loss at C chunks (``zoo_accuracy.py``) against the
+    size of the gradient error chunks make (``zoo_gradients.py``: lin_in's, the farthest from the output) and against
+    what random gradient noise costs it without chunks (``zoo_gradients.py --noise``), with Pearson's r.
+
+        python benchmarks/plots.py zoo_causes OUT.png ACCURACY.json GRADIENTS.json NOISE.json [CHUNKS [NOISE_REL]]
+    """
+    out, acc_path, grad_path, noise_path = args[:4]
+    c = args[4] if len(args) > 4 else "8"
+    rel = str(float(args[5])) if len(args) > 5 else "0.01"
+    acc = json.load(open(acc_path))["results"]
+    grads = json.load(open(grad_path))["results"]
+    noise = json.load(open(noise_path))["results"]
+
+    def delta(r, key, base):
+        return 100 * (statistics.mean(r[key]) - statistics.mean(r[base]))
+
+    def pearson(xs, ys):
+        mx, my = statistics.mean(xs), statistics.mean(ys)
+        cov = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+        return cov / ((sum((x - mx) ** 2 for x in xs) * sum((y - my) ** 2 for y in ys)) ** 0.5)
+
+    names = [n for n, r in acc.items() if not isinstance(r.get(c), str)]
+    loss = {n: delta(acc[n], c, "one") for n in names}
+    panels = [([n for n in names if n in grads and isinstance(grads[n].get(c), dict)],
+               lambda n: grads[n][c]["lin_in"], f"relative error of lin_in's gradient, {c} chunks"),
+              ([n for n in names if n in noise],
+               lambda n: delta(noise[n], rel, "0.0"), f"test accuracy with {rel} gradient noise, points against none "
+                                                       f"(one process)")]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
+    for ax, (keep, x_of, label) in zip(axes, panels):
+        xs, ys = [x_of(n) for n in keep], [loss[n] for n in keep]
+        ax.scatter(xs, ys, s=12)
+        for n, x, y in zip(keep, xs, ys):
+            if y < -4 or x_of(n) < -8:
+                ax.annotate(n, (x, y), fontsize=6, xytext=(3, -3), textcoords="offset points")
+        ax.axhline(0, color="black", lw=0.6)
+        ax.set_xlabel(label)
+        ax.set_title(f"r = {pearson(xs, ys):+.2f} over {len(keep)} layers", fontsize=9)
+    axes[0].set_ylabel(f"test accuracy at {c} chunks, points against one process")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(out)
+
+
 #: figure name -> (function, whether it takes a list of inputs)
 FIGURES = {"epoch": (epoch, True), "comm": (comm, False), "convergence": (convergence, False), "memory": (memory, False),
            "memory_ab": (memory_ab, False), "memory_prediction": (memory_prediction, False), "speed": (speed, True), "sweep": (sweep, False), "timeline": (timeline, False),
-           "gpu": (gpu, False), "auto_chunks": (auto_chunks, True), "zoo": (zoo, True)}
+           "gpu": (gpu, False), "auto_chunks": (auto_chunks, True), "zoo": (zoo, True),
+           "zoo_causes": (zoo_causes, True)}
 
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] not in FIGURES:

@@ -8,7 +8,7 @@ So this measures what staleness costs each layer, many cases in one process.
 
 * graph: ``sbm_graph`` with many small communities (homophily 0.8, weak features: the neighbours are needed),
   and random edge weights, edge features, two edge types and 3-d positions for the layers that take them;
-* training: Adam 0.01, full graph, ``--epochs`` epochs; the test accuracy at the epoch of the best validation
+* training: Adam (``--lr``, 0.01), full graph, ``--epochs`` epochs; the test accuracy at the epoch of the best validation
   accuracy (evaluated exactly: inference with chunks is exact);
 * a layer the engine refuses is listed with the start of its message.
 
@@ -43,11 +43,12 @@ def community(nodes: int, seed: int = 0):
     return data, inputs
 
 
-def train(net, data, inputs, epochs: int) -> dict:
-    """Test accuracy at the best validation epoch, and the last epoch's loss."""
+def train(net, data, inputs, epochs: int, lr: float = 0.01, perturb=None) -> dict:
+    """Test accuracy at the best validation epoch, and the last epoch's loss. ``perturb(net)``, if given, runs
+    between the backward and the optimizer's step (``zoo_gradients.py`` adds noise to the gradients there)."""
     import torch
     import torch.nn.functional as F
-    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
     best_val, test, loss = -1.0, 0.0, float("nan")
     for _ in range(epochs):
         net.train()
@@ -55,6 +56,8 @@ def train(net, data, inputs, epochs: int) -> dict:
         loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
         opt.zero_grad()
         loss.backward()
+        if perturb is not None:
+            perturb(net)
         opt.step()
         net.eval()
         with torch.no_grad():
@@ -62,10 +65,10 @@ def train(net, data, inputs, epochs: int) -> dict:
         val = float((pred[data.val_mask] == data.y[data.val_mask]).float().mean())
         if val > best_val:
             best_val, test = val, float((pred[data.test_mask] == data.y[data.test_mask]).float().mean())
-    return {"test": test, "val": best_val, "loss": float(loss)}
+    return {"test": test, "val": best_val, "loss": float(loss.detach()) if torch.is_tensor(loss) else loss}
 
 
-def run_case(name: str, data, inputs, chunks, seeds, epochs: int, config: dict = None) -> dict:
+def run_case(name: str, data, inputs, chunks, seeds, epochs: int, config: dict = None, lr: float = 0.01) -> dict:
     import torch
 
     from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
@@ -75,7 +78,7 @@ def run_case(name: str, data, inputs, chunks, seeds, epochs: int, config: dict =
         torch.manual_seed(seed)
         init = ZooNet(name, c_in=data.x.size(1), c_out=8)
         torch.manual_seed(1000 + seed)
-        out["one"].append(train(copy.deepcopy(init), data, inputs, epochs)["test"])
+        out["one"].append(train(copy.deepcopy(init), data, inputs, epochs, lr)["test"])
         for c in chunks:
             net = copy.deepcopy(init)
             engine = GNNPipeEngine(net, PipelineConfig(num_chunks=c, balance="layers", streaming=False,
@@ -84,7 +87,7 @@ def run_case(name: str, data, inputs, chunks, seeds, epochs: int, config: dict =
             engine.install()
             try:
                 torch.manual_seed(1000 + seed)
-                out[str(c)].append(train(net, data, inputs, epochs)["test"])
+                out[str(c)].append(train(net, data, inputs, epochs, lr)["test"])
             except Exception as e:  # a refusal (or a failure) is part of the table
                 out[str(c)] = f"{type(e).__name__}: {str(e)[:160]}"
                 return out
@@ -100,6 +103,7 @@ def main():
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--nodes", type=int, default=1200)
     p.add_argument("--epochs", type=int, default=100)
+    p.add_argument("--lr", type=float, default=0.01, help="Adam's learning rate")
     p.add_argument("--config", type=json.loads, default={},
                    help='engine knobs as JSON, e.g. \'{"max_age": 0}\' or \'{"late_gradients": true}\'')
     p.add_argument("--out", default=None)
@@ -119,7 +123,7 @@ def main():
     for name in names:
         t0 = time.perf_counter()
         r = results[name] = run_case(name, data, inputs, args.chunks, args.seeds, args.epochs,
-                                              args.config)
+                                              args.config, args.lr)
         one = statistics.mean(r["one"])
         cells = []
         for c in args.chunks:

@@ -47,28 +47,32 @@ def test_history_rows_with_ways_count_both_ends_with_an_end_in_the_way():
     assert history_rows([ei], perm, ptr, 3) == 4  # way 0: 1->2 and 5->0 cross, ends 1, 2, 5, 0
 
 
+def _pass_memory(model, x, ei, chunks: int = 4):
+    """:func:`training_pass_memory` of ``model`` over the first of ``chunks`` chunks, and the model's layer groups."""
+    inputs = CallInputs((x, ei), {})
+    program = trace(model, inputs.args, inputs.kwargs)
+    groups, _ = stage_groups(program)
+    N = x.size(0)
+    perm, ptr = make_chunks(ei, N, chunks)
+    hooks = LayerHooks(model)
+    hooks.install()
+    try:
+        return training_pass_memory(model, forward_function(model), program, groups, inputs, torch.device("cpu"),
+                                    (perm, ptr), (perm, torch.tensor([0, N]))), groups
+    finally:
+        hooks.remove()
+
+
 def test_a_pass_measures_what_crosses_a_cut_and_the_sites_and_changes_nothing():
     """PyG's GCN (4 layers, hidden 16, 3 classes): one hidden value (16 floats a row) crosses every cut between
     layers; the three layers that do not read the inputs join halo rows of what they propagate (``GCNConv``
     propagates ``lin(x)``: 16, 16 and 3 floats); autograd saves something for every row. The pass leaves no
     gradient, running statistic or random stream changed."""
     x, g, y, _ = zoo_graph()
-    ei = g["edge_index"]
     model = make_model("gcn", c_in=x.size(1), c_out=3)
     before = copy.deepcopy(model.state_dict())
-    inputs = CallInputs((x, ei), {})
-    program = trace(model, inputs.args, inputs.kwargs)
-    groups, _ = stage_groups(program)
-    N = x.size(0)
-    perm, ptr = make_chunks(ei, N, 4)
-    hooks = LayerHooks(model)
-    hooks.install()
     rng = torch.get_rng_state()
-    try:
-        m = training_pass_memory(model, forward_function(model), program, groups, inputs, torch.device("cpu"),
-                                 (perm, ptr), (perm, torch.tensor([0, N])))
-    finally:
-        hooks.remove()
+    m, _ = _pass_memory(model, x, g["edge_index"])
     assert m.boundary == 16 * 4
     assert m.history == (16 + 16 + 3) * 4
     assert m.saved > 16 * 4 and m.params == sum(p.numel() * 4 for p in model.parameters())
@@ -235,20 +239,7 @@ def test_the_pass_tells_each_group_what_it_saved_its_sites_and_what_crosses_each
     """The group-by-group detail of a training pass adds up to its totals: every storage saved is some group's, the
     sites' widths sum to a history row, the widest cut is the boundary."""
     x, g, y, _ = zoo_graph()
-    ei = g["edge_index"]
-    model = _Uneven(c_in=x.size(1))
-    inputs = CallInputs((x, ei), {})
-    program = trace(model, inputs.args, inputs.kwargs)
-    groups, _ = stage_groups(program)
-    N = x.size(0)
-    perm, ptr = make_chunks(ei, N, 4)
-    hooks = LayerHooks(model)
-    hooks.install()
-    try:
-        m = training_pass_memory(model, forward_function(model), program, groups, inputs, torch.device("cpu"),
-                                 (perm, ptr), (perm, torch.tensor([0, N])))
-    finally:
-        hooks.remove()
+    m, groups = _pass_memory(_Uneven(c_in=x.size(1)), x, g["edge_index"])
     d = m.detail
     assert len(d.saved) == len(groups) == 4 and len(d.crossing) == 3
     union = {}

@@ -171,8 +171,9 @@ def fit_memory(m, room: Optional[int], config, inputs, stages: int, ways: int, c
         est = said[k]
         widest = f" (stage {est.stage}, the widest)" if split is not None and stages > 1 else ""
         line = (f"pyg_pipe: num_chunks='auto': the first step with {k * ways} chunks is estimated at "
-                f"{peaks[k][0] / MB:.0f} MB a process{widest} (structures and history {est.resident / MB:.0f}, gradients and "
-                f"optimizer state {est.state / MB:.0f}, activations {(est.activations + est.transient) / MB:.0f}, "
+                f"{peaks[k][0] / MB:.0f} MB a process{widest} (structures and history {est.resident / MB:.0f}, "
+                f"gradients and optimizer state {est.state / MB:.0f}, activations "
+                f"{(est.activations + est.transient) / MB:.0f}, "
                 f"{'replayed' if replay else 'kept'}) against room for {room / MB:.0f} MB: " + line)
         (log.info if fits else log.warning)(line)
         if notes is not None:

@@ -96,8 +96,7 @@ class GNNPipeEngine:
         module: the user's model (its ``forward`` is routed through the engine while installed).
         config: the knobs (:class:`~.config.PipelineConfig`).
         comm: this rank's :class:`~.comm.Comm`.
-        num_stages: pipeline stages S (``None``: from the devices and ``ways``; with both ``None``, one
-            stage per device, or fewer stages with graph-parallel ways when the model has fewer layers).
+        num_stages: pipeline stages S (``None``: from the devices and ``ways``; one a device, or fewer with ways).
         ways: graph-parallel ways W per stage (``None``: devices / S).
         min_ways: with both ``None``: the fewest ways to use (2 for ``strategy="gnnpipe_hybrid"``).
     """
@@ -113,7 +112,8 @@ class GNNPipeEngine:
         self.step = 0
         self.setup_seconds = 0.0                    # planning and history passes
         self.notes: List[str] = []
-        self.layer_hooks, self.stat_hooks = LayerHooks(module, self._outside), StatisticsHooks(module)
+        self.layer_hooks = LayerHooks(module, self._outside, lambda: self.plan)  # (the plan: refusals that need it)
+        self.stat_hooks = StatisticsHooks(module)
         self._fn = forward_function(module)
         self._shape: Optional[Shape] = None
         self._sizes: Optional[tuple] = None

@@ -66,9 +66,11 @@ class LayerHooks:
     outside the routed forward would train undistributed).
     """
 
-    def __init__(self, model: torch.nn.Module, outside: Optional[Callable[[str, MessagePassing], None]] = None):
+    def __init__(self, model: torch.nn.Module, outside: Optional[Callable[[str, MessagePassing], None]] = None,
+                 plan: Optional[Callable[[], object]] = None):
         self.model = model
         self.outside = outside
+        self.plan = plan  # the engine's plan, when there is one (``None``: nothing splits the graph)
         self.handles: list = []
         self.patched: List[MessagePassing] = []
 
@@ -84,6 +86,9 @@ class LayerHooks:
             # the edges; its plain one, which PyG itself switches to for explanations, calls them before
             if hasattr(type(m), "_orig_edge_updater"):
                 m.edge_updater = type(m)._orig_edge_updater.__get__(m, type(m))
+                self.patched.append(m)
+            if hasattr(type(m), "get_attention_loss") and _whole_local_graph(m):
+                m.get_attention_loss = _attention_loss(name, m, self.plan)
                 self.patched.append(m)
             stats = any(needs_statistics(s) for s in m.modules())
             self.handles += [
@@ -103,6 +108,7 @@ class LayerHooks:
             h.remove()
         for m in self.patched:
             m.__dict__.pop("edge_updater", None)
+            m.__dict__.pop("get_attention_loss", None)
         self.handles, self.patched = [], []
 
 
@@ -238,6 +244,29 @@ WHOLE_LOCAL_GRAPH = ("SuperGATConv",)
 
 def _whole_local_graph(module: MessagePassing) -> bool:
     return any(cls.__name__ in WHOLE_LOCAL_GRAPH for cls in type(module).__mro__)
+
+
+def _attention_loss(name: str, module: MessagePassing, plan: Optional[Callable[[], object]]) -> Callable[[], Tensor]:
+    """``SuperGATConv.get_attention_loss`` under the engine. The loss reads the attention logits the layer
+    computed last (``att_x``): inside the engine's run of the model, where with chunks they are the last chunk's
+    or way's edges read from filler halo rows, on a pipeline only the layer's stage has them, and the engine has
+    run its own backward through them already (a loss built on them would fail or be wrong, even with one chunk).
+    So in training it is refused by name, on every rank (each rank's training step makes the call), before the
+    loss is used; in eval mode PyG's answer (0) stands."""
+    own = type(module).get_attention_loss.__get__(module, type(module))
+
+    def get_attention_loss() -> Tensor:
+        p = plan() if plan is not None else None
+        if module.training and p is not None:
+            raise UnsupportedModelError(
+                f"{type(module).__name__} '{name}': get_attention_loss() reads the attention logits the layer "
+                f"computed inside pyg_pipe's run of the model ({p.stages} stage(s), {p.num_chunks} chunk(s)), "
+                f"which are the last chunk's, read from filler halo rows, and which pyg_pipe has already run its "
+                f"backward through: an auxiliary loss built on them would be wrong or fail. Leave the attention "
+                f"loss out of the training loss under pyg_pipe (the layer itself runs exactly), or train with it "
+                f"without pyg_pipe, on one device.")
+        return own()
+    return get_attention_loss
 
 
 def _exit(module: MessagePassing, args, kwargs, output):

@@ -70,7 +70,7 @@ class LayerHooks:
                  plan: Optional[Callable[[], object]] = None):
         self.model = model
         self.outside = outside
-        self.plan = plan  # the engine's plan, when there is one (``None``: nothing splits the graph)
+        self.plan = plan  # the engine's plan once it has one (``None``: no engine runs the model)
         self.handles: list = []
         self.patched: List[MessagePassing] = []
 

@@ -130,6 +130,11 @@ def main():
             v = r[str(c)]
             cells.append(v[:60] if isinstance(v, str) else f"{statistics.mean(v):.3f} ({100 * (statistics.mean(v) - one):+.1f})")
         print(f"| {name} | {one:.3f} | " + " | ".join(cells) + f" | {time.perf_counter() - t0:.0f} |", flush=True)
+    save(args, results)
+
+
+def save(args, results: dict) -> None:
+    """Writes ``results`` with the command's settings to ``args.out`` (when given); ``zoo_gradients.py`` too."""
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"setting": vars(args), "results": results}, f, indent=1)

@@ -31,7 +31,6 @@ their mean age in updates.
 """
 import argparse
 import copy
-import json
 import os
 import sys
 import time
@@ -169,7 +168,7 @@ def main():
     import torch
 
     from tests.zoo import ZOO
-    from zoo_accuracy import community
+    from zoo_accuracy import community, save
     logging.getLogger("pyg_pipe").setLevel(logging.WARNING)
     torch.set_num_threads(1)
     data, inputs = community(args.nodes)
@@ -187,9 +186,7 @@ def main():
                     continue
                 sites = " / ".join(f"{v:.2f}" for k, v in r.items() if k.startswith("drift/"))
                 print(f"| {name} | {c} | {sites} | {r['stale_share']:.2f} | {r['mean_age']:.1f} |", flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"setting": vars(args), "results": results}, f, indent=1)
+        save(args, results)
         return
     if args.noise:
         import statistics
@@ -202,9 +199,7 @@ def main():
             cells = [f"{statistics.mean(r[str(x)]):.3f} ({100 * (statistics.mean(r[str(x)]) - one):+.1f})"
                      for x in args.noise]
             print(f"| {name} | {one:.3f} | " + " | ".join(cells) + f" | {time.perf_counter() - t0:.0f} |", flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"setting": vars(args), "results": results}, f, indent=1)
+        save(args, results)
         return
     print("| layer | " + " | ".join(f"{c} chunks: error of lin_in / convs.0 / convs.1" for c in args.chunks) + " | s |")
     print("|---|" + "---|" * len(args.chunks) + "---:|")
@@ -220,9 +215,7 @@ def main():
                                                               for g in ("lin_in", "convs.0", "convs.1"))
                  for v in (row[str(c)] for c in args.chunks)]
         print(f"| {name} | " + " | ".join(cells) + f" | {time.perf_counter() - t0:.0f} |", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"setting": vars(args), "results": results}, f, indent=1)
+    save(args, results)
 
 
 if __name__ == "__main__":

@@ -30,9 +30,10 @@ _SCATTER = {"scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduc
 _HELPERS = ("torch.overrides", "torch._tensor", "torch.functional", "torch.nn.functional", "torch._jit_internal")
 
 
-def caller():
-    """The frame that called the operation (past torch's dispatch helpers)."""
-    frame = sys._getframe(2)
+def caller(depth: int = 2):
+    """The frame that called the operation (past torch's dispatch helpers); ``depth``: the frames from here to
+    the function mode's handler, plus one."""
+    frame = sys._getframe(depth)
     while frame is not None and frame.f_globals.get("__name__", "").startswith(_HELPERS):
         frame = frame.f_back
     return frame
@@ -236,4 +237,46 @@ def moved(name: str, args, kwargs, t: Tensor, v: int, o: Tensor) -> Optional[int
         return v
     if v == 0 and o.dim() > 0 and o.size(0) == t.size(0):
         return 0  # reshapes that keep the leading dimension
+    return None
+
+
+#: operations whose output holds entries of their input (so vertex ids at edge ends stay vertex ids):
+#: selections, joins and layout changes
+_KEEPS_IDS = {"__getitem__", "select", "unbind", "narrow", "flip", "index_select", "masked_select", "cat", "concat",
+              "stack", "view", "reshape", "contiguous", "clone", "to", "long", "int", "t", "T", "expand",
+              "expand_as", "repeat", "repeat_interleave", "unsqueeze", "squeeze", "flatten", "view_as", "reshape_as",
+              "chunk", "split", "detach", "sort", "unique", "broadcast_to", "take", "gather"}
+
+
+def keeps_ids(name: str, args, is_ids) -> bool:
+    """Whether the operation's output holds vertex ids at edge ends: it selects, joins or reshapes such ids
+    (``edge_index[0]``, ``row, col = edge_index``, ``torch.cat([edge_index, loops], 1)``)."""
+    if name not in _KEEPS_IDS or not args:
+        return False
+    first = args[0]
+    if isinstance(first, (tuple, list)):  # cat / stack
+        return any(isinstance(t, Tensor) and is_ids(t) for t in first)
+    return isinstance(first, Tensor) and is_ids(first)
+
+
+def reads_at_ids(name: str, args, kwargs, rows, is_ids) -> Optional[Tuple[Tensor, int, Tensor]]:
+    """``(t, v, index)`` when the operation reads the rows of ``t`` (vertex dimension ``v``) at positions
+    given by vertex ids at edge ends: ``x[edge_index[0]]``, ``x.index_select(0, col)``,
+    ``x.gather(0, row.view(-1, 1).expand(-1, d))``."""
+    if not args:
+        return None
+    for t, v in rows:
+        if t is not args[0]:
+            continue
+        if name == "__getitem__" and len(args) > 1:
+            entries = list(args[1]) if isinstance(args[1], tuple) else [args[1]]
+            if v < len(entries) and all(isinstance(e, slice) and e == slice(None) for e in entries[:v]):
+                e = entries[v]
+                if isinstance(e, Tensor) and e.dtype != torch.bool and is_ids(e):
+                    return t, v, e
+        elif name in ("index_select", "gather", "take_along_dim"):
+            dim = _arg(args, kwargs, 2 if name == "take_along_dim" else 1, "dim")
+            index = _arg(args, kwargs, 1 if name == "take_along_dim" else 2, "index", "indices")
+            if isinstance(dim, int) and _norm(dim, t.dim()) == v and isinstance(index, Tensor) and is_ids(index):
+                return t, v, index
     return None

@@ -24,7 +24,9 @@ that keep it, transposes and stacks that move it). The first operation that comb
 recorded with the line of the model that called it (which operations do, and how they move the vertex
 dimension: :mod:`.row_rules`); after the pass all ranks share what they found and raise the same error. The
 engine's own refusals found while a checked pass runs (:meth:`RowCheck.refuse`) are raised the same way. Nothing depends on values, on which chunk ran first or on one rank's view.
-The engine's own operations and those inside layers and graph-wide modules are not judged.
+The engine's own operations and those inside graph-wide modules are not judged. Inside a
+layer that computes its chunk's rows only, the forward is followed too, and a read of rows at its edges'
+entries outside ``propagate`` (``x[edge_index[0]]``) is refused (:meth:`RowCheck._in_layer`).
 
 Not followed (so not checked): rows that pass through an operation not listed here that changes
 their layout, Python loops over rows, and values taken to Python (``.tolist()``).
@@ -32,6 +34,7 @@ their layout, Python loops over rows, and values taken to Python (``.tolist()``)
 from __future__ import annotations
 
 import os
+import sys
 import weakref
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, Optional, Tuple
@@ -39,10 +42,11 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
+from torch_geometric.nn import MessagePassing
 
 from ...model.errors import UnsupportedModelError
 from ..context import current
-from .row_rules import caller, mixes, moved, op_name, tensors
+from .row_rules import caller, keeps_ids, mixes, moved, op_name, reads_at_ids, tensors
 
 class RowCheck(TorchFunctionMode):
     """Follows the tensors with one row per vertex through one chunk's run of the forward and records
@@ -64,6 +68,7 @@ class RowCheck(TorchFunctionMode):
         self.found: Optional[str] = None
         self.refusal: Optional[str] = None   # a refusal the engine found while the pass ran (:meth:`refuse`)
         self._paused = 0
+        self._ids: Dict[int, Any] = {}   # tensors holding vertex ids at edge ends, in the layers being run
 
     def refuse(self, message: str) -> None:
         """A refusal found while the pass runs on this rank: raised on every rank after the pass
@@ -108,11 +113,13 @@ class RowCheck(TorchFunctionMode):
     # ------------------------------------------------------------------ the mode
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.found is not None or self._paused:
-            return func(*args, **kwargs)
         ctx = current()
-        if ctx is None or ctx.stack:
-            return func(*args, **kwargs)  # outside the model's run, or inside a message-passing layer
+        if self._paused or ctx is None:
+            return func(*args, **kwargs)  # the engine's own, or outside the model's run
+        if ctx.stack:
+            return self._in_layer(ctx.stack[-1], func, args, kwargs)
+        if self.found is not None:
+            return func(*args, **kwargs)
         aligned = [(t, d) for t in tensors(args, kwargs) for d in [self.vdim(t)] if d is not None]
         if not aligned:
             return func(*args, **kwargs)
@@ -127,6 +134,59 @@ class RowCheck(TorchFunctionMode):
         out = func(*args, **kwargs)
         self._follow(name, args, kwargs, aligned, out)
         return out
+
+    # ------------------------------------------------------------------ inside a layer
+    def _in_layer(self, inv, func, args, kwargs):
+        """An operation inside a message-passing layer. One that computes its chunk's rows only
+        (``rows_only``: its input was computed on this chunk) is given the chunk's rows and its own
+        edges, whose sources its neighbours' rows join only inside ``propagate``. So its forward is
+        followed too: a read of vertex rows at positions taken from its graph's entries
+        (``x[edge_index[0]]``) outside ``propagate`` would miss those rows (or fail). It is refused on
+        every rank after the pass, and runs meanwhile on rows padded with zeros, so that the pass ends
+        on every rank. Nothing inside ``propagate`` is judged, nor a layer given its true halo rows."""
+        tens = tensors(args, kwargs)
+        if not inv.rows_only or not tens:
+            return func(*args, **kwargs)
+        for g in (h[0] for h in inv.graphs.values()):  # the layer's graphs: their entries are vertex ids
+            if isinstance(g, Tensor) and g.layout == torch.strided:
+                self._ids[id(g)] = weakref.ref(g)
+        rows = [(t, d) for t in tens for d in [self.vdim(t)] if d is not None]
+        if (not rows and not any(self._is_ids(t) for t in tens)) or _in_propagate():
+            return func(*args, **kwargs)
+        name = op_name(func)
+        read = reads_at_ids(name, args, kwargs, rows, self._is_ids) if rows else None
+        if read is not None:
+            return self._neighbour_read(inv, name, func, args, kwargs, *read)
+        out = func(*args, **kwargs)
+        if keeps_ids(name, args, self._is_ids):
+            for o in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(o, Tensor):
+                    self._ids[id(o)] = weakref.ref(o)
+        elif rows:
+            self._follow(name, args, kwargs, rows, out)
+        return out
+
+    def _is_ids(self, t: Tensor) -> bool:
+        hit = self._ids.get(id(t))
+        return hit is not None and hit() is t
+
+    def _neighbour_read(self, inv, name: str, func, args, kwargs, t: Tensor, v: int, index: Tensor):
+        if self.refusal is None:
+            found = self._describe(caller(4), name, "reads {rows} at the ends of the layer's edges", v)
+            self.refuse(
+                f"{found[0].upper()}{found[1:]}, outside propagate. With {self.cut}, layer '{inv.name}' runs on "
+                f"part of the vertices at a time and their neighbours' rows join them only inside propagate, so "
+                f"this read would miss them. Read neighbour rows in message() (its x_j / x_i arguments) or "
+                f"edge_updater(), as PyG's layers do, or train with one chunk and no graph-parallel ways "
+                f"(strategy='gnnpipe', num_chunks=1), which is exact.")
+        need = int(index.max()) + 1 if index.numel() else 0  # (a host sync: the checked pass only)
+        if need > t.size(v):  # the rows the read expects, zeros past the chunk's: the pass goes on to its end
+            pad = t.new_zeros(*t.shape[:v], need - t.size(v), *t.shape[v + 1:])
+            args = tuple(torch.cat([t, pad], dim=v) if a is t else a for a in args)
+        try:
+            return func(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - it cannot run even so: refuse on this rank now
+            raise UnsupportedModelError(self.refusal) from exc
 
     def _follow(self, name: str, args, kwargs, aligned, out) -> None:
         t, v = aligned[0]
@@ -179,3 +239,17 @@ class RowCheck(TorchFunctionMode):
         first = next((f for _, f in every if f is not None), None)
         if first is not None:
             raise UnsupportedModelError(self.message(first))
+
+
+def _in_propagate() -> bool:
+    """Whether the operation runs inside a layer's ``propagate`` / ``edge_updater`` (where the engine joins
+    halo rows) rather than in its ``forward`` around them."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code.co_name
+        if code in ("propagate", "edge_updater"):
+            return True
+        if code == "forward" and isinstance(frame.f_locals.get("self"), MessagePassing):
+            return False
+        frame = frame.f_back
+    return False

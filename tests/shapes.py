@@ -12,6 +12,7 @@ from torch import nn
 from torch_geometric import nn as gnn
 from torch_geometric.data import Data
 from torch_geometric.nn import GAT, GCN, GIN, GraphSAGE
+from torch_geometric.nn.models import PMLP, SGFormer, Polynormer
 
 from tests.zoo import zoo_graph
 
@@ -332,6 +333,27 @@ def _adjacency(g):
     return dict(x=x, edge_index=adj_t.to_sparse_csr())
 
 
+def _by_destination(g):
+    """The edges sorted by destination, as PyG's sequence aggregations (LSTM, GRU) require."""
+    x, e, _, _ = g
+    ei = e["edge_index"]
+    return dict(x=x, edge_index=ei[:, torch.argsort(ei[1] * x.size(0) + ei[0])])
+
+
+def _with_batch(g):
+    x, e, _, _ = g
+    return dict(x=x, edge_index=e["edge_index"], batch=torch.zeros(x.size(0), dtype=torch.long))
+
+
+def _sequence_aggregations():
+    """SAGE layers aggregating with an LSTM, then a GRU (padded to the graph's largest in-degree)."""
+    from torch_geometric.nn.aggr import GRUAggregation
+    return gnn.Sequential("x, edge_index", [
+        (gnn.SAGEConv(8, H, aggr="lstm"), "x, edge_index -> x"), nn.ReLU(),
+        (gnn.SAGEConv(H, H, aggr=GRUAggregation(H, H)), "x, edge_index -> x"), nn.ReLU(),
+        (gnn.SAGEConv(H, 3, aggr="lstm"), "x, edge_index -> x")])
+
+
 def _data_inputs(g):
     x, e, y, _ = g
     return dict(data=Data(x=x, edge_index=e["edge_index"], edge_weight=e["edge_weight"], y=y))
@@ -373,4 +395,12 @@ SHAPES = {
     # featureless relational layers: x=None stands for the vertex ids
     "RGCN-featureless": (RGCN, _typed),
     "FastRGCN-featureless": (lambda: RGCN(fast=True), _typed),
+    # aggregations padding each vertex's messages to the whole graph's largest in-degree
+    "SAGE-lstm-gru": (_sequence_aggregations, _by_destination),
+    # PyG's models: an MLP in training with its graph layer in eval only; local and global attention
+    "PMLP": (lambda: PMLP(8, H, 3, num_layers=3), _plain),
+    "Polynormer-local": (lambda: Polynormer(8, H, 3, local_layers=2, global_layers=1, in_dropout=0.0, dropout=0.0,
+                                            global_dropout=0.0), _with_batch),
+    "SGFormer": (lambda: SGFormer(8, H, 3, trans_num_layers=1, gnn_num_layers=2, trans_dropout=0.0,
+                                  gnn_dropout=0.0), _with_batch),
 }

@@ -3,3 +3,8 @@
 
 class UnsupportedModelError(ValueError):
     """The model cannot be run (exactly) by pyg_pipe as configured; the message says why and what to do."""
+
+
+class NoLayerCalled(UnsupportedModelError):
+    """The forward, traced, calls no message-passing layer (PyG's ``PMLP`` in training: its graph layers run in
+    eval only): nothing to cut into stages, but its rows can still be split among graph-parallel ways."""

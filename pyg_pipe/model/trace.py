@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch.distributed.pipelining import SplitPoint, pipe_split
 from torch_geometric.nn import MessagePassing
 
-from .errors import UnsupportedModelError
+from .errors import NoLayerCalled, UnsupportedModelError
 from .norms import needs_statistics
 
 __all__ = ["Program", "trace", "pipe_split", "SplitPoint", "forward_function"]
@@ -151,10 +151,30 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict, fn: Optional[Callab
         elif node.op == "call_function" and node.target in _PIPE_SPLIT_TARGETS:
             splits.append(node)
     if not units:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} calls no MessagePassing layer in its {fn.__name__}, so there is nothing to "
-            f"pipeline. pyg_pipe splits models whose layers are torch_geometric MessagePassing modules.")
+        mode = "training" if model.training else "eval"
+        raise NoLayerCalled(
+            f"{type(model).__name__} calls no MessagePassing layer in its {fn.__name__} in {mode} mode, so there is "
+            f"nothing to cut into pipeline stages. Use strategy='gnnpipe' without a stage count (a model with fewer "
+            f"layers than devices runs on graph-parallel ways) or strategy='graph_parallel'.")
     return Program(model, graph, units, splits, modules)
+
+
+def trace_other_mode(model: torch.nn.Module, args: tuple, kwargs: dict, fn: Optional[Callable] = None) -> None:
+    """Traces ``model`` in the other mode (eval when training, and back) and raises :class:`NoLayerCalled`
+    if that mode calls no message-passing layer (PyG's ``PMLP`` trains as an MLP and propagates only in eval), so
+    that the grid is decided for both modes, whichever runs first (Lightning's sanity check runs eval first). Every
+    module's mode is restored; other refusals are left for that mode's first call."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.train(not model.training)
+    try:
+        trace(model, args, kwargs, fn)
+    except NoLayerCalled:
+        raise
+    except Exception:  # noqa: BLE001 - that mode's own refusal (or a trace fallback) comes when it runs
+        pass
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 
 def _trace_with_fallback(model, fn, args, kwargs) -> fx.Graph:

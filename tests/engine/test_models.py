@@ -1,7 +1,7 @@
 """The model shapes people write (:mod:`tests.shapes`: JumpingKnowledge, ResGCN+ with and without
 checkpointing, reversible blocks, an LSTM state, ``forward(data)``, control flow, graph-wide norms, an
 edge encoder, a transposed graph, zero-initialised layers, K-hop layers, attention over all vertices
-(GPSConv), Graph U-Net) in every mode,
+(GPSConv, SGFormer), Graph U-Net, LSTM and GRU aggregations, PMLP, Polynormer) in every mode,
 against one process. float64; one process launch per mode. Streaming (one device, 4 chunks, layer group by
 layer group) is exact at any learning rate, like graph parallelism; a forward that does not trace
 streams as one group.
@@ -26,21 +26,27 @@ TOO_SHALLOW = ["1 message-passing layers but the pipeline has 2 stages", "gnnpip
 ATTENTION = ["'gps.attn' (MultiheadAttention)", "multiplies the rows of different vertices", "num_chunks=1"]
 
 EDGE_IDS = ["'conv1' (FastRGCNConv) is given integer vertex features", "RGCNConv instead of FastRGCNConv"]
+NO_LAYER = ["PMLP calls no MessagePassing layer in its forward in training mode", "strategy='graph_parallel'"]
+GLOBAL = ["'trans_conv' (SGModule) calls `sort`", "num_chunks=1"]
 
 # mode -> case -> words of the expected refusal (every other case must be exact). BatchNorm and GraphNorm with
 # several chunks per way in the pipeline take historical statistics by default (per_chunk_statistics="auto"):
 # exact at lr = 0; streaming still refuses them
 REFUSED = {
-    "graph_parallel": {"GraphUNet": POOLING, "GPSConv": ATTENTION, "FastRGCN-featureless": EDGE_IDS},
-    "pipeline": {"GraphUNet": POOLING, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW},
+    "graph_parallel": {"GraphUNet": POOLING, "GPSConv": ATTENTION, "FastRGCN-featureless": EDGE_IDS,
+                       "SGFormer": GLOBAL},
+    "pipeline": {"GraphUNet": POOLING, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW,
+                 "PMLP": NO_LAYER},
     "chunks": {"GraphUNet": POOLING, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW,
                "FastRGCN-featureless": EDGE_IDS,
-               "GCN-pyg-layernorm-graph": STATS + ["LayerNorm"], "GPSConv": ATTENTION},
+               "GCN-pyg-layernorm-graph": STATS + ["LayerNorm"], "GPSConv": ATTENTION, "PMLP": NO_LAYER,
+               "SGFormer": GLOBAL},
     "graph_parallel_chunks": {"GraphUNet": POOLING, "FastRGCN-featureless": EDGE_IDS,
-                              "GCN-pyg-layernorm-graph": STATS, "GPSConv": ATTENTION},
+                              "GCN-pyg-layernorm-graph": STATS, "GPSConv": ATTENTION, "SGFormer": GLOBAL},
     "streaming": {"GraphUNet": POOLING, "GCN-batchnorm": STATS, "GCN-graphnorm": STATS,
                   "FastRGCN-featureless": EDGE_IDS,
-                  "GCN-pyg-layernorm-graph": STATS, "GPSConv": ATTENTION},
+                  "GCN-pyg-layernorm-graph": STATS, "GPSConv": ATTENTION, "PMLP": STATS,
+                  "Polynormer-local": STATS, "SGFormer": STATS},
 }
 
 

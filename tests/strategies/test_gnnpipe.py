@@ -294,3 +294,24 @@ def test_batch_norm_with_historical_statistics_trains_as_on_one_device_at_lr0(da
     loss = F.cross_entropy(out[data.val_mask], data.y[data.val_mask])
     assert float(t.callback_metrics["val_loss"]) == pytest.approx(float(loss), abs=1e-5)
     assert "staleness/drift/statistics:norms.0.module#0" in t.callback_metrics
+
+
+def test_pmlp_whose_training_forward_calls_no_layer_runs_on_graph_parallel_ways(data, tmp_path):
+    """PyG's PMLP trains as an MLP (its graph layer runs in eval only): there is no stage to cut, so every
+    device becomes a graph-parallel way (as for a model with fewer layers than devices) instead of a
+    refusal. Its BatchNorm over the ways' rows and its 3 propagations at validation are exact: parameters
+    after fit and the validation accuracy equal one process."""
+    from torch_geometric.nn.models import PMLP
+    torch.manual_seed(0)
+    model = PMLP(data.num_features, 16, 3, num_layers=3)
+    ref = reference_fit(model, data, epochs=3)
+    lit = NodeClassifier(model)
+    t = trainer(tmp_path, devices=2)
+    t.fit(lit, train_dataloaders=graph_loader(data), val_dataloaders=graph_loader(data))
+    for (name, p), q in zip(lit.model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
+    with torch.no_grad():
+        out = ref.eval()(data.x, data.edge_index)
+    acc = (out.argmax(-1)[data.val_mask] == data.y[data.val_mask]).float().mean()
+    assert float(t.callback_metrics["val_acc"]) == pytest.approx(float(acc), abs=1e-6)
+    assert any("calls no message-passing layer" in n for n in t.strategy.notes), t.strategy.notes

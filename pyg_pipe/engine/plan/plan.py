@@ -6,11 +6,8 @@ owns which parameter). :func:`make_plan` decides them from the model's structure
 knobs, and executes nothing of the model except, for ``balance="time"``, the cost measurement it is
 handed. The decisions that use measurements (the cost-balanced split) or randomness (the
 partitioner) are made once, on one rank, and broadcast; a resumed run reuses the saved plan instead
-of re-deciding, and a resume whose settings differ from the saved ones fails naming the setting.
-
-What is built from a plan (chunk graphs, history, the schedule, caches) lives in the runtime
-(:mod:`..runtime.runtime`).
-"""
+of re-deciding, and a resume whose settings differ from the saved ones fails naming the setting. What is
+built from a plan (chunk graphs, history, the schedule, caches) lives in the runtime (:mod:`..runtime.runtime`)."""
 from __future__ import annotations
 
 import logging
@@ -21,10 +18,10 @@ from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence,
 import torch
 from torch import Tensor
 
-from ...model.errors import UnsupportedModelError
+from ...model.errors import NoLayerCalled, UnsupportedModelError
 from ...model.inputs import CallInputs, graph_edges, same_structure
 from ...model.split import balance, parameter_stages, split, stage_groups
-from ...model.trace import Program, trace
+from ...model.trace import Program, trace, trace_other_mode
 from ..config import PipelineConfig
 from .chunk_cost import choose_chunks
 from .decide import root_decides
@@ -145,8 +142,15 @@ def decide_shape(module: torch.nn.Module, inputs: CallInputs, world_size: int, s
         return Shape(1, 1, program, groups, forced, False, streaming=True)
     if S == 1:
         return Shape(S, W, None, None, False, False)
-    program = trace(module, inputs.args, inputs.kwargs, fn)
-    groups, forced = stage_groups(program, split_points)
+    try:
+        program = trace(module, inputs.args, inputs.kwargs, fn)
+        groups, forced = stage_groups(program, split_points)
+        if stages is None:
+            trace_other_mode(module, inputs.args, inputs.kwargs, fn)
+    except NoLayerCalled:  # (PMLP trains as an MLP) no stage to cut: every device a way, unless stages are set
+        if stages is not None:
+            raise
+        program, groups, forced = None, [], False
     L = len(groups)
     if L >= S or forced:
         return Shape(S, W, program, groups, forced, False)
@@ -156,13 +160,12 @@ def decide_shape(module: torch.nn.Module, inputs: CallInputs, world_size: int, s
             f"one layer. Use at most {L} stages, strategy='gnnpipe_hybrid' (stages x graph-parallel ways), or a "
             f"deeper model.")
     S2, W2 = ways_for_layers(world_size, L, W)
-    note = (f"pyg_pipe: the model has {L} message-passing layers for {world_size} devices: running {S2} pipeline "
-            f"stage{'s' if S2 > 1 else ''} x {W2} graph-parallel ways.")
+    what = f"has {L} message-passing layers" if program else "calls no message-passing layer in its forward now"
+    note = (f"pyg_pipe: the model {what} for {world_size} devices: running {S2} pipeline stage{'s' if S2 > 1 else ''} "
+            f"x {W2} graph-parallel ways.")
     log.info(note)
-    if S2 == 1:
-        return Shape(S2, W2, None, None, False, True, (note,))
-    return Shape(S2, W2, program, groups, forced, True, (note,))
-
+    keep = S2 > 1
+    return Shape(S2, W2, program if keep else None, groups if keep else None, forced and keep, True, (note,))
 
 def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inputs: CallInputs, comm, root: int,
               sizes: Optional[Sequence[int]] = None, costs: Optional[Callable[[Tensor, Tensor], List[float]]] = None,

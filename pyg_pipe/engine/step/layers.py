@@ -1,44 +1,42 @@
 """Unchanged PyG layers on a chunk: the hooks around every ``MessagePassing`` call.
 
 The user's forward runs as ordinary Python on a chunk's rows (tensors with one row per chunk vertex;
-:mod:`pyg_pipe.model.inputs` hands them out). Neighbour access happens only inside
-``MessagePassing`` layers, and these hooks adapt each call to the chunk's local graph
-(:mod:`pyg_pipe.graph.chunks`):
+:mod:`pyg_pipe.model.inputs` hands them out). Neighbour access happens only inside ``MessagePassing`` layers, and
+these hooks adapt each call to the chunk's local graph (:mod:`pyg_pipe.graph.chunks`):
 
 1. **layer entry** (forward pre-hook): the graph argument is resolved to the chunk's local graph
    (a local ``edge_index`` or sparse ``adj_t`` handed out with the inputs, the whole-graph tensor
    itself, or its transpose ``edge_index.flip(0)``). Then one of two:
 
-   * *clean* call (every node argument is an input handed out for the chunk, unchanged): node tensors
-     are extended to the local graph's ``num_local`` rows with their **true** halo rows (from the whole
-     input), the layer runs on the whole local graph, and its sources need no exchange (the first layer
-     of a model reads the input features);
-   * otherwise the layer computes **the chunk's rows only**: node tensors stay ``[rows]``, the graph is
-     the *row graph* (the local edges into the chunk's rows, a ``[rows, num_local]`` adjacency), and edge
-     tensors are cut to those edges. Nothing is computed for halo vertices.
+   * *clean* call (every node argument is an input handed out for the chunk, unchanged): node tensors are extended to
+     the local graph's ``num_local`` rows with their **true** halo rows (from the whole input), the layer runs on
+     the whole local graph, and its sources need no exchange (the first layer of a model reads the input features);
+   * otherwise the layer computes **the chunk's rows only**: node tensors stay ``[rows]``, the graph is the *row graph*
+     (the local edges into the chunk's rows, a ``[rows, num_local]`` adjacency), and edge tensors are cut to those
+     edges. Nothing is computed for halo vertices.
 
    Degrees the layer computes are completed by :mod:`.degrees`.
-2. **each propagate / edge_updater call** (pre-hook): the arguments the layer reads at edge sources
-   (``x`` for ``x_j``; the matrix of ``message_and_aggregate`` for sparse adjacencies) get their
-   true halo rows (:mod:`..runtime.halo`): ``[rows | halo]``. In a rows-only call a source read
-   at both ends (``x_i`` and ``x_j``) is passed as the pair ``(rows | halo, rows)`` with
-   ``size=(num_local, rows)``, as PyG passes bipartite inputs, so messages and aggregation produce the
-   chunk's rows. That call is a *call site*, named ``module#invocation.call``; K-hop layers have K sites.
+2. **each propagate / edge_updater call** (pre-hook): the arguments the layer reads at edge sources (``x`` for
+   ``x_j``; the matrix of ``message_and_aggregate`` for sparse adjacencies) get their true halo rows
+   (:mod:`..runtime.halo`): ``[rows | halo]``. In a rows-only call a source read at both ends (``x_i`` and ``x_j``)
+   is passed as the pair ``(rows | halo, rows)`` with ``size=(num_local, rows)``, as PyG passes bipartite inputs, so
+   messages and aggregation produce the chunk's rows. That call is a *call site*, named ``module#invocation.call``;
+   K-hop layers have K sites.
 3. **layer exit** (forward hook): the outputs are cut back to the chunk's rows (clean calls).
 
-Which argument is a node tensor and which an edge tensor is decided by what it is: an edge input
-handed out for the chunk, else its row count; with as many chunk rows as local edges, by the layer's
-parameter name (PyG names per-edge parameters ``edge_*``).
+Which argument is a node tensor and which an edge tensor is decided by what it is: an edge input handed out for the
+chunk, else its row count; with as many chunk rows as local edges, by the layer's parameter name (PyG names per-edge
+parameters ``edge_*``).
 
-Which extended rows are already right is decided by structure, never by values: a node argument
-is *clean* when it is one of the inputs handed out for this chunk, unchanged (its halo rows are then
-the true input rows); a call site's sources are clean when every node argument of the layer call was
-clean and no propagate of that call has returned yet. Clean sources need no exchange and no history
-(the first layer of a model reads the input features). Everything else is exchanged.
+Which extended rows are already right is decided by structure, never by values: a node argument is *clean* when it
+is one of the inputs handed out for this chunk, unchanged (its halo rows are then the true input rows); a call
+site's sources are clean when every node argument of the layer call was clean and no propagate of that call has
+returned yet. Clean sources need no exchange and no history (the first layer of a model reads the input features).
+Everything else is exchanged.
 
 Layers holding graph-wide statistics (a BatchNorm in a message MLP) also get hooks around ``message`` /
-``edge_update`` (:mod:`.norms`). What each argument of a call is, and what it becomes, is :mod:`.arguments`.
-"""
+``edge_update`` (:mod:`.norms`), their aggregations pad to the whole graph's in-degree (:mod:`.padding`). What
+each argument of a call is, and what it becomes, is :mod:`.arguments`."""
 from __future__ import annotations
 
 import inspect
@@ -51,7 +49,7 @@ from torch_geometric.nn import MessagePassing
 from ...model.errors import UnsupportedModelError
 from ...model.norms import needs_statistics
 from ..context import ChunkContext, Invocation, Site, current
-from . import degrees
+from . import degrees, padding
 from .arguments import (argument_kind, clean_input, each, edge_chunking, extend, is_sparse, narrow, parameter_names,
                         relocalise_edges, resolve_graphs, row_graph, vertex_dim, vertex_ids)
 from .layer_cache import store_cache, swap_cache
@@ -90,6 +88,7 @@ class LayerHooks:
             if hasattr(type(m), "get_attention_loss") and _whole_local_graph(m):
                 m.get_attention_loss = _attention_loss(name, m, self.plan)
                 self.patched.append(m)
+            self.patched += padding.install(name, m)
             stats = any(needs_statistics(s) for s in m.modules())
             self.handles += [
                 m.register_forward_pre_hook(_entry(name, self.outside), with_kwargs=True),
@@ -109,6 +108,7 @@ class LayerHooks:
         for m in self.patched:
             m.__dict__.pop("edge_updater", None)
             m.__dict__.pop("get_attention_loss", None)
+            m.__dict__.pop("to_dense_batch", None)
         self.handles, self.patched = [], []
 
 

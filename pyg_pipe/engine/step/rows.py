@@ -16,17 +16,17 @@ indexes by position ``x[edge_index[0]]``, ``x[:10]``, ``x[0]``, ``x.flip(0)``, `
 =================== ======================================================================
 
 So the first pass of every mode (training, inference) of a plan that cuts the graph runs under
-:class:`RowCheck`, a ``TorchFunctionMode`` that follows which tensors have one row per vertex of the
-chunk, and along which dimension, *by provenance*: the chunk's node inputs, what layers and graph-wide
-modules return, values arriving from the previous stage, and whatever is computed from them keeping
-that dimension (elementwise operations, linear maps, concatenation along other dimensions, reshapes
-that keep it, transposes and stacks that move it). The first operation that combines those rows is
-recorded with the line of the model that called it (which operations do, and how they move the vertex
-dimension: :mod:`.row_rules`); after the pass all ranks share what they found and raise the same error. The
-engine's own refusals found while a checked pass runs (:meth:`RowCheck.refuse`) are raised the same way. Nothing depends on values, on which chunk ran first or on one rank's view.
-The engine's own operations and those inside graph-wide modules are not judged. Inside a
-layer that computes its chunk's rows only, the forward is followed too, and a read of rows at its edges'
-entries outside ``propagate`` (``x[edge_index[0]]``) is refused (:meth:`RowCheck._in_layer`).
+:class:`RowCheck`, a ``TorchFunctionMode`` that follows which tensors have one row per vertex of the chunk, and
+along which dimension, *by provenance*: the chunk's node inputs, what layers and graph-wide modules return,
+values arriving from the previous stage, and whatever is computed from them keeping that dimension (elementwise
+operations, linear maps, concatenation along other dimensions, reshapes that keep it, transposes and stacks that
+move it). The first operation that combines those rows is recorded with the line of the model that called it
+(which operations do, and how they move the vertex dimension: :mod:`.row_rules`); after the pass all ranks share
+what they found and raise the same error. The engine's own refusals found while a checked pass runs
+(:meth:`RowCheck.refuse`) are raised the same way. Nothing depends on values, on which chunk ran first or on one
+rank's view. The engine's own operations and those inside graph-wide modules are not judged. Inside a layer that
+computes its chunk's rows only, the forward is followed too, and a read of rows at its edges' entries outside
+``propagate`` (``x[edge_index[0]]``) is refused (:meth:`RowCheck._in_layer`).
 
 Not followed (so not checked): rows that pass through an operation not listed here that changes
 their layout, Python loops over rows, and values taken to Python (``.tolist()``).

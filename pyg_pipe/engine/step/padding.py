@@ -1,0 +1,85 @@
+"""Aggregations that lay a vertex's messages out as a padded sequence: padded to the whole graph's largest in-degree.
+
+Some of PyG's aggregations (``LSTMAggregation``, ``GRUAggregation``, ``LCMAggregation``,
+``PatchTransformerAggregation``; ``SAGEConv(aggr="lstm")``) call :meth:`Aggregation.to_dense_batch`, which puts
+every destination's messages in a ``[vertices, D, d]`` batch, zeros after its own, with ``D`` the largest
+in-degree among the destinations, and then run over all ``D`` positions. A vertex's output so depends on ``D``:
+on the largest in-degree of the whole graph, even of another component (measured: 0.4 apart in PyG on one device).
+A chunk holds the in-degrees of its own rows only, so its ``D`` is smaller and its rows would silently differ
+from one device's. Under the engine each such call inside a layer pads to the largest in-degree of the whole
+graph the layer propagates over (counted once per chunked graph, in the direction of the layer's flow), so a
+chunk's rows equal one device's. Aggregations that mask the padding (``SetTransformerAggregation``) or pad to a
+fixed size (``MLPAggregation``, ``SortAggregation``) give the same results either way.
+
+A graph the layer builds itself (self loops it adds) has in-degrees the chunking does not hold: such a call is
+refused by name, on every rank after the checked pass (it is structural: the same for every chunk).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch_geometric.nn import MessagePassing
+from torch_geometric.nn.aggr import Aggregation
+
+from ...model.errors import UnsupportedModelError
+from ..context import current
+from ..reroute import Rerouted
+
+
+def install(name: str, layer: MessagePassing) -> List[Aggregation]:
+    """Patches every aggregation inside ``layer`` (an instance attribute, popped by the caller; a deep copy of the
+    model taken meanwhile gets PyG's own); returns them."""
+    patched = []
+    for aggr in layer.modules():
+        if isinstance(aggr, Aggregation):
+            aggr.to_dense_batch = Rerouted(aggr, _padded(name, layer, aggr), type(aggr).to_dense_batch)
+            patched.append(aggr)
+    return patched
+
+
+def _padded(name: str, layer: MessagePassing, aggr: Aggregation):
+    own = type(aggr).to_dense_batch.__get__(aggr, type(aggr))
+
+    def to_dense_batch(x, index=None, ptr=None, dim_size=None, dim=-2, fill_value=0.0, max_num_elements=None):
+        ctx = current()
+        if ctx is not None and ctx.stack and index is not None:
+            largest, ordered = _graph(ctx, name, layer, aggr)
+            if max_num_elements is None:
+                max_num_elements = largest
+            if ordered and index.numel() > 1 and not bool((index[:-1] <= index[1:]).all()):  # (PyG syncs too)
+                order = torch.argsort(index, stable=True)  # each vertex's messages keep the user's edge order
+                x, index = x.index_select(dim, order), index[order]
+        return own(x, index, ptr, dim_size, dim, fill_value, max_num_elements)
+    return to_dense_batch
+
+
+def _graph(ctx, name: str, layer: MessagePassing, aggr: Aggregation) -> Tuple[Optional[int], bool]:
+    """For the graph the running propagate was handed: the whole graph's largest in-degree (out-degree for
+    ``flow="target_to_source"``), and whether the user's edges are sorted by destination (as these aggregations
+    need: a chunk's local ids, renumbered, may not be; its edges are then sorted again, stably). With a refusal when
+    the layer built that graph itself."""
+    inv = ctx.stack[-1]
+    graph = inv.edge_graph
+    cg = inv.chunking(graph)[0] if graph is not None else None
+    if cg is not None and cg.num_chunks == 1:  # the whole graph: PyG's own padding is the whole graph's
+        return None, False
+    if graph is None or not inv.handed(graph):
+        message = (f"Layer '{name}' ({type(layer).__name__}) aggregates with {type(aggr).__name__}, which pads every "
+                   f"vertex's messages to the largest in-degree of the whole graph, over a graph the layer built "
+                   f"itself (self loops added, edges filtered), whose in-degrees pyg_pipe does not hold when the "
+                   f"graph is cut. Build that graph before the model and pass it in, use another aggregation, or "
+                   f"train with one chunk and no graph-parallel ways (strategy='gnnpipe', num_chunks=1).")
+        if ctx.observer is None:
+            raise UnsupportedModelError(message)
+        ctx.observer.refuse(message)
+        return None, True  # (sorted, so that the checked pass runs to its end on every rank, which then raise)
+    key = f"_padding_{layer.flow}"
+    hit = getattr(cg, key, None)
+    if hit is None:  # once per chunked graph (host syncs)
+        ends = cg.new_src if layer.flow == "target_to_source" else cg.new_dst
+        largest = int(torch.bincount(ends, minlength=cg.num_nodes).max()) if ends.numel() else 0
+        old = cg.perm[ends]
+        hit = (max(largest, 1), bool((old[:-1] <= old[1:]).all()))
+        setattr(cg, key, hit)
+    return hit

@@ -395,6 +395,11 @@ SHAPES = {
     # featureless relational layers: x=None stands for the vertex ids
     "RGCN-featureless": (RGCN, _typed),
     "FastRGCN-featureless": (lambda: RGCN(fast=True), _typed),
+    # PyG's memory option splitting the features into decomposed propagations
+    "GCN-decomposed": (lambda: gnn.Sequential("x, edge_index", [
+        (gnn.GCNConv(8, H, decomposed_layers=2), "x, edge_index -> x"), nn.ReLU(),
+        (gnn.GCNConv(H, H, decomposed_layers=3), "x, edge_index -> x"), nn.ReLU(),
+        (gnn.GCNConv(H, 3, decomposed_layers=3), "x, edge_index -> x")]), _plain),
     # aggregations padding each vertex's messages to the whole graph's largest in-degree
     "SAGE-lstm-gru": (_sequence_aggregations, _by_destination),
     # PyG's models: an MLP in training with its graph layer in eval only; local and global attention

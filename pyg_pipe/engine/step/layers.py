@@ -35,7 +35,7 @@ returned yet. Clean sources need no exchange and no history (the first layer of 
 Everything else is exchanged.
 
 Layers holding graph-wide statistics (a BatchNorm in a message MLP) also get hooks around ``message`` /
-``edge_update`` (:mod:`.norms`), their aggregations pad to the whole graph's in-degree (:mod:`.padding`). What
+``edge_update`` (:mod:`.norms`), aggregations that depend on the whole graph's size see it (:mod:`.aggregations`). What
 each argument of a call is, and what it becomes, is :mod:`.arguments`."""
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ from torch_geometric.nn import MessagePassing
 from ...model.errors import UnsupportedModelError
 from ...model.norms import needs_statistics
 from ..context import ChunkContext, Invocation, Site, current
-from . import degrees, padding
+from . import aggregations, degrees
 from .arguments import (argument_kind, clean_input, each, edge_chunking, extend, is_sparse, narrow, parameter_names,
                         relocalise_edges, resolve_graphs, row_graph, vertex_dim, vertex_ids)
 from .layer_cache import store_cache, swap_cache
@@ -88,7 +88,7 @@ class LayerHooks:
             if hasattr(type(m), "get_attention_loss") and _whole_local_graph(m):
                 m.get_attention_loss = _attention_loss(name, m, self.plan)
                 self.patched.append(m)
-            self.patched += padding.install(name, m)
+            self.patched += aggregations.install(name, m)
             stats = any(needs_statistics(s) for s in m.modules())
             self.handles += [
                 m.register_forward_pre_hook(_entry(name, self.outside), with_kwargs=True),
@@ -105,10 +105,9 @@ class LayerHooks:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-        for m in self.patched:
-            m.__dict__.pop("edge_updater", None)
-            m.__dict__.pop("get_attention_loss", None)
-            m.__dict__.pop("to_dense_batch", None)
+        for m in self.patched:  # (layers' edge_updater and get_attention_loss; aggregations' to_dense_batch and reg)
+            for attr in ("edge_updater", "get_attention_loss", "to_dense_batch", "reg"):
+                m.__dict__.pop(attr, None)
         self.handles, self.patched = [], []
 
 
@@ -338,7 +337,8 @@ def _sources(name: str, args_attr: str, stats: bool):
                 joined = ctx.halo.join(f"{site}:{arg}", cg, lg, t, vdim)
             if isinstance(value, (tuple, list)):
                 kwargs[arg] = type(value)((joined, *value[1:]))
-            elif inv.rows_only and not fused:  # sources [rows | halo], destinations [rows]
+            elif inv.rows_only and not fused and module.decomposed_layers == 1:  # sources [rows | halo], dest. [rows]
+                #                                          (decomposed layers split x, not a pair: x_j read only)
                 kwargs[arg] = (joined, t)
             else:
                 kwargs[arg] = joined

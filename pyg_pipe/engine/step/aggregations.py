@@ -1,4 +1,4 @@
-"""Aggregations that lay a vertex's messages out as a padded sequence: padded to the whole graph's largest in-degree.
+"""PyG aggregations whose output depends on the whole graph's size, given the whole graph's on a chunk.
 
 Some of PyG's aggregations (``LSTMAggregation``, ``GRUAggregation``, ``LCMAggregation``,
 ``PatchTransformerAggregation``; ``SAGEConv(aggr="lstm")``) call :meth:`Aggregation.to_dense_batch`, which puts
@@ -9,10 +9,15 @@ A chunk holds the in-degrees of its own rows only, so its ``D`` is smaller and i
 from one device's. Under the engine each such call inside a layer pads to the largest in-degree of the whole
 graph the layer propagates over (counted once per chunked graph, in the direction of the layer's flow), so a
 chunk's rows equal one device's. Aggregations that mask the padding (``SetTransformerAggregation``) or pad to a
-fixed size (``MLPAggregation``, ``SortAggregation``) give the same results either way.
+fixed size (``MLPAggregation``, ``SortAggregation``) give the same results either way. A chunk's local ids,
+renumbered, may leave the user's destination-sorted edges unsorted (a way of several chunks): they are sorted
+again, stably, so every vertex's messages keep the user's order.
 
-A graph the layer builds itself (self loops it adds) has in-degrees the chunking does not hold: such a call is
-refused by name, on every rank after the checked pass (it is structural: the same for every chunk).
+``EquilibriumAggregation`` runs gradient steps on its outputs whose regulariser is a mean over every destination
+vertex: each step is divided by the graph's vertex count, which on a chunk is the whole graph's.
+
+A graph the layer builds itself (self loops it adds) has in-degrees the chunking does not hold: a padded call over
+it is refused by name, on every rank after the checked pass (it is structural: the same for every chunk).
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch_geometric.nn import MessagePassing
-from torch_geometric.nn.aggr import Aggregation
+from torch_geometric.nn.aggr import Aggregation, EquilibriumAggregation
 
 from ...model.errors import UnsupportedModelError
 from ..context import current
@@ -35,7 +40,24 @@ def install(name: str, layer: MessagePassing) -> List[Aggregation]:
         if isinstance(aggr, Aggregation):
             aggr.to_dense_batch = Rerouted(aggr, _padded(name, layer, aggr), type(aggr).to_dense_batch)
             patched.append(aggr)
+        if isinstance(aggr, EquilibriumAggregation):
+            aggr.reg = Rerouted(aggr, _regulariser(aggr), type(aggr).reg)
     return patched
+
+
+def _regulariser(aggr: EquilibriumAggregation):
+    """``EquilibriumAggregation``'s regulariser ``softplus(lamb) * mean_i |y_i|^2`` averages over every destination
+    vertex: each vertex's inner gradient steps are divided by the graph's vertex count. On a chunk, by the whole
+    graph's, so that its rows take the steps they take on one device."""
+    own = type(aggr).reg.__get__(aggr, type(aggr))
+
+    def reg(y):
+        ctx = current()
+        if ctx is None or not ctx.stack or ctx.stack[-1].edge_graph is None:
+            return own(y)
+        cg = ctx.stack[-1].chunking(ctx.stack[-1].edge_graph)[0]
+        return aggr.softplus(aggr.lamb) * y.square().sum(dim=-1).sum() / cg.num_nodes
+    return reg
 
 
 def _padded(name: str, layer: MessagePassing, aggr: Aggregation):

@@ -1,9 +1,11 @@
-"""Aggregations that pad each vertex's messages to the graph's largest in-degree (PyG's LSTM, GRU and LCM
-aggregations; ``SAGEConv(aggr="lstm")``): in PyG a vertex's output depends on that largest in-degree, even
-of another component, and a chunk holds only its own rows' in-degrees. They used to differ from one device
+"""Aggregations whose output depends on the whole graph's size. Those that pad each vertex's messages to the
+graph's largest in-degree (PyG's LSTM, GRU and LCM aggregations; ``SAGEConv(aggr="lstm")``): in PyG a vertex's
+output depends on that largest in-degree, even of another component, and a chunk holds only its own rows'
+in-degrees. They used to differ from one device
 silently (a training forward off by 5e-2 with 4 chunks); they now pad to the whole graph's, and equal one
 device in every mode, also where a way's renumbered rows leave its edges unsorted (they are sorted again, each
 vertex's messages in the user's order). One over a graph the layer built itself is refused by name.
+``EquilibriumAggregation``, whose inner gradient steps are divided by the vertex count, sees the whole graph's.
 
 Each mode is one launch running every case (:func:`tests.harness.check_mode`).
 """
@@ -53,6 +55,8 @@ EXACT = {
     "GraphConv(aggr=LCMAggregation)": lambda: Stack(lambda h: gnn.GraphConv(h, h, aggr=A.LCMAggregation(h, h))),
     "SAGEConv(aggr=MultiAggregation([LSTM, mean]))": lambda: Stack(lambda h: gnn.SAGEConv(
         h, h, aggr=A.MultiAggregation([A.LSTMAggregation(h, h), A.MeanAggregation()], mode="sum"))),
+    "SAGEConv(aggr=EquilibriumAggregation)": lambda: Stack(lambda h: gnn.SAGEConv(
+        h, h, aggr=A.EquilibriumAggregation(h, h, [4]))),
 }
 
 
@@ -70,7 +74,7 @@ MODES = {"graph_parallel": 2, "chunks": 2, "graph_parallel_chunks": 2, "streamin
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_padded_aggregations_equal_one_device(mode):
+def test_aggregations_that_read_the_graphs_size_equal_one_device(mode):
     import torch.multiprocessing as mp
     outcomes = mp.get_context("forkserver").Manager().Queue()
     run_distributed(_worker, MODES[mode], mode, outcomes, timeout=400)

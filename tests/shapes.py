@@ -354,6 +354,29 @@ def _sequence_aggregations():
         (gnn.SAGEConv(H, 3, aggr="lstm"), "x, edge_index -> x")])
 
 
+def _edge_index_typed(g):
+    """The graph as PyG's ``EdgeIndex`` (sorted by destination, its sort order and size cached)."""
+    from torch_geometric import EdgeIndex
+    x, e, _, _ = g
+    ei = e["edge_index"]
+    ei = ei[:, torch.argsort(ei[1] * x.size(0) + ei[0])]
+    return dict(x=x, edge_index=EdgeIndex(ei, sparse_size=(x.size(0), x.size(0)), sort_order="col"))
+
+
+class EdgeParameter(nn.Module):
+    """A learned weight per edge, a parameter of the model (a learned adjacency), given to GCN layers: cut per
+    chunk like an edge input, its gradient through the layers' degree normalisation reaching every edge."""
+
+    def __init__(self):
+        super().__init__()
+        self.ew = nn.Parameter(torch.rand(zoo_graph()[1]["edge_index"].size(1)) + 0.5)
+        self.conv1, self.conv2, self.conv3 = gnn.GCNConv(8, H), gnn.GCNConv(H, H), gnn.GCNConv(H, 3)
+
+    def forward(self, x, edge_index):
+        x = self.conv1(x, edge_index, self.ew).relu()
+        return self.conv3(self.conv2(x, edge_index, self.ew).relu(), edge_index, self.ew)
+
+
 def _data_inputs(g):
     x, e, y, _ = g
     return dict(data=Data(x=x, edge_index=e["edge_index"], edge_weight=e["edge_weight"], y=y))
@@ -395,6 +418,9 @@ SHAPES = {
     # featureless relational layers: x=None stands for the vertex ids
     "RGCN-featureless": (RGCN, _typed),
     "FastRGCN-featureless": (lambda: RGCN(fast=True), _typed),
+    # the graph as PyG's EdgeIndex; a per-edge parameter of the model as the layers' edge weights
+    "EdgeIndex": (lambda: GCN(8, H, 3, 3), _edge_index_typed),
+    "edge-parameter": (EdgeParameter, _plain),
     # PyG's memory option splitting the features into decomposed propagations
     "GCN-decomposed": (lambda: gnn.Sequential("x, edge_index", [
         (gnn.GCNConv(8, H, decomposed_layers=2), "x, edge_index -> x"), nn.ReLU(),

@@ -15,6 +15,8 @@ unchanged gets its true halo rows from the whole input, with no exchange (:mod:`
 """
 from __future__ import annotations
 
+import copy
+
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -102,6 +104,20 @@ def fingerprint(value: Tensor) -> tuple:
     return (tuple(value.shape), str(value.dtype), bad, float(f"{total:.12g}"), float(f"{weighted:.12g}"))
 
 
+def _untyped(value):
+    """PyG's ``EdgeIndex`` (a tensor subclass caching its sort order and CSR) as the plain ``[2, E]`` tensor it
+    wraps, also inside a ``Data`` (a shallow copy): the engine cuts it into chunk-local graphs, which are plain."""
+    from torch_geometric.data import Data
+    if type(value).__name__ == "EdgeIndex" and hasattr(value, "as_tensor"):
+        return value.as_tensor()
+    if isinstance(value, Data) and any(type(v).__name__ == "EdgeIndex" for _, v in value.items()):
+        value = copy.copy(value)
+        for key, v in list(value.items()):
+            if type(v).__name__ == "EdgeIndex":
+                value[key] = v.as_tensor()
+    return value
+
+
 class CallInputs:
     """One call's arguments, with the graph tensors and sizes found in them.
 
@@ -113,6 +129,7 @@ class CallInputs:
     """
 
     def __init__(self, args: tuple, kwargs: dict):
+        args, kwargs = tuple(_untyped(a) for a in args), {k: _untyped(v) for k, v in kwargs.items()}
         self.args, self.kwargs = args, kwargs
         self.graphs: List[Tensor] = []
         self.data = []

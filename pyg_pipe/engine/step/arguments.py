@@ -49,7 +49,8 @@ def argument_kind(ctx: ChunkContext, module: MessagePassing, value: Tensor, para
     vdim = vertex_dim(module, value, lg.rows)
     if ctx.is_clean(value) and vdim is not None:
         return "node", vdim
-    edge = value.size(0) == lg.num_edges
+    edge = value.size(0) == lg.num_edges or (value.size(0) == ctx.cg.num_edges and "edge" in param)  # (or the
+    #                                                 whole graph's per-edge tensor computed in the model: relocalise)
     if vdim is not None and edge:  # as many chunk rows as local edges: PyG's names say which
         return ("edge", 0) if "edge" in param else ("node", vdim)
     if edge:
@@ -144,8 +145,13 @@ def clean_input(ctx: ChunkContext, t: Tensor) -> bool:
 def relocalise_edges(ctx: ChunkContext, name: str, cg: ChunkedGraph, lg: LocalGraph, value: Tensor):
     """Edge inputs are handed out cut for the graph whose edge count they have (the primary graph's when
     several have it); a layer on another graph with as many edges (a transpose) gets them re-cut for it.
-    Computed edge tensors cannot be re-cut."""
+    A tensor with one row per edge of the whole graph computed in the model (an ``edge_*`` argument: a per-edge
+    parameter) is cut for the chunk here. Other computed edge tensors cannot be re-cut."""
     cut = ctx.edge_chunking(value)
+    if cut is None and value.size(0) == cg.num_edges != lg.num_edges and ctx.edge_input(value) is None:
+        return cg.local_edges(lg, value)  # one value per edge of the whole graph, computed in the model (a per-edge
+        #                                   parameter): its chunk's edges, through which its gradient flows back; the
+        #                                   degrees it weighs are exchanged as for weights computed on the chunk
     if cut is cg or (cut is None and (cg is ctx.cg or value.size(0) != ctx.lg.num_edges)):
         return value
     whole = ctx.edge_input(value)

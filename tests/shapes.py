@@ -421,6 +421,8 @@ SHAPES = {
     # the graph as PyG's EdgeIndex; a per-edge parameter of the model as the layers' edge weights
     "EdgeIndex": (lambda: GCN(8, H, 3, 3), _edge_index_typed),
     "edge-parameter": (EdgeParameter, _plain),
+    # a model given to torch.compile: the engine routes the original and runs outside the compiler (eagerly)
+    "torch.compile": (lambda: torch.compile(GCN(8, H, 3, 3), backend="eager"), _plain),
     # PyG's memory option splitting the features into decomposed propagations
     "GCN-decomposed": (lambda: gnn.Sequential("x, edge_index", [
         (gnn.GCNConv(8, H, decomposed_layers=2), "x, edge_index -> x"), nn.ReLU(),

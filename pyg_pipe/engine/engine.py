@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from ..model.errors import UnsupportedModelError
-from ..model.find import layer_methods, routes_forward, takes_graph, tensor_attributes
+from ..model.find import layer_methods, routes_forward, takes_graph, tensor_attributes, uncompiled
 from ..model.inputs import CallInputs
 from ..model.trace import forward_function
 from .step import pipeline as steps
@@ -104,9 +104,9 @@ class GNNPipeEngine:
     def __init__(self, module: torch.nn.Module, config: PipelineConfig, comm: Comm, num_stages: Optional[int] = None,
                  ways: Optional[int] = 1, min_ways: int = 1):
         config.validate()
+        module = uncompiled(module)
         self.module, self.config, self.comm = module, config, comm
-        self.requested = (num_stages, ways)
-        self.min_ways = min_ways
+        self.requested, self.min_ways = (num_stages, ways), min_ways
         self.grid: Optional[RankGrid] = None
         self.runtime: Optional[Runtime] = None      # the primary runtime: the graph training steps start on
         self.step = 0

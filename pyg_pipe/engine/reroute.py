@@ -22,6 +22,7 @@ class Rerouted:
     def __init__(self, module: torch.nn.Module, route: Callable, plain: Callable):
         self.module, self.route, self.plain = module, route, plain
 
+    @torch._dynamo.disable  # inside a model given to torch.compile, the engine runs eagerly (its per-chunk Python)
     def __call__(self, *args, **kwargs):
         return self.route(*args, **kwargs)
 

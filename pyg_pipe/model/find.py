@@ -41,6 +41,14 @@ def pipelined_module(root: torch.nn.Module, attr: Optional[str] = None) -> torch
     return root.get_submodule(".".join(common)) if common else root
 
 
+def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile`` wrapped, else ``module``: the engine routes and hooks the original, and its own
+    code runs outside the compiler (:class:`~..engine.reroute.Rerouted`), so a compiled model runs eagerly under
+    pyg_pipe: the engine's per-chunk Python cannot be captured as one graph."""
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) and type(module).__name__ == "OptimizedModule" else module
+
+
 def count_layers(module: torch.nn.Module) -> int:
     """Message-passing layers of a model (those not inside another message-passing layer)."""
     names = [n for n, m in module.named_modules() if isinstance(m, MessagePassing)]

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..comm import Comm
 from ..plan.grid import RankGrid
+from ...model.find import uncompiled
 
 
 class GradientSum:
@@ -106,6 +107,7 @@ def sync_module_state(module: torch.nn.Module, owners: Mapping[str, int], ranks:
         ranks: the rank holding each stage's authoritative copy.
         comm: the transport (default: one on the parameters' device).
     """
+    module = uncompiled(module)  # (the owners are named as in the module torch.compile wrapped)
     tensors = dict(module.named_parameters())
     tensors.update(dict(module.named_buffers()))
     if comm is None:

@@ -377,6 +377,23 @@ class EdgeParameter(nn.Module):
         return self.conv3(self.conv2(x, edge_index, self.ew).relu(), edge_index, self.ew)
 
 
+def _hyperedges(g):
+    """Twenty hyperedges over the zoo graph's vertices, as (vertex, hyperedge) pairs."""
+    x = g[0]
+    gen = torch.Generator().manual_seed(0)
+    vertices = torch.randint(0, x.size(0), (120,), generator=gen)
+    return dict(x=x, hyperedge_index=torch.stack([vertices, torch.randint(0, 20, (120,), generator=gen)]))
+
+
+class Hypergraph(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = gnn.HypergraphConv(8, H), gnn.HypergraphConv(H, 3)
+
+    def forward(self, x, hyperedge_index):
+        return self.conv2(self.conv1(x, hyperedge_index).relu(), hyperedge_index)
+
+
 def _data_inputs(g):
     x, e, y, _ = g
     return dict(data=Data(x=x, edge_index=e["edge_index"], edge_weight=e["edge_weight"], y=y))
@@ -409,6 +426,7 @@ SHAPES = {
                                                         (nn.Linear(H, 3), "x -> x"),
                                                         (gnn.APPNP(K=4, alpha=0.1), "x, edge_index -> x")]), _plain),
     "GraphUNet": (lambda: gnn.GraphUNet(8, H, 3, depth=2), _plain),
+    "HypergraphConv": (Hypergraph, _hyperedges),
     # several graphs in one forward and one layer, each with a halo of its own
     "SignedGCN": (lambda: gnn.SignedGCN(8, H, num_layers=3, lamb=5), _signed),
     "two-graphs-weighted": (TwoGraphs, _two_graphs),

@@ -21,6 +21,7 @@ from tests.shapes import SHAPES, graph
 
 UNSPLITTABLE = ["cannot split ControlFlow", "submodule", "graph_parallel"]
 POOLING = ["'pools.0' (TopKPooling)", "builds a new graph"]
+HYPER = ["'conv1' (HypergraphConv) takes hyperedges", "one device"]
 STATS = ["normalises with statistics over all vertices", "per_chunk_statistics=True"]
 TOO_SHALLOW = ["1 message-passing layers but the pipeline has 2 stages", "gnnpipe_hybrid"]
 ATTENTION = ["'gps.attn' (MultiheadAttention)", "multiplies the rows of different vertices", "num_chunks=1"]
@@ -33,17 +34,17 @@ GLOBAL = ["'trans_conv' (SGModule) calls `sort`", "num_chunks=1"]
 # several chunks per way in the pipeline take historical statistics by default (per_chunk_statistics="auto"):
 # exact at lr = 0; streaming still refuses them
 REFUSED = {
-    "graph_parallel": {"GraphUNet": POOLING, "GPSConv": ATTENTION, "FastRGCN-featureless": EDGE_IDS,
+    "graph_parallel": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "GPSConv": ATTENTION, "FastRGCN-featureless": EDGE_IDS,
                        "SGFormer": GLOBAL},
-    "pipeline": {"GraphUNet": POOLING, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW,
+    "pipeline": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW,
                  "PMLP": NO_LAYER},
-    "chunks": {"GraphUNet": POOLING, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW,
+    "chunks": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW,
                "FastRGCN-featureless": EDGE_IDS,
                "GCN-pyg-layernorm-graph": STATS + ["LayerNorm"], "GPSConv": ATTENTION, "PMLP": NO_LAYER,
                "SGFormer": GLOBAL},
-    "graph_parallel_chunks": {"GraphUNet": POOLING, "FastRGCN-featureless": EDGE_IDS,
+    "graph_parallel_chunks": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "FastRGCN-featureless": EDGE_IDS,
                               "GCN-pyg-layernorm-graph": STATS, "GPSConv": ATTENTION, "SGFormer": GLOBAL},
-    "streaming": {"GraphUNet": POOLING, "GCN-batchnorm": STATS, "GCN-graphnorm": STATS,
+    "streaming": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "GCN-batchnorm": STATS, "GCN-graphnorm": STATS,
                   "FastRGCN-featureless": EDGE_IDS,
                   "GCN-pyg-layernorm-graph": STATS, "GPSConv": ATTENTION, "PMLP": STATS,
                   "Polynormer-local": STATS, "SGFormer": STATS},

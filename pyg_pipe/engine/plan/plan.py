@@ -31,9 +31,10 @@ from .grid import check_chunks_per_way, grid_shape, ways_for_layers
 
 log = logging.getLogger("pyg_pipe")
 
-#: modules that build a new graph from vertex values (pooling): refused in every mode
-GRAPH_BUILDERS = ("TopKPooling", "SAGPooling", "EdgePooling", "ASAPooling", "PANPooling", "MemPooling",
-                  "ClusterPooling")
+#: refused in every mode, with why (pooling builds a graph from the vertices' values; hyperedges are no graph)
+GRAPH_BUILDERS = {**{n: "builds a new graph from the vertices' values (pooling)" for n in (
+    "TopKPooling", "SAGPooling", "EdgePooling", "ASAPooling", "PANPooling", "MemPooling", "ClusterPooling")},
+    "HypergraphConv": "takes hyperedges (vertex, hyperedge pairs), not a graph between vertices"}
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,7 @@ def decide_shape(module: torch.nn.Module, inputs: CallInputs, world_size: int, s
     note = (f"pyg_pipe: the model {what} for {world_size} devices: running {S2} pipeline stage{'s' if S2 > 1 else ''} "
             f"x {W2} graph-parallel ways.")
     log.info(note)
-    keep = S2 > 1
-    return Shape(S2, W2, program if keep else None, groups if keep else None, forced and keep, True, (note,))
+    return Shape(S2, W2, *((program, groups, forced) if S2 > 1 else (None, None, False)), True, (note,))
 
 def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inputs: CallInputs, comm, root: int,
               sizes: Optional[Sequence[int]] = None, costs: Optional[Callable[[Tensor, Tensor], List[float]]] = None,
@@ -320,13 +320,13 @@ def _node_inputs(inputs: CallInputs) -> List[Tensor]:
 
 
 def refuse_graph_builders(module: torch.nn.Module) -> None:
-    """Refuses modules that build a new graph from the vertices' values (pooling), naming the module."""
+    """Refuses modules that build a new graph from the vertices' values (pooling) or take hyperedges, naming them."""
     for name, m in module.named_modules():
         if type(m).__name__ in GRAPH_BUILDERS:
             raise UnsupportedModelError(
-                f"Module '{name}' ({type(m).__name__}) builds a new graph from the vertices' values (pooling); "
-                f"pyg_pipe cuts one fixed graph into chunks and cannot follow graphs built during the forward. "
-                f"Train this model on one device (no pyg_pipe strategy).")
+                f"Module '{name}' ({type(m).__name__}) {GRAPH_BUILDERS[type(m).__name__]}; pyg_pipe cuts one fixed "
+                f"graph between vertices into chunks, and cannot follow graphs built during the forward. Train this "
+                f"model on one device (no pyg_pipe strategy).")
 
 
 def graph_digest(graph: Tensor) -> int:

@@ -357,9 +357,7 @@ def _sequence_aggregations():
 def _edge_index_typed(g):
     """The graph as PyG's ``EdgeIndex`` (sorted by destination, its sort order and size cached)."""
     from torch_geometric import EdgeIndex
-    x, e, _, _ = g
-    ei = e["edge_index"]
-    ei = ei[:, torch.argsort(ei[1] * x.size(0) + ei[0])]
+    x, ei = g[0], _by_destination(g)["edge_index"]
     return dict(x=x, edge_index=EdgeIndex(ei, sparse_size=(x.size(0), x.size(0)), sort_order="col"))
 
 

@@ -10,12 +10,12 @@ vertex's messages in the user's order). One over a graph the layer built itself 
 Each mode is one launch running every case (:func:`tests.harness.check_mode`).
 """
 import pytest
-import torch
 from torch import nn
 from torch_geometric import nn as gnn
 from torch_geometric.nn import aggr as A
 from torch_geometric.utils import add_self_loops, sort_edge_index
 
+from tests import shapes
 from tests.dist import run_distributed
 from tests.harness import check_mode
 from tests.zoo import zoo_graph
@@ -61,11 +61,11 @@ EXACT = {
 
 
 def _worker(rank, world, mode, outcomes):
-    x, g, y, mask = zoo_graph()
-    ei = g["edge_index"]
-    ei = ei[:, torch.argsort(ei[1] * x.size(0) + ei[0])]  # sorted by destination, as these aggregations need
+    g = zoo_graph()
+    _, _, y, mask = g
+    inputs = shapes._by_destination(g)  # sorted by destination, as these aggregations need
     for name, make in dict(EXACT, looped=lambda: Stack(LoopedLSTM)).items():
-        got = check_mode(mode, make, dict(x=x, edge_index=ei), y, mask, world)
+        got = check_mode(mode, make, inputs, y, mask, world)
         if rank == 0:
             outcomes.put((name, got))
 

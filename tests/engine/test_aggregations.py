@@ -6,10 +6,14 @@ silently (a training forward off by 5e-2 with 4 chunks); they now pad to the who
 device in every mode, also where a way's renumbered rows leave its edges unsorted (they are sorted again, each
 vertex's messages in the user's order). One over a graph the layer built itself is refused by name.
 ``EquilibriumAggregation``, whose inner gradient steps are divided by the vertex count, sees the whole graph's.
+PyG's quantile and median aggregations fail when the first destination has no messages, which on a chunk is the
+chunk's first vertex: they crashed on the rank holding it (the others waited); they now run on a graph where a
+third of the vertices, among them every chunk's first, have no messages.
 
 Each mode is one launch running every case (:func:`tests.harness.check_mode`).
 """
 import pytest
+import torch
 from torch import nn
 from torch_geometric import nn as gnn
 from torch_geometric.nn import aggr as A
@@ -60,12 +64,31 @@ EXACT = {
 }
 
 
+QUANTILES = {
+    "SAGEConv(aggr=MedianAggregation)": lambda: Stack(lambda h: gnn.SAGEConv(h, h, aggr=A.MedianAggregation())),
+    "SAGEConv(aggr=QuantileAggregation(0.3, 'linear'))": lambda: Stack(lambda h: gnn.SAGEConv(
+        h, h, aggr=A.QuantileAggregation(0.3, interpolation="linear"))),
+}
+
+
+def _few_messages(g):
+    """The zoo graph less the edges into a third of its vertices, and into the first vertex of every chunk of
+    ``check_mode``'s consecutive ranges (vertex 0 keeps its edges: PyG on one device needs them)."""
+    x, e, _, _ = g
+    ei = e["edge_index"]
+    keep = (ei[1] % 3 != 1) | (ei[1] == 0)
+    for start in torch.linspace(0, x.size(0), 5).long()[1:-1]:
+        keep &= ei[1] != start
+    return dict(x=x, edge_index=ei[:, keep])
+
+
 def _worker(rank, world, mode, outcomes):
     g = zoo_graph()
     _, _, y, mask = g
     inputs = shapes._by_destination(g)  # sorted by destination, as these aggregations need
-    for name, make in dict(EXACT, looped=lambda: Stack(LoopedLSTM)).items():
-        got = check_mode(mode, make, inputs, y, mask, world)
+    cases = [(name, make, inputs) for name, make in dict(EXACT, looped=lambda: Stack(LoopedLSTM)).items()]
+    for name, make, case_inputs in cases + [(name, make, _few_messages(g)) for name, make in QUANTILES.items()]:
+        got = check_mode(mode, make, case_inputs, y, mask, world)
         if rank == 0:
             outcomes.put((name, got))
 
@@ -78,8 +101,8 @@ def test_aggregations_that_read_the_graphs_size_equal_one_device(mode):
     import torch.multiprocessing as mp
     outcomes = mp.get_context("forkserver").Manager().Queue()
     run_distributed(_worker, MODES[mode], mode, outcomes, timeout=400)
-    got = dict(outcomes.get() for _ in range(len(EXACT) + 1))
-    for name in EXACT:
+    got = dict(outcomes.get() for _ in range(len(EXACT) + len(QUANTILES) + 1))
+    for name in list(EXACT) + list(QUANTILES):
         assert got[name] == "exact", (mode, name, got[name])
     assert got["looped"].startswith("refused:"), got["looped"]  # on every rank (check_mode agrees)
     assert "Layer 'conv2' (LoopedLSTM) aggregates with LSTMAggregation" in got["looped"], got["looped"]

@@ -13,6 +13,12 @@ fixed size (``MLPAggregation``, ``SortAggregation``) give the same results eithe
 renumbered, may leave the user's destination-sorted edges unsorted (a way of several chunks): they are sorted
 again, stably, so every vertex's messages keep the user's order.
 
+``QuantileAggregation`` and ``MedianAggregation`` read each destination's messages at its offset less one when it
+has none, which PyG masks afterwards but which fails when the first destination has none (offset -1). On one
+device that vertex is the whole graph's first; on a chunk it is the chunk's first, which may have no messages where
+the whole graph's first has some. Under the engine they run over the destinations that have messages and give
+the others the fill value, as PyG does.
+
 ``EquilibriumAggregation`` runs gradient steps on its outputs whose regulariser is a mean over every destination
 vertex: each step is divided by the graph's vertex count, which on a chunk is the whole graph's.
 
@@ -25,11 +31,13 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch_geometric.nn import MessagePassing
-from torch_geometric.nn.aggr import Aggregation, EquilibriumAggregation
+from torch_geometric.nn.aggr import Aggregation, EquilibriumAggregation, QuantileAggregation
 
 from ...model.errors import UnsupportedModelError
 from ..context import current
 from ..reroute import Rerouted
+
+PATCHED = ("to_dense_batch", "reg", "forward")  # the instance attributes install sets (popped at uninstall)
 
 
 def install(name: str, layer: MessagePassing) -> List[Aggregation]:
@@ -42,7 +50,30 @@ def install(name: str, layer: MessagePassing) -> List[Aggregation]:
             patched.append(aggr)
         if isinstance(aggr, EquilibriumAggregation):
             aggr.reg = Rerouted(aggr, _regulariser(aggr), type(aggr).reg)
+        if isinstance(aggr, QuantileAggregation):
+            aggr.forward = Rerouted(aggr, _over_present(aggr), type(aggr).forward)
     return patched
+
+
+def _over_present(aggr: QuantileAggregation):
+    """The quantiles over the destinations that have messages (renumbered in order, so the first has some); the
+    others get ``fill_value``. Equal to PyG's forward wherever PyG's runs."""
+    own = type(aggr).forward.__get__(aggr, type(aggr))
+
+    def forward(x, index=None, ptr=None, dim_size=None, dim=-2):
+        if current() is None or index is None:
+            return own(x, index, ptr, dim_size, dim)
+        dim = x.dim() + dim if dim < 0 else dim
+        count = torch.bincount(index, minlength=dim_size or 0)
+        present = count > 0
+        compact = torch.cumsum(present, 0) - 1
+        out = own(x, compact[index], None, None, dim)  # rows: the destinations with messages, in order
+        shape = list(out.shape)
+        shape[dim] = count.numel()
+        full = out.new_full(shape, aggr.fill_value)
+        where = present.nonzero().view(-1)
+        return full.index_copy(dim, where, out) if where.numel() else full
+    return forward
 
 
 def _regulariser(aggr: EquilibriumAggregation):

@@ -105,8 +105,8 @@ class LayerHooks:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-        for m in self.patched:  # (layers' edge_updater and get_attention_loss; aggregations' to_dense_batch and reg)
-            for attr in ("edge_updater", "get_attention_loss", "to_dense_batch", "reg"):
+        for m in self.patched:  # (layers' edge_updater and get_attention_loss; aggregations' own, aggregations.PATCHED)
+            for attr in ("edge_updater", "get_attention_loss") if isinstance(m, MessagePassing) else aggregations.PATCHED:
                 m.__dict__.pop(attr, None)
         self.handles, self.patched = [], []
 

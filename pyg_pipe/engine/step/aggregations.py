@@ -37,7 +37,7 @@ from ...model.errors import UnsupportedModelError
 from ..context import current
 from ..reroute import Rerouted
 
-PATCHED = ("to_dense_batch", "reg", "forward")  # the instance attributes install sets (popped at uninstall)
+ATTRS = ("to_dense_batch", "reg", "forward")  # the instance attributes install sets (popped at uninstall)
 
 
 def install(name: str, layer: MessagePassing) -> List[Aggregation]:

@@ -34,9 +34,9 @@ site's sources are clean when every node argument of the layer call was clean an
 returned yet. Clean sources need no exchange and no history (the first layer of a model reads the input features).
 Everything else is exchanged.
 
-Layers holding graph-wide statistics (a BatchNorm in a message MLP) also get hooks around ``message`` /
-``edge_update`` (:mod:`.norms`), aggregations that depend on the whole graph's size see it (:mod:`.aggregations`). What
-each argument of a call is, and what it becomes, is :mod:`.arguments`."""
+Layers holding graph-wide statistics (a BatchNorm in a message MLP) get hooks around ``message`` / ``edge_update``
+(:mod:`.norms`), aggregations that depend on the whole graph see it (:mod:`.aggregations`); :mod:`.arguments`: what
+each argument of a call is, and what it becomes."""
 from __future__ import annotations
 
 import inspect
@@ -105,8 +105,8 @@ class LayerHooks:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-        for m in self.patched:  # (layers' edge_updater and get_attention_loss; aggregations' own, aggregations.PATCHED)
-            for attr in ("edge_updater", "get_attention_loss") if isinstance(m, MessagePassing) else aggregations.PATCHED:
+        for m in self.patched:  # (layers' edge_updater and get_attention_loss; aggregations' own)
+            for attr in ("edge_updater", "get_attention_loss") if isinstance(m, MessagePassing) else aggregations.ATTRS:
                 m.__dict__.pop(attr, None)
         self.handles, self.patched = [], []
 

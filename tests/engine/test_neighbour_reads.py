@@ -3,7 +3,9 @@
 them only inside ``propagate``, so such a read would miss them. It is refused on every rank before
 training, naming the layer and the fix (it used to fail with an ``IndexError`` on one rank while the
 others waited). Where nothing is cut, or the layer is given its true halo rows (one chunk; streaming on
-one device), it runs and equals plain PyG.
+one device), it runs and equals plain PyG. A read at the edges' destinations (``x[edge_index[1]]``, the
+chunk's own rows) is not a neighbour read: it runs, and equals plain PyG in every mode (it used to be
+refused with the others).
 
 Each mode is one launch running every layer; the modes are :func:`tests.harness.check_mode`'s.
 """
@@ -63,6 +65,26 @@ class ReadsWithGather(MessagePassing):
         return self.propagate(edge_index, x=x) + scatter(src, ei[1], dim=0, dim_size=x.size(0), reduce="max")
 
 
+class ReadsDestinations(MessagePassing):
+    """Reads only its edges' destinations by hand: a gate per edge from the destination's row (``x[col]``), and
+    a max over each vertex's in-edges with self loops added (``index_select`` at ``ei[1]``)."""
+
+    def __init__(self, i, o):
+        super().__init__(aggr="add")
+        self.lin = nn.Linear(i, o)
+
+    def forward(self, x, edge_index):
+        x = self.lin(x)
+        row, col = edge_index
+        gate = x[col].sum(-1).sigmoid()
+        ei = torch.cat([edge_index, torch.arange(x.size(0)).repeat(2, 1)], dim=1)
+        own = scatter(x.index_select(0, ei[1]).tanh(), ei[1], dim=0, dim_size=x.size(0), reduce="max")
+        return self.propagate(edge_index, x=x, gate=gate) + own
+
+    def message(self, x_j, gate):
+        return gate.unsqueeze(-1) * x_j
+
+
 LAYERS = [ReadsBefore, ReadsAfter, ReadsWithGather]
 
 
@@ -80,7 +102,7 @@ def _model(cls):
 
 def _worker(rank, world, mode, outcomes):
     x, g, y, mask = zoo_graph()
-    for cls in LAYERS:
+    for cls in LAYERS + [ReadsDestinations]:
         got = check_mode(mode, _model(cls), dict(x=x, edge_index=g["edge_index"]), y, mask, world)
         if rank == 0:
             outcomes.put((cls.__name__, got))
@@ -94,12 +116,14 @@ def _run(mode, world):
     import torch.multiprocessing as mp
     outcomes = mp.get_context("forkserver").Manager().Queue()
     run_distributed(_worker, world, mode, outcomes, timeout=300)
-    return dict(outcomes.get() for _ in LAYERS)
+    return dict(outcomes.get() for _ in range(len(LAYERS) + 1))
 
 
 @pytest.mark.parametrize("mode", list(CUT))
 def test_neighbour_reads_outside_propagate_are_refused_on_every_rank_when_the_graph_is_cut(mode):
-    for layer, got in _run(mode, CUT[mode]).items():
+    got_all = _run(mode, CUT[mode])
+    assert got_all.pop("ReadsDestinations") == "exact"  # the chunk's own rows: not a neighbour read
+    for layer, got in got_all.items():
         assert got.startswith("refused:"), (layer, got)  # the same on every rank (check_mode agrees)
         assert "layer 'conv2' runs on part of the vertices" in got, got
         assert "outside propagate" in got and "message()" in got and "num_chunks=1" in got, got

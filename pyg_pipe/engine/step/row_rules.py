@@ -248,21 +248,62 @@ _KEEPS_IDS = {"__getitem__", "select", "unbind", "narrow", "flip", "index_select
               "chunk", "split", "detach", "sort", "unique", "broadcast_to", "take", "gather"}
 
 
-def keeps_ids(name: str, args, is_ids) -> bool:
-    """Whether the operation's output holds vertex ids at edge ends: it selects, joins or reshapes such ids
-    (``edge_index[0]``, ``row, col = edge_index``, ``torch.cat([edge_index, loops], 1)``)."""
+#: which end of its edges a tensor of vertex ids holds: ``"src"`` (sources: the neighbours, outside the chunk's
+#: rows), ``"dst"`` (destinations: the chunk's own rows), ``"any"`` (either, or not known); a graph's
+#: ``[2, E]`` entries, one per row: ``("src", "dst")``
+#: operations that keep a ``[2, E]`` graph's rows as they are
+_KEEPS_ROWS = {"clone", "to", "long", "int", "contiguous", "detach"}
+
+
+def ids_kinds(name: str, args, kwargs, kind_of, n_out: int):
+    """The ends of edges each output of the operation holds (a list, one kind per output; ``None``: it holds
+    no vertex ids at edge ends). It selects, joins or reshapes such ids (``edge_index[0]``, ``row, col =
+    edge_index``, ``torch.cat([edge_index, loops], 1)``); ``kind_of(t)`` is an input's kind (``None``: no ids)."""
     if name not in _KEEPS_IDS or not args:
-        return False
+        return None
     first = args[0]
     if isinstance(first, (tuple, list)):  # cat / stack
-        return any(isinstance(t, Tensor) and is_ids(t) for t in first)
-    return isinstance(first, Tensor) and is_ids(first)
+        kinds = [kind_of(t) if isinstance(t, Tensor) else None for t in first]
+        if all(k is None for k in kinds):
+            return None
+        dim = _arg(args, kwargs, 1, "dim", default=0)
+        if name == "stack" and dim == 0 and all(isinstance(k, str) for k in kinds):
+            return [tuple(kinds)]  # torch.stack([row, col])
+        kinds = [k for k in kinds if k is not None]  # (others joined: self loops, within the chunk's rows)
+        return [kinds[0] if all(k == kinds[0] for k in kinds) else "any"] * n_out
+    k = kind_of(first) if isinstance(first, Tensor) else None
+    if k is None:
+        return None
+    if isinstance(k, str):
+        return [k] * n_out
+    return _graph_rows(name, args, kwargs, k, n_out)
+
+
+def _graph_rows(name: str, args, kwargs, k: tuple, n_out: int) -> list:
+    """:func:`ids_kinds` of an operation on a ``[2, E]`` graph whose rows hold the ends ``k``."""
+    if name == "__getitem__" and len(args) > 1:
+        e0 = args[1][0] if isinstance(args[1], tuple) and args[1] else args[1]
+        if isinstance(e0, int) and -len(k) <= e0 < len(k):
+            return [k[e0]]
+        return [k] if isinstance(e0, slice) and e0 == slice(None) else ["any"]
+    dim = _arg(args, kwargs, 1, "dim", "dims", default=0)
+    if name == "select" and dim == 0:
+        i = _arg(args, kwargs, 2, "index")
+        return [k[i]] if isinstance(i, int) and -len(k) <= i < len(k) else ["any"]
+    if name in ("unbind", "chunk", "split") and dim == 0 and n_out == len(k):
+        return list(k)
+    if name == "flip":
+        dims = [dim] if isinstance(dim, int) else list(dim)
+        return [tuple(reversed(k)) if 0 in [_norm(d, 2) for d in dims] else k]
+    if name in _KEEPS_ROWS or (name in ("narrow", "index_select") and _norm(dim, 2) == 1):
+        return [k] * n_out
+    return ["any"] * n_out
 
 
 def reads_at_ids(name: str, args, kwargs, rows, is_ids) -> Optional[Tuple[Tensor, int, Tensor]]:
     """``(t, v, index)`` when the operation reads the rows of ``t`` (vertex dimension ``v``) at positions
-    given by vertex ids at edge ends: ``x[edge_index[0]]``, ``x.index_select(0, col)``,
-    ``x.gather(0, row.view(-1, 1).expand(-1, d))``."""
+    given by vertex ids at edge ends: ``x[edge_index[0]]``, ``x.index_select(0, row)``,
+    ``x.gather(0, row.view(-1, 1).expand(-1, d))`` (which end: the kind of ``index``)."""
     if not args:
         return None
     for t, v in rows:

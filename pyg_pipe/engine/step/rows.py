@@ -25,8 +25,9 @@ move it). The first operation that combines those rows is recorded with the line
 what they found and raise the same error. The engine's own refusals found while a checked pass runs
 (:meth:`RowCheck.refuse`) are raised the same way. Nothing depends on values, on which chunk ran first or on one
 rank's view. The engine's own operations and those inside graph-wide modules are not judged. Inside a layer that
-computes its chunk's rows only, the forward is followed too, and a read of rows at its edges' entries outside
-``propagate`` (``x[edge_index[0]]``) is refused (:meth:`RowCheck._in_layer`).
+computes its chunk's rows only, the forward is followed too, and a read of rows at its edges' sources outside
+``propagate`` (``x[edge_index[0]]``) is refused (:meth:`RowCheck._in_layer`); a read at their destinations
+(``x[edge_index[1]]``), the chunk's own rows, runs.
 
 Not followed (so not checked): rows that pass through an operation not listed here that changes
 their layout, Python loops over rows, and values taken to Python (``.tolist()``).
@@ -46,7 +47,7 @@ from torch_geometric.nn import MessagePassing
 
 from ...model.errors import UnsupportedModelError
 from ..context import current
-from .row_rules import caller, keeps_ids, mixes, moved, op_name, reads_at_ids, tensors
+from .row_rules import caller, ids_kinds, mixes, moved, op_name, reads_at_ids, tensors
 
 class RowCheck(TorchFunctionMode):
     """Follows the tensors with one row per vertex through one chunk's run of the forward and records
@@ -68,7 +69,8 @@ class RowCheck(TorchFunctionMode):
         self.found: Optional[str] = None
         self.refusal: Optional[str] = None   # a refusal the engine found while the pass ran (:meth:`refuse`)
         self._paused = 0
-        self._ids: Dict[int, Any] = {}   # tensors holding vertex ids at edge ends, in the layers being run
+        self._ids: Dict[int, Any] = {}   # tensors holding vertex ids at edge ends, in the layers being run: which
+        #                                   ends (:func:`~.row_rules.ids_kinds`)
 
     def refuse(self, message: str) -> None:
         """A refusal found while the pass runs on this rank: raised on every rank after the pass
@@ -140,35 +142,43 @@ class RowCheck(TorchFunctionMode):
         """An operation inside a message-passing layer. One that computes its chunk's rows only
         (``rows_only``: its input was computed on this chunk) is given the chunk's rows and its own
         edges, whose sources its neighbours' rows join only inside ``propagate``. So its forward is
-        followed too: a read of vertex rows at positions taken from its graph's entries
+        followed too: a read of vertex rows at positions taken from its graph's sources
         (``x[edge_index[0]]``) outside ``propagate`` would miss those rows (or fail). It is refused on
         every rank after the pass, and runs meanwhile on rows padded with zeros, so that the pass ends
-        on every rank. Nothing inside ``propagate`` is judged, nor a layer given its true halo rows."""
+        on every rank. Reads at its destinations (``x[edge_index[1]]``, the chunk's own rows, numbered
+        from 0 in its row graph) run as they are; ids whose end is not known count as sources. Nothing
+        inside ``propagate`` is judged, nor a layer given its true halo rows."""
         tens = tensors(args, kwargs)
         if not inv.rows_only or not tens:
             return func(*args, **kwargs)
         for g in (h[0] for h in inv.graphs.values()):  # the layer's graphs: their entries are vertex ids
             if isinstance(g, Tensor) and g.layout == torch.strided:
-                self._ids[id(g)] = weakref.ref(g)
+                self._ids[id(g)] = (weakref.ref(g), ("src", "dst"))
         rows = [(t, d) for t in tens for d in [self.vdim(t)] if d is not None]
         if (not rows and not any(self._is_ids(t) for t in tens)) or _in_propagate():
             return func(*args, **kwargs)
         name = op_name(func)
         read = reads_at_ids(name, args, kwargs, rows, self._is_ids) if rows else None
-        if read is not None:
+        if read is not None and self._kind(read[2]) != "dst":  # (destinations are the chunk's own rows)
             return self._neighbour_read(inv, name, func, args, kwargs, *read)
         out = func(*args, **kwargs)
-        if keeps_ids(name, args, self._is_ids):
-            for o in (out if isinstance(out, (tuple, list)) else [out]):
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        kinds = ids_kinds(name, args, kwargs, self._kind, len(outs))
+        if kinds is not None:
+            for o, kind in zip(outs, kinds):
                 if isinstance(o, Tensor):
-                    self._ids[id(o)] = weakref.ref(o)
+                    self._ids[id(o)] = (weakref.ref(o), kind)
         elif rows:
             self._follow(name, args, kwargs, rows, out)
         return out
 
-    def _is_ids(self, t: Tensor) -> bool:
+    def _kind(self, t: Tensor):
+        """Which ends of the layer's edges ``t`` holds the vertex ids of (``None``: none)."""
         hit = self._ids.get(id(t))
-        return hit is not None and hit() is t
+        return hit[1] if hit is not None and hit[0]() is t else None
+
+    def _is_ids(self, t: Tensor) -> bool:
+        return self._kind(t) is not None
 
     def _neighbour_read(self, inv, name: str, func, args, kwargs, t: Tensor, v: int, index: Tensor):
         if self.refusal is None:

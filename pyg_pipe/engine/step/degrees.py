@@ -34,6 +34,7 @@ Outside the engine (no active chunk) the originals run unchanged.
 """
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Optional, Tuple
 
@@ -99,6 +100,23 @@ def _site(kind: str):
     return ctx, inv, f"{inv.name}#{inv.index}.{kind}{n}"
 
 
+def _engine_side(fn):
+    """Runs ``fn`` as the engine's own work: the row check (:mod:`.rows`) does not judge the sums over edges it
+    computes (it completes them)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        ctx = current()
+        if ctx is None:
+            return fn(*args, **kwargs)
+        with ctx.engine_work():
+            out = fn(*args, **kwargs)
+        if ctx.observer is not None and isinstance(out, tuple) and isinstance(out[0], Tensor):
+            ctx.observer.edges(out[0])  # the graph it returns (self loops added): its entries are still vertex ids
+        return out
+    return run
+
+
+@_engine_side
 def gcn_norm(edge_index, edge_weight: Optional[Tensor] = None, num_nodes: Optional[int] = None,
              improved: bool = False, add_self_loops: bool = True, flow: str = "source_to_target",
              dtype: Optional[torch.dtype] = None):
@@ -196,6 +214,7 @@ def _inv_sqrt(deg: Tensor) -> Tensor:
     return out.masked_fill(out == float("inf"), 0)
 
 
+@_engine_side
 def get_laplacian(edge_index: Tensor, edge_weight: Optional[Tensor] = None, normalization: Optional[str] = None,
                   dtype: Optional[torch.dtype] = None, num_nodes: Optional[int] = None):
     """PyG's ``get_laplacian`` with out-degrees taken from the whole graph (see the module docstring)."""

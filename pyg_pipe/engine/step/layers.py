@@ -25,8 +25,7 @@ these hooks adapt each call to the chunk's local graph (:mod:`pyg_pipe.graph.chu
 3. **layer exit** (forward hook): the outputs are cut back to the chunk's rows (clean calls).
 
 Which argument is a node tensor and which an edge tensor is decided by what it is: an edge input handed out for the
-chunk, else its row count; with as many chunk rows as local edges, by the layer's parameter name (PyG names per-edge
-parameters ``edge_*``).
+chunk, else its row count; with as many chunk rows as local edges, by the parameter's name (PyG's per-edge: ``edge_*``).
 
 Which extended rows are already right is decided by structure, never by values: a node argument is *clean* when it
 is one of the inputs handed out for this chunk, unchanged (its halo rows are then the true input rows); a call
@@ -315,12 +314,11 @@ def _sources(name: str, args_attr: str, stats: bool):
                 if fused:
                     continue  # not a vertex tensor (an edge-level argument of message_and_aggregate)
                 raise UnsupportedModelError(
-                    f"Layer '{inv.name}' ({type(module).__name__}) reads '{arg}' at the sources of edges, but "
-                    f"'{arg}' has shape {tuple(t.shape)} where pyg_pipe expects {width} rows along "
-                    f"dimension {module.node_dim} (the chunk's {'rows' if inv.rows_only else 'local vertices'}). A "
-                    f"tensor with one row per vertex of the whole graph (a vertex-indexed parameter, featureless "
-                    f"input) cannot be split into chunks; pass per-vertex features as a forward argument instead, "
-                    f"or train on one device.")
+                    f"Layer '{inv.name}' ({type(module).__name__}) reads '{arg}' at the sources of edges, but '{arg}' "
+                    f"has shape {tuple(t.shape)} where pyg_pipe expects {width} rows along dimension {module.node_dim} "
+                    f"(the chunk's {'rows' if inv.rows_only else 'local vertices'}). A tensor with one row per vertex "
+                    f"of the whole graph (a vertex-indexed parameter, featureless input) cannot be split into chunks; "
+                    f"pass per-vertex features as a forward argument instead, or train on one device.")
             sources.append(arg)
             if not t.is_floating_point() and cg.num_chunks > 1 and _reads_edge_ids(module):
                 raise UnsupportedModelError(
@@ -332,6 +330,8 @@ def _sources(name: str, args_attr: str, stats: bool):
             if inv.rows_only and clean and clean_input(ctx, t):  # the model's input: its true halo rows
                 joined = extend(ctx, cg, lg, t, vdim, True)
             elif ctx.halo is None or (clean and not inv.rows_only):  # no halo, or true halo rows already
+                if ctx.observer is not None:  # (not for values computed from sums over the edges: refused)
+                    ctx.observer.partial_sources(inv, inv.name, [t])
                 continue
             else:
                 joined = ctx.halo.join(f"{site}:{arg}", cg, lg, t, vdim)

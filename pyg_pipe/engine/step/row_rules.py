@@ -300,6 +300,32 @@ def _graph_rows(name: str, args, kwargs, k: tuple, n_out: int) -> list:
     return ["any"] * n_out
 
 
+#: operations that sum (or write) values into per-vertex positions given by an index: ``(name, where the index is)``
+_SCATTERS = {**{n: 2 for n in ("scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
+                               "scatter_reduce_", "index_add", "index_add_", "index_reduce", "index_reduce_",
+                               "index_copy", "index_copy_")}, "bincount": 0, "index_put": 1, "index_put_": 1}
+
+
+def scatter_index(name: str, args, kwargs) -> Optional[Tensor]:
+    """The index of a scatter (``x.scatter_add_(0, index, src)``, ``x.index_add_(0, index, src)``,
+    ``torch.bincount(index)``, ``x.index_put_((index,), v, accumulate=True)``), else ``None``."""
+    pos = _SCATTERS.get(name)
+    if pos is None:
+        return None
+    index = _arg(args, kwargs, pos, "index", "indices", "input")
+    if pos == 1 and isinstance(index, (tuple, list)):
+        index = index[0] if index else None
+    return index if isinstance(index, Tensor) else None
+
+
+def in_bounds(name: str, args, kwargs) -> tuple:
+    """``args`` of a scatter with its index clamped to the rows it writes (the pass of a refused scatter runs on)."""
+    pos = _SCATTERS.get(name)
+    if pos != 2 or len(args) < 3 or not isinstance(args[0], Tensor) or not isinstance(args[1], int):
+        return args
+    return (*args[:2], args[2].clamp(0, args[0].size(args[1]) - 1), *args[3:])
+
+
 def reads_at_ids(name: str, args, kwargs, rows, is_ids) -> Optional[Tuple[Tensor, int, Tensor]]:
     """``(t, v, index)`` when the operation reads the rows of ``t`` (vertex dimension ``v``) at positions
     given by vertex ids at edge ends: ``x[edge_index[0]]``, ``x.index_select(0, row)``,

@@ -27,7 +27,9 @@ what they found and raise the same error. The engine's own refusals found while 
 rank's view. The engine's own operations and those inside graph-wide modules are not judged. Inside a layer that
 computes its chunk's rows only, the forward is followed too, and a read of rows at its edges' sources outside
 ``propagate`` (``x[edge_index[0]]``) is refused (:meth:`RowCheck._in_layer`); a read at their destinations
-(``x[edge_index[1]]``), the chunk's own rows, runs.
+(``x[edge_index[1]]``), the chunk's own rows, runs. In every layer call, per-vertex sums over the layer's edges
+computed by hand (``degree(col)``) are followed too: used beyond the chunk's rows, where they are partial
+(``deg[row]``, PyG's tutorial GCN), or summed at the sources, they are refused.
 
 Not followed (so not checked): rows that pass through an operation not listed here that changes
 their layout, Python loops over rows, and values taken to Python (``.tolist()``).
@@ -47,7 +49,8 @@ from torch_geometric.nn import MessagePassing
 
 from ...model.errors import UnsupportedModelError
 from ..context import current
-from .row_rules import caller, ids_kinds, mixes, moved, op_name, reads_at_ids, tensors
+from .row_rules import (caller, ids_kinds, in_bounds, mixes, moved, op_name, reads_at_ids,
+                        scatter_index, tensors)
 
 class RowCheck(TorchFunctionMode):
     """Follows the tensors with one row per vertex through one chunk's run of the forward and records
@@ -71,6 +74,8 @@ class RowCheck(TorchFunctionMode):
         self._paused = 0
         self._ids: Dict[int, Any] = {}   # tensors holding vertex ids at edge ends, in the layers being run: which
         #                                   ends (:func:`~.row_rules.ids_kinds`)
+        self._sums: Dict[int, Any] = {}  # per-vertex sums over a layer's edges at their destinations (and what
+        #                                   is computed from them): complete for the chunk's rows only
 
     def refuse(self, message: str) -> None:
         """A refusal found while the pass runs on this rank: raised on every rank after the pass
@@ -139,28 +144,43 @@ class RowCheck(TorchFunctionMode):
 
     # ------------------------------------------------------------------ inside a layer
     def _in_layer(self, inv, func, args, kwargs):
-        """An operation inside a message-passing layer. One that computes its chunk's rows only
-        (``rows_only``: its input was computed on this chunk) is given the chunk's rows and its own
-        edges, whose sources its neighbours' rows join only inside ``propagate``. So its forward is
-        followed too: a read of vertex rows at positions taken from its graph's sources
-        (``x[edge_index[0]]``) outside ``propagate`` would miss those rows (or fail). It is refused on
-        every rank after the pass, and runs meanwhile on rows padded with zeros, so that the pass ends
-        on every rank. Reads at its destinations (``x[edge_index[1]]``, the chunk's own rows, numbered
-        from 0 in its row graph) run as they are; ids whose end is not known count as sources. Nothing
-        inside ``propagate`` is judged, nor a layer given its true halo rows."""
+        """An operation inside a message-passing layer, outside ``propagate`` (nothing inside it is judged).
+
+        A layer that computes its chunk's rows only (``rows_only``: its input was computed on this chunk) is
+        given the chunk's rows and its own edges, whose sources its neighbours' rows join only inside
+        ``propagate``: a read of vertex rows at positions taken from its graph's sources (``x[edge_index[0]]``)
+        would miss those rows (or fail). Reads at its destinations (``x[edge_index[1]]``, the chunk's own rows,
+        numbered from 0 in its row graph) run as they are; ids whose end is not known count as sources.
+
+        In every call, rows-only or given its whole local graph: a sum over the layer's edges at their
+        destinations (``degree(col)``, ``scatter(.., col)``) is complete for the chunk's rows only (a chunk holds
+        the edges into its rows), so reading it at the sources (``deg[row]``: PyG's tutorial GCN), or handing
+        what is computed from it to ``propagate`` where its halo rows are read, would use the halo's partial
+        sums; and a sum at the sources (out-degrees) is partial everywhere.
+
+        Each is refused on every rank after the pass; meanwhile a read runs on rows padded with zeros, so that
+        the pass ends on every rank."""
         tens = tensors(args, kwargs)
-        if not inv.rows_only or not tens:
+        if not tens:
             return func(*args, **kwargs)
         for g in (h[0] for h in inv.graphs.values()):  # the layer's graphs: their entries are vertex ids
-            if isinstance(g, Tensor) and g.layout == torch.strided:
-                self._ids[id(g)] = (weakref.ref(g), ("src", "dst"))
-        rows = [(t, d) for t in tens for d in [self.vdim(t)] if d is not None]
-        if (not rows and not any(self._is_ids(t) for t in tens)) or _in_propagate():
+            self.edges(g)
+        rows = [(t, d) for t in tens for d in [self.vdim(t)] if d is not None] if inv.rows_only else []
+        sums = [(t, 0) for t in tens if self._partial(t)]
+        if (not rows and not sums and not any(self._is_ids(t) for t in tens)) or _in_propagate():
             return func(*args, **kwargs)
         name = op_name(func)
-        read = reads_at_ids(name, args, kwargs, rows, self._is_ids) if rows else None
+        read = reads_at_ids(name, args, kwargs, rows + sums, self._is_ids) if rows or sums else None
         if read is not None and self._kind(read[2]) != "dst":  # (destinations are the chunk's own rows)
+            if any(t is read[0] for t, _ in rows):
+                return self._neighbour_read(inv, name, func, args, kwargs, *read)
+            self._refuse_sum(inv, name, "reads at the sources of the layer's edges a value summed over each "
+                                        "vertex's in-edges")
             return self._neighbour_read(inv, name, func, args, kwargs, *read)
+        at = scatter_index(name, args, kwargs)
+        if at is not None and self._is_ids(at) and self._kind(at) != "dst":
+            self._refuse_sum(inv, name, "sums over the layer's edges at their sources (out-degrees)")
+            args = in_bounds(name, args, kwargs)  # (sources past the chunk's rows: the pass goes on to its end)
         out = func(*args, **kwargs)
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         kinds = ids_kinds(name, args, kwargs, self._kind, len(outs))
@@ -168,9 +188,43 @@ class RowCheck(TorchFunctionMode):
             for o, kind in zip(outs, kinds):
                 if isinstance(o, Tensor):
                     self._ids[id(o)] = (weakref.ref(o), kind)
-        elif rows:
+            return out
+        if (at is not None and self._kind(at) == "dst") or sums:  # per-vertex sums at the destinations, and
+            into = [args[0]] if at is not None and name.endswith("_") else []  # what is computed from them
+            n = sums[0][0].size(0) if sums and at is None else None
+            for o in outs + into:
+                if isinstance(o, Tensor) and o.dim() > 0 and (n is None or o.size(0) == n):
+                    self._sums[id(o)] = weakref.ref(o)
+        if rows:
             self._follow(name, args, kwargs, rows, out)
         return out
+
+    def edges(self, g: Any) -> None:
+        """``g`` (a ``[2, E]`` edge list of the running layer) holds vertex ids: its sources, then destinations."""
+        if isinstance(g, Tensor) and g.layout == torch.strided and g.dim() == 2 and g.size(0) == 2:
+            self._ids[id(g)] = (weakref.ref(g), ("src", "dst"))
+
+    def _partial(self, t: Tensor) -> bool:
+        """Whether ``t`` was summed over the layer's edges at their destinations (or computed from such sums)."""
+        hit = self._sums.get(id(t))
+        return hit is not None and hit() is t
+
+    def partial_sources(self, inv, name: str, values) -> None:
+        """Before a ``propagate`` of a call given its whole local graph: a node argument computed from sums over
+        the edges has partial halo rows, which the propagate would read (``values``: its tensor arguments)."""
+        if not inv.rows_only and any(isinstance(t, Tensor) and self._partial(t) for t in values):
+            self._refuse_sum(inv, "propagate", "is handed a value computed from sums over the layer's edges at "
+                                        "their destinations, whose halo rows it reads")
+
+    def _refuse_sum(self, inv, name: str, what: str) -> None:
+        if self.refusal is None:
+            found = self._describe(caller(5), name, what, 0)
+            self.refuse(
+                f"{found[0].upper()}{found[1:]}. With {self.cut}, layer '{inv.name}' holds the edges into part of the "
+                f"vertices at a time, so such sums are complete for those vertices only. Compute degree "
+                f"normalisations with PyG's gcn_norm (pyg_pipe completes it), or pass the per-vertex value to "
+                f"propagate and read it in message() as value_j / value_i (propagate joins the true rows), or train "
+                f"with one chunk and no graph-parallel ways (strategy='gnnpipe', num_chunks=1), which is exact.")
 
     def _kind(self, t: Tensor):
         """Which ends of the layer's edges ``t`` holds the vertex ids of (``None``: none)."""

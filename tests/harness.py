@@ -26,6 +26,21 @@ def ranges(edge_index, num_nodes: int, num_chunks: int):
     return torch.arange(num_nodes), torch.linspace(0, num_nodes, num_chunks + 1).long()
 
 
+def three_layers(first: Callable[[], torch.nn.Module], second: Callable[[], torch.nn.Module],
+                 third: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
+    """A model class of three layers called on ``(x, edge_index)``, a ReLU between them (each made by its
+    callable, in order, when the model is built)."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.conv2, self.conv3 = first(), second(), third()
+
+        def forward(self, x, edge_index):
+            x = self.conv1(x, edge_index).relu()
+            return self.conv3(self.conv2(x, edge_index).relu(), edge_index)
+    return Model
+
+
 def loss_of(out, y, mask):
     """Cross-entropy of the output, or the sum over the tensors of a structured output (a tuple, a dict)."""
     return sum(F.cross_entropy(t[mask], y[mask]) for t in _leaves(out))

@@ -19,7 +19,7 @@ from torch_geometric.nn import GCNConv, MessagePassing
 from torch_geometric.utils import add_self_loops, degree, softmax
 
 from tests.dist import run_distributed
-from tests.harness import check_mode
+from tests.harness import check_mode, three_layers
 from tests.zoo import zoo_graph
 
 H = 12
@@ -112,16 +112,7 @@ EXACT = [InDegree, EdgeSoftmax]
 
 
 def _model(cls, first: bool):
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv1 = cls(8, H) if first else GCNConv(8, H)
-            self.conv2, self.conv3 = cls(H, H), GCNConv(H, 3)
-
-        def forward(self, x, edge_index):
-            x = self.conv1(x, edge_index).relu()
-            return self.conv3(self.conv2(x, edge_index).relu(), edge_index)
-    return Model
+    return three_layers(lambda: cls(8, H) if first else GCNConv(8, H), lambda: cls(H, H), lambda: GCNConv(H, 3))
 
 
 def _worker(rank, world, mode, outcomes):

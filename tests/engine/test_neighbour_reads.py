@@ -16,7 +16,7 @@ from torch_geometric.nn import GCNConv, MessagePassing
 from torch_geometric.utils import scatter
 
 from tests.dist import run_distributed
-from tests.harness import check_mode
+from tests.harness import check_mode, three_layers
 from tests.zoo import zoo_graph
 
 H = 12
@@ -88,16 +88,8 @@ class ReadsDestinations(MessagePassing):
 LAYERS = [ReadsBefore, ReadsAfter, ReadsWithGather]
 
 
-def _model(cls):
-    class Model(nn.Module):  # the custom layer after a GCN layer: its input was computed on the chunk
-        def __init__(self):
-            super().__init__()
-            self.conv1, self.conv2, self.conv3 = GCNConv(8, H), cls(H, H), cls(H, 3)
-
-        def forward(self, x, edge_index):
-            x = self.conv1(x, edge_index).relu()
-            return self.conv3(self.conv2(x, edge_index).relu(), edge_index)
-    return Model
+def _model(cls):  # the custom layer after a GCN layer: its input was computed on the chunk
+    return three_layers(lambda: GCNConv(8, H), lambda: cls(H, H), lambda: cls(H, 3))
 
 
 def _worker(rank, world, mode, outcomes):

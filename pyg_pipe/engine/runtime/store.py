@@ -73,9 +73,10 @@ class Store:
                 buf = self.rows[name] = self.tiers.zeros((self.num_nodes, *value.shape[1:]), value.dtype)
 
             def write(rows: Tensor, buf=buf, start=lg.start, end=lg.end) -> None:
-                buf[start:end] = rows.to(buf.device)
+                if rows.data_ptr() != buf[start:end].data_ptr():  # (else the rows were copied straight there)
+                    buf[start:end] = rows.to(buf.device)
                 self.tiers.release(buf)
-            self._write(("rows", name), buf, value.detach(), write)
+            self._write(("rows", name), buf, value.detach(), write, into=buf[lg.start:lg.end])
         else:
             leaves, spec = flatten(value)
             self.chunks.setdefault(name, {})[lg.index] = unflatten(
@@ -99,30 +100,38 @@ class Store:
             self.prefetched += 1
             return self.tiers.arrive(ahead)
         self._land(("rows", name))
-        return self.tiers.to_device(self._gather(self.rows[name], lg))
+        buf = self.rows[name]
+        if self.tiers.in_tier(buf):
+            return self.tiers.arrive(self._fetch(buf, lg))
+        return self._gather(buf, lg)
 
     def prefetch(self, names, lg: LocalGraph) -> None:
         """Starts reading ``[rows | halo]`` of those node values among ``names`` that sit in the offload tier (host
         memory, disk) for chunk ``lg``, while the device still runs the chunk before it (NGra's overlap of a
-        chunk's transfer with another's compute): gathered on the host, into pinned memory on a GPU, and copied
-        to the device on a side stream (:meth:`~.tiers.Tiers.fetch`); :meth:`gather_local` then waits for the
-        copy, not the host. The same rows as without it. Not while a CUDA graph is being captured."""
+        chunk's transfer with another's compute): on a GPU copied on a side stream, the chunk's own rows straight
+        from the pinned buffer and the halo gathered on the host (:meth:`~.tiers.Tiers.fetch`); :meth:`gather_local`
+        then waits for the copy, not the host. The same rows as without it. Not while a CUDA graph is being
+        captured."""
         if self.tiers.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
         for name in names:
             buf = self.rows.get(name)
             if buf is not None and (name, lg.index) not in self.ahead and self.tiers.in_tier(buf):
                 self._land(("rows", name))
-                self.ahead[(name, lg.index)] = self.tiers.fetch(self._gather(buf, lg))
+                self.ahead[(name, lg.index)] = self._fetch(buf, lg)
+
+    def _fetch(self, buf: Tensor, lg: LocalGraph) -> tuple:
+        """``[rows | halo]`` of tier buffer ``buf`` for chunk ``lg``, started on its way to the device."""
+        fetched = self.tiers.fetch(buf, lg.start, lg.end, self._halo(lg, buf.device))
+        self.tiers.release(buf)
+        return fetched
 
     def _gather(self, buf: Tensor, lg: LocalGraph) -> Tensor:
-        """``[rows | halo]`` of ``buf`` for chunk ``lg`` where ``buf`` is (a tier buffer: into a staging buffer)."""
-        shape = (lg.num_local, *buf.shape[1:])
-        out = self.tiers.staging(shape, buf.dtype) if self.tiers.in_tier(buf) else buf.new_empty(shape)
+        """``[rows | halo]`` of device buffer ``buf`` for chunk ``lg``."""
+        out = buf.new_empty((lg.num_local, *buf.shape[1:]))
         out[:lg.rows].copy_(buf[lg.start:lg.end])
         if lg.halo.numel():
             torch.index_select(buf, 0, self._halo(lg, buf.device), out=out[lg.rows:])
-        self.tiers.release(buf)
         return out
 
     def _halo(self, lg: LocalGraph, device: torch.device) -> Tensor:
@@ -135,11 +144,15 @@ class Store:
             hit = self._halos[id(lg)] = (lg, lg.halo.to(device))
         return hit[1]
 
-    def _write(self, key: tuple, buf: Tensor, rows: Tensor, write) -> None:
+    def _write(self, key: tuple, buf: Tensor, rows: Tensor, write, into: Optional[Tensor] = None) -> None:
         """``write(rows)`` into ``buf``: at once, or, for a tier buffer on a GPU, once the rows have come to the host
         on a side stream (:meth:`~.tiers.Tiers.send`), when ``key`` is next read (:meth:`_land`): the host does
-        not wait for the chunk that computed them. In the order they were made, so sums are the same."""
-        sent = self.tiers.send(rows) if self.tiers.in_tier(buf) else None
+        not wait for the chunk that computed them. In the order they were made, so sums are the same. ``into``:
+        the slice of a pinned ``buf`` the rows replace, copied straight there (:meth:`~.tiers.Tiers.send_into`)."""
+        sent = None
+        if self.tiers.in_tier(buf):
+            sent = self.tiers.send_into(into, rows) if into is not None else None
+            sent = sent or self.tiers.send(rows)
         if sent is None:
             write(rows)
         else:

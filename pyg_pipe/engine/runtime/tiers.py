@@ -59,9 +59,8 @@ class Tiers:
             t = torch.zeros(shape, dtype=dtype, device=self.device)
             self._device[t.untyped_storage().data_ptr()] = nbytes
             return t
-        if self.offload == "host":
-            t = torch.zeros(shape, dtype=dtype)
-            return t.pin_memory() if self.device.type == "cuda" else t
+        if self.offload == "host":  # (pinned where it is made: one pass over the bytes, not three)
+            return torch.zeros(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
         return self._mapped(shape, dtype, nbytes)
 
     def copy(self, t: Tensor) -> Tensor:
@@ -103,22 +102,56 @@ class Tiers:
         device runs asynchronously; PyTorch's pinned-memory cache keeps it until that copy is done)."""
         return torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
 
-    def fetch(self, rows: Tensor) -> tuple:
-        """Starts copying host ``rows`` to the device ahead of their use: on a GPU on a side stream, with an event
-        :meth:`arrive` waits for (the current stream waits, the host does not); elsewhere the rows as they are."""
-        if self.device.type != "cuda" or rows.device == self.device:
-            return rows, None
-        with torch.cuda.stream(self._stream()):  # (host rows, written already: nothing on the device to wait for)
-            out = rows.to(self.device, non_blocking=True)
+    def fetch(self, buf: Tensor, start: int, end: int, halo: Tensor) -> tuple:
+        """Starts copying ``[buf[start:end] | buf[halo]]`` of tier buffer ``buf`` to the device ahead of its use (``halo``:
+        ids where ``buf`` is). On a GPU the copy runs on a side stream, with an event :meth:`arrive` waits for (the
+        current stream waits, the host does not), and from a pinned buffer the contiguous rows go straight from it
+        (one DMA, no work on the host): only the halo rows are gathered on the host, into pinned staging. Elsewhere
+        the rows are gathered as they are (no event)."""
+        n = end - start
+        shape = (n + halo.numel(), *buf.shape[1:])
+        if self.device.type != "cuda":
+            out = torch.empty(shape, dtype=buf.dtype, device=self.device)
+            out[:n].copy_(buf[start:end])
+            torch.index_select(buf, 0, halo, out=out[n:])
+            return out, None
+        direct = buf.is_pinned()
+        staging = self.staging((halo.numel() if direct else shape[0], *shape[1:]), buf.dtype)
+        if not direct:
+            staging[:n].copy_(buf[start:end])
+        torch.index_select(buf, 0, halo, out=staging if direct else staging[n:])
+        with torch.cuda.stream(self._stream()):  # (after this stream's writes into ``buf``: :meth:`send_into`)
+            out = torch.empty(shape, dtype=buf.dtype, device=self.device)
+            if direct:
+                out[:n].copy_(buf[start:end], non_blocking=True)
+                out[n:].copy_(staging, non_blocking=True)
+            else:
+                out.copy_(staging, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._side)
         return out, done
+
+    def send_into(self, dst: Tensor, rows: Tensor) -> Optional[tuple]:
+        """Starts copying device ``rows`` straight into ``dst`` (a slice of a pinned tier buffer) on the side stream,
+        after what the current stream has queued (which computes them): one DMA, no staging, no work on the host.
+        ``None`` (nothing started: copy them now) unless on a GPU, not capturing, into pinned memory.
+        :meth:`received` waits for the copy; reads by :meth:`fetch` run after it on the same stream."""
+        if not self._dma(rows) or not dst.is_pinned():
+            return None
+        side = self._stream()
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            dst.copy_(rows, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        rows.record_stream(side)  # (its memory is not reused before the copy has read it)
+        return dst, done
 
     def send(self, rows: Tensor) -> Optional[tuple]:
         """Starts copying device ``rows`` to pinned host memory on the side stream, after what the current stream
         has queued (which computes them); ``None`` (nothing started: copy them now) unless on a GPU and not
         capturing. :meth:`received` waits for the copy."""
-        if self.device.type != "cuda" or rows.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        if not self._dma(rows):
             return None
         side = self._stream()
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -136,6 +169,10 @@ class Tiers:
         host, done = sent
         done.synchronize()
         return host
+
+    def _dma(self, rows: Tensor) -> bool:
+        return self.device.type == "cuda" and rows.device.type == "cuda" and \
+            not torch.cuda.is_current_stream_capturing()
 
     def _stream(self):
         if self._side is None:

@@ -103,11 +103,11 @@ class Tiers:
         return torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
 
     def fetch(self, buf: Tensor, start: int, end: int, halo: Tensor) -> tuple:
-        """Starts copying ``[buf[start:end] | buf[halo]]`` of tier buffer ``buf`` to the device ahead of its use (``halo``:
-        ids where ``buf`` is). On a GPU the copy runs on a side stream, with an event :meth:`arrive` waits for (the
-        current stream waits, the host does not), and from a pinned buffer the contiguous rows go straight from it
-        (one DMA, no work on the host): only the halo rows are gathered on the host, into pinned staging. Elsewhere
-        the rows are gathered as they are (no event)."""
+        """Starts copying ``[buf[start:end] | buf[halo]]`` of tier buffer ``buf`` to the device ahead of its use
+        (``halo``: ids where ``buf`` is). On a GPU the copy runs on a side stream, with an event :meth:`arrive`
+        waits for (the current stream waits, the host does not), and from a pinned buffer the contiguous rows go
+        straight from it (one DMA, no work on the host): only the halo rows are gathered on the host, into pinned
+        staging. Elsewhere the rows are gathered as they are (no event)."""
         n = end - start
         shape = (n + halo.numel(), *buf.shape[1:])
         if self.device.type != "cuda":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set
 
@@ -207,6 +208,14 @@ def _trace_with_fallback(model, fn, args, kwargs) -> fx.Graph:
             if tracer.failed is not None and tracer.failed not in leaves:
                 leaves.add(tracer.failed)  # run that submodule whole, as one unit
                 continue
+            utility = _graph_utility(exc)
+            if utility is not None:
+                raise UnsupportedModelError(
+                    f"pyg_pipe cannot split {type(model).__name__} into pipeline stages: its forward computes a graph "
+                    f"with {utility} (torch.fx cannot trace it: {type(exc).__name__}), and a graph computed inside "
+                    f"forward cannot be cut into chunks in any mode. Compute it in the data pipeline, as a "
+                    f"transform (T.ToUndirected(), T.AddSelfLoops()) or as another graph passed to forward "
+                    f"(data.edge_index2 = ...; every graph passed is cut into chunks).") from exc
             raise UnsupportedModelError(
                 f"pyg_pipe cannot split {type(model).__name__} into pipeline stages: torch.fx cannot trace its "
                 f"forward ({type(exc).__name__}: {exc}). A submodule that does not trace runs whole as one pipeline "
@@ -220,6 +229,26 @@ def _trace_with_fallback(model, fn, args, kwargs) -> fx.Graph:
             _TRACING.pop()
             for k in swapped:
                 fn.__globals__[k] = _torch_pipe_split
+
+
+#: PyG's utilities that make a new graph from one (``torch_geometric.utils``)
+_GRAPH_UTILITIES = {"to_undirected", "coalesce", "sort_edge_index", "add_self_loops", "add_remaining_self_loops",
+                    "remove_self_loops", "segregate_self_loops", "remove_isolated_nodes", "dropout_edge",
+                    "dropout_node", "dropout_path", "dropout_adj", "subgraph", "k_hop_subgraph", "to_edge_index",
+                    "to_torch_coo_tensor", "to_torch_csr_tensor", "to_torch_csc_tensor", "to_torch_sparse_tensor",
+                    "negative_sampling", "add_random_edge", "shuffle_node"}
+
+
+def _graph_utility(exc: BaseException) -> Optional[str]:
+    """``torch_geometric.utils.<name>`` when the trace failed inside one of PyG's utilities that make a graph (the
+    outermost one called), else ``None``."""
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if "/torch_geometric/utils/" in code.co_filename.replace(os.sep, "/"):
+            return f"torch_geometric.utils.{code.co_name}" if code.co_name in _GRAPH_UTILITIES else None
+        tb = tb.tb_next
+    return None
 
 
 def _refuse_custom_function(cls, *args, **kwargs):

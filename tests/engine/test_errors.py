@@ -4,6 +4,7 @@ import torch
 from torch import nn
 from torch_geometric.data import Batch, Data
 from torch_geometric.nn import GCN, GCNConv, SAGEConv
+from torch_geometric.utils import add_self_loops, dropout_edge, to_undirected
 
 from pyg_pipe import GNNPipeStrategy, UnsupportedModelError
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
@@ -59,7 +60,7 @@ class SelfLoops(nn.Module):
 
 def test_graph_built_inside_forward_names_the_layer_and_the_fix():
     with pytest.raises(UnsupportedModelError, match=r"Layer 'conv' \(GCNConv\) receives a graph computed inside "
-                                                    r"forward.*pass it to forward as an argument"):
+                                                    r"forward.*in the data pipeline.*another graph passed to forward"):
         run_single(SelfLoops())
 
 
@@ -109,11 +110,35 @@ class DataDependent(nn.Module):
         return self.b(x, edge_index)
 
 
+class GraphInForward(nn.Module):
+    """Computes the graph its layers take inside forward with one of PyG's utilities."""
+
+    def __init__(self, utility):
+        super().__init__()
+        self.utility = utility
+        self.a, self.b = SAGEConv(8, 8), SAGEConv(8, 3)
+
+    def forward(self, x, edge_index):
+        if self.utility == "to_undirected":
+            edge_index = to_undirected(edge_index, num_nodes=x.size(0))
+        elif self.utility == "add_self_loops":
+            edge_index, _ = add_self_loops(edge_index, num_nodes=x.size(0))
+        else:
+            edge_index, _ = dropout_edge(edge_index, p=0.2, training=self.training)
+        return self.b(self.a(x, edge_index).relu(), edge_index)
+
+
 CASES = {
     "too_few_layers": (lambda: GCN(8, 16, 1, 3),
                        r"1 message-passing layers but the pipeline has 2 stages.*gnnpipe_hybrid"),
     "no_message_passing": (MLP, "calls no MessagePassing layer"),
     "untraceable": (DataDependent, "cannot split DataDependent into pipeline stages.*graph_parallel"),
+    # a graph computed in forward: the utility and the fix that works named, whether fx traces it or not
+    "to_undirected": (lambda: GraphInForward("to_undirected"),
+                      r"computes a graph with torch_geometric.utils.to_undirected.*T.ToUndirected"),
+    "add_self_loops": (lambda: GraphInForward("add_self_loops"),
+                       r"graph computed inside forward.*T.AddSelfLoops\(\).*data.edge_index2"),
+    "dropout_edge": (lambda: GraphInForward("dropout_edge"), r"graph computed inside forward.*DropEdge"),
 }
 
 

@@ -108,9 +108,13 @@ def resolve_graphs(ctx: ChunkContext, name: str, module: MessagePassing, args: l
             if hit is None:
                 raise UnsupportedModelError(
                     f"Layer '{name}' ({type(module).__name__}) receives a graph computed inside forward "
-                    f"({tuple(value.shape)}), which pyg_pipe cannot cut into chunks. Compute it in the data "
-                    f"pipeline and pass it to forward as an argument (e.g. data.edge_index2 = ...), or train on "
-                    f"one device. Transposes (edge_index.flip(0)) and the input graph itself are understood.")
+                    f"({tuple(value.shape)}), which pyg_pipe cannot cut into chunks. A graph computed from the "
+                    f"input graph (add_self_loops, to_undirected, coalesce, ...): compute it in the data pipeline, "
+                    f"as a transform (T.AddSelfLoops(), T.ToUndirected()) or as another graph passed to forward "
+                    f"(data.edge_index2 = ...; every graph passed is cut into chunks). A graph drawn at random every "
+                    f"step (DropEdge: dropout_edge) is not supported yet: train without it, or on one device. "
+                    f"Understood as they are: the input graphs, their transposes (edge_index.flip(0)), and what a "
+                    f"layer computes from its graph inside its own forward (self loops, normalisations).")
             found.setdefault(id(value), hit)
     if not found:
         raise UnsupportedModelError(

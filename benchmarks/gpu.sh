@@ -9,10 +9,12 @@
 #   3. benchmarks/gpu/gpu_summary.py: the GPU issue's figures in one summary.json (streamed epoch against plain
 #      PyG at 20k and 200k vertices, host time per chunk and layer, GPU busy share and copies per step,
 #      the largest graph plain PyG and streaming train under a memory cap, 2 processes on one GPU);
+#   4. benchmarks/gpu/host_tier.py: streaming with every value in pinned host memory at 200k vertices against
+#      plain PyG, profiled (where the host's time goes: the halo gathers and gradient adds, the waits);
 #   with GPU_FULL=1 also
-#   4. the fused kernels against cuSPARSE (torch.sparse.mm) and PyG's scatter path, with the kernel's
+#   5. the fused kernels against cuSPARSE (torch.sparse.mm) and PyG's scatter path, with the kernel's
 #      achieved bandwidth (benchmarks/kernels/aggregate.py --device cuda);
-#   5. one engine epoch on CUDA (benchmarks/speed/gnnpipe_epoch.py) and a profile of one GPU's step
+#   6. one engine epoch on CUDA (benchmarks/speed/gnnpipe_epoch.py) and a profile of one GPU's step
 #      (benchmarks/gpu/gpu_profile.py: wall time against GPU busy time, host synchronisations and copies).
 # A failing step does not stop the later ones (the script exits non-zero at the end if one failed).
 # Results go to $OUT (default docs/results/gpu). Without a CUDA device it says so and exits 0.
@@ -36,6 +38,8 @@ step bash -c "set -o pipefail; python -m pytest -q -m gpu tests 2>&1 | tee '$out
 step bash -c "set -o pipefail; python benchmarks/gpu/diagnose_capture.py 2>&1 | tee '$out/diagnose_capture.txt'"
 step bash -c "set -o pipefail; PYTHONUNBUFFERED=1 python benchmarks/gpu/gpu_summary.py --out '$out/summary.json' \
     --sweep-seconds ${GPU_SWEEP_SECONDS:-90} 2>&1 | tee '$out/summary.txt'"
+step bash -c "set -o pipefail; PYTHONUNBUFFERED=1 python benchmarks/gpu/host_tier.py --nodes 200000 --chunks 4 \
+    --out '$out/host_tier_200k.json' 2>&1 | tee '$out/host_tier_200k.txt'"
 if [ "${GPU_FULL:-0}" = "1" ]; then
     step bash -c "set -o pipefail; python benchmarks/kernels/aggregate.py --device cuda --widths 64 128 --repeats 5 \
         --out '$out/aggregate_cuda.json' 2>&1 | tee '$out/aggregate_cuda.txt'"

@@ -207,6 +207,7 @@ class ChunkContext:
         self.counts: Dict[str, int] = {}
         self.clean_calls: Dict[Tuple[str, int], bool] = {}
         self.tables: List[Tuple[torch.nn.Module, Tensor, Tensor]] = []
+        self.drops = 0  # DropEdge calls made so far in this run (:mod:`.step.dropedge`)
 
     def __enter__(self) -> "ChunkContext":
         _STACK.append(self)

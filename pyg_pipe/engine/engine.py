@@ -1,32 +1,31 @@
-"""The engine facade: what the Lightning strategies call. It replaces ``model.forward`` while installed, and
-the model's other methods that call its layers (a link predictor's ``encode``, :func:`~pyg_pipe.model.find.layer_methods`).
+"""The engine facade: what the Lightning strategies call. It replaces ``model.forward`` while installed, and the
+model's other methods that call its layers (a link predictor's ``encode``, :func:`~pyg_pipe.model.find.layer_methods`).
 
 Every rank runs its part of the rank grid (:mod:`.plan.grid`): stage ``s`` of the model for way ``w``.
 A call of the model is
 
-* **training** (grad enabled, and inside a training step when the strategy says where steps are): a
-  fill (:func:`.step.pipeline.fill`) in the forward pass and its drain (:func:`.step.pipeline.drain`) in the backward
-  pass, one autograd Function around both, since Lightning zeroes gradients between
-  ``training_step`` and ``backward``. Each call of the model in a step is numbered and has its own
-  history, so a model run twice in one step (contrastive methods) is computed as twice on one
-  device; at the end of the backward pass the weight gradients are summed once over the ranks that
-  computed parts of them (:mod:`.runtime.weights`), and the step ends.
+* **training** (grad enabled, and inside a training step when the strategy says where steps are): a fill
+  (:func:`.step.pipeline.fill`) in the forward pass and its drain (:func:`.step.pipeline.drain`) in the backward pass,
+  one autograd Function around both, since Lightning zeroes gradients between ``training_step`` and
+  ``backward``. Each call of the model in a step is numbered and has its own history, so a model run twice in
+  one step (contrastive methods) is computed as twice on one device; at the end of the backward pass the weight
+  gradients are summed once over the ranks that computed parts of them (:mod:`.runtime.weights`).
 * **anything else** (validation, test, predict): an exact pass (:func:`.step.pipeline.exact`).
 
-On one device with several chunks (or an offload tier) the model is **streamed** instead
-(:mod:`.step.stream`, NGra): every layer group over all chunks in turn, exact, with the values between
-groups in the memory tiers; the same autograd Function carries its forward and backward.
+On one device with several chunks (or an offload tier) the model is **streamed** instead (:mod:`.step.stream`, NGra):
+every layer group over all chunks in turn, exact, with the values between groups in the memory tiers; the same
+autograd Function carries its forward and backward.
 
-**Which method.** ``forward`` is distributed, and so is any other method of the model whose code calls its
-layers, when it is called with a graph (``z = model.encode(x, edge_index)`` in PyG's link prediction; the
-decoder then runs unchanged on the whole ``z``). A call made while another is running (``forward`` calling
-``self.encode``, the engine tracing) runs as written, inside the outer one. One method is distributed per
-model: the first one called; the layers run through another later are refused by name.
+**Which method.** ``forward`` is distributed, and so is any other method of the model whose code calls its layers,
+when it is called with a graph (``z = model.encode(x, edge_index)`` in PyG's link prediction; the decoder then runs
+unchanged on the whole ``z``). A call made while another is running (``forward`` calling ``self.encode``, the engine
+tracing) runs as written, inside the outer one. One method is distributed per model: the first one called; the
+layers run through another later are refused by name.
 
-The first call with a graph makes a plan (:mod:`.plan.plan`) and its runtime (:mod:`.runtime.runtime`); later
-calls with the same graph reuse them. Every rank returns the whole output, so the user's loss and
-metrics run unchanged and identically everywhere. The model object is not wrapped: an instance
-attribute ``forward`` is set while installed and removed after.
+The first call with a graph makes a plan (:mod:`.plan.plan`) and its runtime (:mod:`.runtime.runtime`); later calls
+with the same graph reuse them. Every rank returns the whole output, so the user's loss and metrics run unchanged and
+identically everywhere. The model object is not wrapped: an instance attribute ``forward`` is set while installed and
+removed after.
 """
 from __future__ import annotations
 
@@ -44,7 +43,7 @@ from ..model.inputs import CallInputs
 from ..model.trace import forward_function
 from .step import pipeline as steps
 from .step.checks import same_loss
-from .step import capture, stream
+from .step import capture, dropedge, stream
 from .comm import Comm
 from .context import autocast_as, autocast_state, current, in_backward
 from .runtime.staleness import StalenessMeter
@@ -171,15 +170,16 @@ class GNNPipeEngine:
             self.module.__dict__[name] = Rerouted(self.module, functools.partial(self._routed, name, fn), fn)
         self.layer_hooks.install()
         self.stat_hooks.install()
+        dropedge.install(self.module)
 
     def uninstall(self) -> None:
-        self.module.__dict__.pop("forward", None)
-        for name in self._methods:
+        for name in ("forward", *self._methods):
             self.module.__dict__.pop(name, None)
         if self._instance_forward is not None:
             self.module.forward = self._instance_forward
         self.layer_hooks.remove()
         self.stat_hooks.remove()
+        dropedge.uninstall()
 
     def steps_only(self) -> None:
         """From now on only calls inside :meth:`training_step` train (others are exact passes), as the

@@ -46,6 +46,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, fx
 
+from ..graph.chunks import derived
 from ..model.find import vertex_tables
 from ..model.inputs import CallInputs
 from ..model.localize import Localizer
@@ -85,10 +86,8 @@ class _ChunkProbe:
         self.runner = StageProgram(program, Stage(0, self.steps, [], [n.name for n in program.output.all_input_nodes],
                                                   None), fn, True)
 
-    def _derive(self, cg, kind: str):  # transposes of the input graphs, as the runtime derives them
-        if (id(cg), kind) not in self.derived:
-            self.derived[(id(cg), kind)] = cg.flipped()
-        return self.derived[(id(cg), kind)]
+    def _derive(self, cg, kind):  # graphs derived from the inputs (transposes, DropEdge's), as the runtime derives them
+        return derived(self.derived, cg, kind)
 
     def inputs(self):
         """A chunk context to enter and the call's arguments localized to the chunk in it."""

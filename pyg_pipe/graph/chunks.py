@@ -180,6 +180,35 @@ class ChunkedGraph:
         self._mirrors: Optional[Dict[Tuple[int, int], Tensor]] = None
         self._degrees: Dict = {}
 
+    def dropped(self) -> "ChunkedGraph":
+        """A chunking of this graph with some of its edges left out (DropEdge, :mod:`pyg_pipe.engine.step.dropedge`):
+        the same vertices, chunks, halos and ways; :meth:`keep_edges` chooses the edges (all, until called)."""
+        out = ChunkedGraph.__new__(ChunkedGraph)
+        for name in ("num_nodes", "num_chunks", "ways", "device", "perm", "inv", "ptr", "chunk_of"):
+            setattr(out, name, getattr(self, name))
+        out._base, out._mirrors = self, self.mirrors()  # (the halos are the same, so are the rows ways read)
+        out.keep_edges(torch.ones(self.num_edges, dtype=torch.bool, device=self.device))
+        return out
+
+    def keep_edges(self, keep: Tensor) -> None:
+        """A :meth:`dropped` chunking keeps the edges ``keep`` marks ([E] bool in the user's edge order of the graph
+        it was made from), in place: every chunk keeps its local edges whose user edge is kept (a halo vertex's
+        self loop with its loop), in their order; edge ids become positions among the kept edges."""
+        base = self._base
+        self.new_src, self.new_dst = base.new_src[keep], base.new_dst[keep]
+        self.num_edges = int(self.new_src.numel())
+        position = torch.cumsum(keep, 0) - 1
+        self.chunks, self.local_keep = [], []
+        for lg in base.chunks:
+            k = keep[lg.edge_ids]
+            self.chunks.append(LocalGraph(index=lg.index, start=lg.start, end=lg.end, halo=lg.halo,
+                                          halo_chunk=lg.halo_chunk, edge_index=lg.edge_index[:, k],
+                                          edge_ids=position[lg.edge_ids[k]], row_edges=int(k[:lg.row_edges].sum())))
+            self.local_keep.append(k)
+        self._degrees = {}
+        for name in ("_inferred_nodes", "_repeated_loops"):
+            self.__dict__.pop(name, None)
+
     # ------------------------------------------------------------------ edge tensors
     def local_edges(self, lg: LocalGraph, value: Tensor) -> Tensor:
         """[E_loc, ...] rows of an edge tensor (user edge order) for a chunk's local edges."""
@@ -293,6 +322,31 @@ class ChunkedGraph:
                             out[(c, w)] = v[b[c * self.ways + w]:b[c * self.ways + w + 1]]
             self._mirrors = out
         return self._mirrors
+
+
+def derived(cache: Dict, cg: ChunkedGraph, kind, step: int = 0, seed: int = 0) -> ChunkedGraph:
+    """The chunking of a graph derived from ``cg`` (same vertex order), kept in ``cache`` under ``(id(cg), kind)``:
+    ``"flip"``, its transpose; ``("drop", k, p)``, the edges the ``k``-th DropEdge call of a forward keeps at training
+    step ``step`` (:func:`edge_keep`; one object per call, its edges chosen again when the step changes)."""
+    key = (id(cg), kind)
+    hit = cache.get(key)
+    if hit is None:
+        if kind != "flip" and not (isinstance(kind, tuple) and kind[0] == "drop"):
+            raise ValueError(kind)
+        hit = cache[key] = cg.flipped() if kind == "flip" else cg.dropped()
+    if kind != "flip" and getattr(hit, "step", None) != step:
+        hit.keep_edges(edge_keep(cg.num_edges, kind[2], seed, step, kind[1], cg.device))
+        hit.step = step
+    return hit
+
+
+def edge_keep(num_edges: int, p: float, seed: int, step: int, call: int, device) -> Tensor:
+    """[E] bool: the edges DropEdge keeps (each with probability ``1 - p``) in the ``call``-th DropEdge call of training
+    step ``step``, in the user's edge order: a draw from a generator seeded by ``(seed, step, call)``, so every rank,
+    chunk, stage and replay of the step gets the same edges without communicating."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(((int(seed) * 1_000_003 + int(step)) * 1_009 + int(call)) % (2 ** 63))
+    return torch.rand(num_edges, generator=gen, device=device) >= p
 
 
 def way_ptr(ptr: Tensor, ways: int) -> Tensor:

@@ -28,6 +28,11 @@ class GraphResolver:
             self.known[id(local)] = (local, cg, lg, local)
             self.known[id(graph)] = (graph, cg, lg, local)
 
+    def add(self, value: Tensor, cg: ChunkedGraph, lg: LocalGraph) -> None:
+        """``value`` is chunk ``lg``'s local ``edge_index`` in chunking ``cg`` (a graph the engine derived in the
+        forward: DropEdge's)."""
+        self.known[id(value)] = (value, cg, lg, value)
+
     def row_graph(self, cg: ChunkedGraph, lg: LocalGraph, local):
         """The row graph of the local graph ``local`` (:mod:`pyg_pipe.graph.chunks`): the edges into the
         chunk's rows, for a layer that computes those rows only."""

@@ -114,9 +114,13 @@ def forward_function(model: torch.nn.Module):
     return type(model).forward
 
 
+#: functions fx records as one call instead of tracing into (DropEdge's: :mod:`pyg_pipe.engine.step.dropedge`)
+AUTOWRAP: List[Callable] = []
+
+
 class _Tracer(fx.Tracer):
     def __init__(self, leaves: Set[str]):
-        super().__init__()
+        super().__init__(autowrap_functions=tuple(AUTOWRAP))
         self.leaves = leaves
         self.failed: Optional[str] = None
 

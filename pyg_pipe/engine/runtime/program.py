@@ -25,6 +25,7 @@ from ...model.errors import UnsupportedModelError
 from ...model.inputs import CallInputs
 from ...model.split import Stage, split, stage_groups
 from ...model.trace import Program, _is_generic_sequential, trace
+from ..context import current
 
 
 class WholeForward:
@@ -48,6 +49,9 @@ class StageProgram:
         self.placeholders = program.placeholders
         self.generic = _is_generic_sequential(self.module, fn)
         self._release = _last_uses(stage.steps, set(stage.outputs))
+        # calls numbered in the whole forward's order, whichever stage runs them (DropEdge's: :mod:`..step.dropedge`)
+        numbered = [n for n in program.graph.nodes if n.op == "call_function" and getattr(n.target, "numbered", False)]
+        self._ordinal = {n.name: i for i, n in enumerate(numbered)}
 
     def bind(self, args: tuple, kwargs: dict) -> Dict[str, Any]:
         """Placeholder name -> value for a call with ``args`` / ``kwargs``."""
@@ -82,6 +86,8 @@ class StageProgram:
         if node.op == "call_module":
             return self.program.modules[node.target](*args, **kwargs)
         if node.op == "call_function":
+            if node.name in self._ordinal:
+                current().drops = self._ordinal[node.name]
             return node.target(*args, **kwargs)
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)

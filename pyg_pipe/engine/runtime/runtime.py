@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Set
 import torch
 from torch import Tensor
 
-from ...graph.chunks import ChunkedGraph, way_ptr
+from ...graph.chunks import ChunkedGraph, derived, way_ptr
 from ...model.find import vertex_tables
 from ...model.inputs import CallInputs, graph_edges, node_input_bytes
 from ..comm import Comm
@@ -104,6 +104,7 @@ class Runtime:
         self.output_specs: Dict = {}
         self.rows_checked: Set[str] = set()
         self._derived: Dict = {}
+        self.step = 0  # the training step being run (set before each training call; DropEdge's masks follow it)
         self._names: Optional[Dict[int, str]] = None
 
     def statistics_history(self, call: int) -> Optional[StatisticsHistory]:
@@ -157,15 +158,14 @@ class Runtime:
         sources = {id(cg) for cg in self.chunked}
         return self.chunked + [cg for (src, _), cg in self._derived.items() if src in sources]
 
-    def derive(self, cg: ChunkedGraph, kind: str) -> ChunkedGraph:
-        """The chunking of a graph derived from ``cg`` (``"flip"``: its transpose), same vertex order."""
-        key = (id(cg), kind)
-        hit = self._derived.get(key)
-        if hit is None:
-            if kind != "flip":
-                raise ValueError(kind)
-            hit = self._derived[key] = cg.flipped()
-        return hit
+    def derive(self, cg: ChunkedGraph, kind) -> ChunkedGraph:
+        """The chunking of a graph derived from ``cg`` at this step (:func:`~pyg_pipe.graph.chunks.derived`)."""
+        return derived(self._derived, cg, kind, self.step, self.config.seed)
+
+    @property
+    def draws_edges(self) -> bool:
+        """Whether the forward draws DropEdge's edges (:mod:`..step.dropedge`): a new graph every step."""
+        return any(isinstance(kind, tuple) for _, kind in self._derived)
 
     @property
     def module_names(self) -> Dict[int, str]:

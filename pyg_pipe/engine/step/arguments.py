@@ -111,10 +111,10 @@ def resolve_graphs(ctx: ChunkContext, name: str, module: MessagePassing, args: l
                     f"({tuple(value.shape)}), which pyg_pipe cannot cut into chunks. A graph computed from the "
                     f"input graph (add_self_loops, to_undirected, coalesce, ...): compute it in the data pipeline, "
                     f"as a transform (T.AddSelfLoops(), T.ToUndirected()) or as another graph passed to forward "
-                    f"(data.edge_index2 = ...; every graph passed is cut into chunks). A graph drawn at random every "
-                    f"step (DropEdge: dropout_edge) is not supported yet: train without it, or on one device. "
-                    f"Understood as they are: the input graphs, their transposes (edge_index.flip(0)), and what a "
-                    f"layer computes from its graph inside its own forward (self loops, normalisations).")
+                    f"(data.edge_index2 = ...; every graph passed is cut into chunks). Understood as they are: the "
+                    f"input graphs, their transposes (edge_index.flip(0)), PyG's dropout_edge on them (DropEdge), and "
+                    f"what a layer computes from its graph inside its own forward (self loops, normalisations); any "
+                    f"other graph drawn at random in forward is not supported: train without it, or on one device.")
             found.setdefault(id(value), hit)
     if not found:
         raise UnsupportedModelError(

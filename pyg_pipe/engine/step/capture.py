@@ -117,9 +117,9 @@ class CapturedStep:
                 before = torch.cuda.get_rng_state(self.device), torch.get_rng_state()
                 out, record = stream.forward(self.rt, inputs, True, store)
                 if not (torch.equal(before[0], torch.cuda.get_rng_state(self.device))
-                        and torch.equal(before[1], torch.get_rng_state())):
-                    self._stop("the model draws random numbers in its forward (dropout), which a replay would "
-                               "not redraw as an uncaptured step does")
+                        and torch.equal(before[1], torch.get_rng_state())) or self.rt.draws_edges:
+                    self._stop("the model draws random numbers in its forward (dropout, DropEdge), which a replay "
+                               "would not redraw as an uncaptured step does")
                 return out, record
             other = sorted({type(v).__name__ for v in _flat(inputs) if not isinstance(v, _REPLAYABLE)})
             if other:

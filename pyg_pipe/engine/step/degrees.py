@@ -158,7 +158,9 @@ def gcn_norm(edge_index, edge_weight: Optional[Tensor] = None, num_nodes: Option
         inv.derive(out[0], edge_index)
         return out
     known = _known_degrees(ctx, inv, cg, edge_index, edge_weight, num_nodes)
-    if known is not None:  # a pure function of inputs that do not change: computed once per chunk
+    # a pure function of inputs that do not change: computed once per chunk (not a graph DropEdge draws every step)
+    key = None
+    if known is not None and getattr(cg, "_base", None) is None:
         whole = known[0]
         key = ("gcn_norm", id(edge_index), id(whole), None if whole is None else whole._version, fill,
                add_self_loops, flow, dtype, num_nodes)
@@ -180,11 +182,12 @@ def gcn_norm(edge_index, edge_weight: Optional[Tensor] = None, num_nodes: Option
         deg = _complete(ctx, inv, site, deg, cg, lg)
         dis = _inv_sqrt(deg)
         return edge_index, dis[row] * edge_weight * dis[col]
-    halo = cg.in_degree(whole, add_self_loops, fill, deg.dtype)[lg.halo]  # the whole graph's degrees
+    halo = cg.in_degree(known[0], add_self_loops, fill, deg.dtype)[lg.halo]  # the whole graph's degrees
     deg = torch.cat([deg[:lg.rows], halo])
     dis = _inv_sqrt(deg)
     out = (edge_index, dis[row] * edge_weight * dis[col])
-    ctx.cache[key] = (graph, whole, out)
+    if key is not None:
+        ctx.cache[key] = (graph, known[0], out)
     return out
 
 

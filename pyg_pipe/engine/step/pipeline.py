@@ -208,6 +208,7 @@ def prepare_history(rt: Runtime, inputs: CallInputs, call: int, step: int = 0) -
     contrast, reach history chunk by chunk, as the algorithm intends), and when a staleness bound asks
     for it: ``max_age`` (the step would read rows more updates old) or ``max_staleness`` (the last
     step's drift passed it; :meth:`..engine.GNNPipeEngine` decides over all ranks)."""
+    rt.step = step
     if rt.plan.chunks_per_way == 1 or rt.plan.streaming:
         return
     history = rt.history.of(call)

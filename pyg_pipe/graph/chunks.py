@@ -326,8 +326,9 @@ class ChunkedGraph:
 
 def derived(cache: Dict, cg: ChunkedGraph, kind, step: int = 0, seed: int = 0) -> ChunkedGraph:
     """The chunking of a graph derived from ``cg`` (same vertex order), kept in ``cache`` under ``(id(cg), kind)``:
-    ``"flip"``, its transpose; ``("drop", k, p)``, the edges the ``k``-th DropEdge call of a forward keeps at training
-    step ``step`` (:func:`edge_keep`; one object per call, its edges chosen again when the step changes)."""
+    ``"flip"``, its transpose; ``("drop", m, k, p)``, the edges the ``k``-th DropEdge call in the ``m``-th call of the
+    model keeps at training step ``step`` (:func:`edge_keep`; one object per call, its edges drawn again when the step
+    changes)."""
     key = (id(cg), kind)
     hit = cache.get(key)
     if hit is None:
@@ -335,17 +336,18 @@ def derived(cache: Dict, cg: ChunkedGraph, kind, step: int = 0, seed: int = 0) -
             raise ValueError(kind)
         hit = cache[key] = cg.flipped() if kind == "flip" else cg.dropped()
     if kind != "flip" and getattr(hit, "step", None) != step:
-        hit.keep_edges(edge_keep(cg.num_edges, kind[2], seed, step, kind[1], cg.device))
+        hit.keep_edges(edge_keep(cg.num_edges, kind[3], seed, step, kind[1:3], cg.device))
         hit.step = step
     return hit
 
 
-def edge_keep(num_edges: int, p: float, seed: int, step: int, call: int, device) -> Tensor:
-    """[E] bool: the edges DropEdge keeps (each with probability ``1 - p``) in the ``call``-th DropEdge call of training
-    step ``step``, in the user's edge order: a draw from a generator seeded by ``(seed, step, call)``, so every rank,
-    chunk, stage and replay of the step gets the same edges without communicating."""
+def edge_keep(num_edges: int, p: float, seed: int, step: int, draw: Tuple[int, int], device) -> Tensor:
+    """[E] bool: the edges DropEdge keeps (each with probability ``1 - p``) at training step ``step`` in draw
+    ``(m, k)`` (the ``k``-th DropEdge call in the ``m``-th call of the model), in the user's edge order: a draw from a
+    generator seeded by ``(seed, step, m, k)``, so every rank, chunk, stage and replay of the step gets the same edges
+    without communicating."""
     gen = torch.Generator(device=device)
-    gen.manual_seed(((int(seed) * 1_000_003 + int(step)) * 1_009 + int(call)) % (2 ** 63))
+    gen.manual_seed((((int(seed) * 1_000_003 + int(step)) * 1_009 + int(draw[0])) * 1_013 + int(draw[1])) % (2 ** 63))
     return torch.rand(num_edges, generator=gen, device=device) >= p
 
 

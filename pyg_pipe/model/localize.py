@@ -31,6 +31,7 @@ class Localizer:
     def __init__(self, inputs: CallInputs, chunked: List[ChunkedGraph], cache: Optional[Dict] = None,
                  tables: Sequence[torch.nn.Module] = (), keep: bool = False):
         self.inputs = inputs
+        self.call = 0  # which call of the model in its training step (set by the engine; DropEdge draws per call)
         self.tables = tables
         self.keep = keep
         self.chunked = chunked

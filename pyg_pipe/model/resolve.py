@@ -55,10 +55,10 @@ class GraphResolver:
             if _same_storage(obj, value):
                 self.known[id(value)] = (value, cg, lg, local)
                 return cg, lg, local
-        if value.layout == torch.strided:
+        if value.layout == torch.strided:  # (not of DropEdge's graphs: new edges every step)
             for obj, cg, lg, local in list(self.known.values()):
                 if obj is local and local.layout == torch.strided and local.shape == value.shape \
-                        and torch.equal(local.flip(0), value):
+                        and getattr(cg, "_base", None) is None and torch.equal(local.flip(0), value):
                     tcg = self.derived(cg, "flip")
                     tlg = tcg.chunks[self.c]
                     self.known[id(value)] = (value, tcg, tlg, tlg.edge_index)

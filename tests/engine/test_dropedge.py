@@ -45,18 +45,18 @@ class PerLayerDropEdge(DropEdgeNet):
         return self.conv3(x, dropout_edge(edge_index, p=P, training=self.training)[0])
 
 
-def reference(model: DropEdgeNet, x, edge_index, step: int):
+def reference(model: DropEdgeNet, x, edge_index, step: int, call: int = 0):
     """The model on one device, on the edges the engine's draws keep at ``step`` (training mode): the ``k``-th call of
     the forward keeps ``edge_keep(E, p, seed, step, k)``."""
     def kept(k):
-        return edge_index[:, edge_keep(edge_index.size(1), P, 0, step, k, edge_index.device)]
+        return edge_index[:, edge_keep(edge_index.size(1), P, 0, step, (call, k), edge_index.device)]
     calls = [0, 1, 2] if isinstance(model, PerLayerDropEdge) else [0, 0, 0]
     h = model.conv1(x, kept(calls[0])).relu()
     h = model.conv2(h, kept(calls[1])).relu()
     return model.conv3(h, kept(calls[2]))
 
 
-def _train(rank, world, stages, ways, chunks, streaming, device="cpu", make=DropEdgeNet):
+def _train(rank, world, stages, ways, chunks, streaming, device="cpu", make=DropEdgeNet, calls=1):
     device = torch.device(device)
     x, g, y, mask = zoo_graph()
     x, y, mask, edge_index = x.to(device), y.to(device), mask.to(device), g["edge_index"].to(device)
@@ -74,13 +74,15 @@ def _train(rank, world, stages, ways, chunks, streaming, device="cpu", make=Drop
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
         for step in range(5):  # (on a GPU: two eager steps, then the capture, which DropEdge turns down)
-            out = model(x, edge_index)
-            loss = F.cross_entropy(out[mask], y[mask])
+            outs = [model(x, edge_index) for _ in range(calls)]  # (two calls: two views, each its own draw)
+            out = torch.cat(outs, 1)
+            loss = sum(F.cross_entropy(o[mask], y[mask]) for o in outs)
             opt.zero_grad()
             loss.backward()
             opt.step()
-            want = reference(ref, x, edge_index, step)
-            ref_loss = F.cross_entropy(want[mask], y[mask])
+            wants = [reference(ref, x, edge_index, step, call) for call in range(calls)]
+            want = torch.cat(wants, 1)
+            ref_loss = sum(F.cross_entropy(w[mask], y[mask]) for w in wants)
             ref_opt.zero_grad()
             ref_loss.backward()
             ref_opt.step()
@@ -107,6 +109,15 @@ def test_dropedge_equals_one_device_keeping_the_same_edges(mode, world, stages, 
         _train(0, 1, stages, ways, chunks, streaming, "cpu", make)
     else:
         run_distributed(_train, world, stages, ways, chunks, streaming, "cpu", make, timeout=120)
+
+
+@pytest.mark.parametrize("stages,ways,streaming", [(1, 2, False), (1, 1, True)], ids=["graph_parallel", "streaming"])
+def test_a_model_called_twice_in_a_step_draws_twice(stages, ways, streaming):
+    """Contrastive views: each call of the model in a step keeps edges of its own draw, as two calls on one device."""
+    if streaming:
+        _train(0, 1, 1, 1, 4, True, "cpu", DropEdgeNet, 2)
+    else:
+        run_distributed(_train, 2, stages, ways, 2, False, "cpu", DropEdgeNet, 2, timeout=120)
 
 
 @pytest.mark.gpu

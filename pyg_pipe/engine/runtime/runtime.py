@@ -104,7 +104,7 @@ class Runtime:
         self.output_specs: Dict = {}
         self.rows_checked: Set[str] = set()
         self._derived: Dict = {}
-        self.step = 0  # the training step being run (set before each training call; DropEdge's masks follow it)
+        self.step = self.call = 0  # the training step and call of the model in it (set before each training call)
         self._names: Optional[Dict[int, str]] = None
 
     def statistics_history(self, call: int) -> Optional[StatisticsHistory]:

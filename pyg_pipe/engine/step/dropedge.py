@@ -7,12 +7,13 @@ of its own: a halo vertex's degree would not be the one its owner saw, and a lat
 While the engine is installed, ``dropout_edge`` (the name in the model's modules, and in ``torch_geometric.utils``)
 is :func:`dropout_edge` below, which on a chunk keeps the local edges by one draw over the whole graph::
 
-    keep = rand(E, generator seeded by (seed, step, k)) >= p     k: the k-th DropEdge call of the forward
+    keep = rand(E, generator seeded by (seed, step, m, k)) >= p   m: the model's call in the step; k: the forward's
+                                                                 k-th DropEdge call
     chunk c keeps its local edges e with keep[edge_ids[e]]       (graph.chunks.edge_keep, ChunkedGraph.keep_edges)
 
 so every rank, chunk, stage and replay of a step keeps the same edges without communicating, and a layer's
 normalisation completes its halo degrees from the kept whole graph (:mod:`.degrees`). The edges it returns are a
-chunking derived from the input's (``Runtime.derive(cg, ("drop", k, p))``), with the input's halos; the mask it
+chunking derived from the input's (``Runtime.derive(cg, ("drop", m, k, p))``), with the input's halos; the mask it
 returns marks the chunk's kept local edges (for the user's own per-edge tensors, as PyG's does). The draw is not
 PyG's (``torch.rand`` on the given edges): the same model on one device keeps other edges, each with the same
 probability. Outside a chunk, in eval mode, with ``p = 0`` or ``force_undirected=True``, PyG's function runs.
@@ -47,8 +48,8 @@ def dropout_edge(edge_index: Tensor, p: float = 0.5, force_undirected: bool = Fa
         return _ORIGINAL[0](edge_index, p, force_undirected, training)
     cg, lg, _ = hit
     k, ctx.drops = ctx.drops, ctx.drops + 1
-    with ctx.engine_work():
-        dropped = ctx.graphs.derived(cg, ("drop", k, float(p)))
+    with ctx.engine_work():  # (a model called twice in a step, contrastive views, draws twice: the call is in the key)
+        dropped = ctx.graphs.derived(cg, ("drop", ctx.graphs.localizer.call, k, float(p)))
         local = dropped.chunks[lg.index]
         ctx.graphs.add(local.edge_index, dropped, local)
         return local.edge_index, dropped.local_keep[lg.index]

@@ -87,6 +87,7 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
                            smoothing=rt.config.smoothing)
     run = rt.halo.begin(history, rt.schedule.clocks(step), use_history, use_history)
     localizer = Localizer(inputs, rt.chunked, rt.adjacency, rt.tables, rt.keep_inputs)
+    localizer.call = rt.call
     sig = signature(rt.module, inputs)
     runner, activation = rt.programs.runner(inputs), rt.programs.next_activation(inputs)
     start, end = rt.way_bounds[grid.way], rt.way_bounds[grid.way + 1]
@@ -208,7 +209,7 @@ def prepare_history(rt: Runtime, inputs: CallInputs, call: int, step: int = 0) -
     contrast, reach history chunk by chunk, as the algorithm intends), and when a staleness bound asks
     for it: ``max_age`` (the step would read rows more updates old) or ``max_staleness`` (the last
     step's drift passed it; :meth:`..engine.GNNPipeEngine` decides over all ranks)."""
-    rt.step = step
+    rt.step, rt.call = step, call
     if rt.plan.chunks_per_way == 1 or rt.plan.streaming:
         return
     history = rt.history.of(call)

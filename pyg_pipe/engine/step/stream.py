@@ -90,6 +90,7 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
     cg = rt.graph
     runners = rt.programs.stage_runners(inputs)
     record = StreamRecord(rt, inputs, Localizer(inputs, rt.chunked, rt.adjacency, rt.tables, rt.keep_inputs), runners, store, [])
+    record.localizer.call = rt.call if train else 0
     checking = row_check(rt, cg.chunks[0].rows) is not None  # the first pass of this mode checks every group
     capturing = cg.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     keep = train and rt.stream_keep is True and (not capturing or (KEEP_WHEN_CAPTURED and rt.captured.keep_inside))

@@ -45,9 +45,22 @@ class PerLayerDropEdge(DropEdgeNet):
         return self.conv3(x, dropout_edge(edge_index, p=P, training=self.training)[0])
 
 
+class FlipThenDrop(DropEdgeNet):
+    """DropEdge on the transposed graph (a transpose of an input is understood, and drawn over like one)."""
+
+    def forward(self, x, edge_index):
+        edge_index, _ = dropout_edge(edge_index.flip(0), p=P, training=self.training)
+        x = self.conv1(x, edge_index).relu()
+        x = self.conv2(x, edge_index).relu()
+        return self.conv3(x, edge_index)
+
+
 def reference(model: DropEdgeNet, x, edge_index, step: int, call: int = 0):
     """The model on one device, on the edges the engine's draws keep at ``step`` (training mode): the ``k``-th call of
     the forward keeps ``edge_keep(E, p, seed, step, k)``."""
+    if isinstance(model, FlipThenDrop) and model.training:
+        edge_index = edge_index.flip(0)
+
     def kept(k):
         return edge_index[:, edge_keep(edge_index.size(1), P, 0, step, (call, k), edge_index.device)]
     calls = [0, 1, 2] if isinstance(model, PerLayerDropEdge) else [0, 0, 0]
@@ -98,7 +111,8 @@ def _train(rank, world, stages, ways, chunks, streaming, device="cpu", make=Drop
         engine.uninstall()
 
 
-@pytest.mark.parametrize("make", [DropEdgeNet, PerLayerDropEdge], ids=["one_draw", "a_draw_per_layer"])
+@pytest.mark.parametrize("make", [DropEdgeNet, PerLayerDropEdge, FlipThenDrop],
+                         ids=["one_draw", "a_draw_per_layer", "on_the_transpose"])
 @pytest.mark.parametrize("mode,world,stages,ways,chunks,streaming", [
     ("graph_parallel", 2, 1, 2, 2, False),
     ("pipeline", 2, 2, 1, 1, False),

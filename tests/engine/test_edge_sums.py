@@ -47,52 +47,47 @@ class TutorialGCN(MessagePassing):
         return norm.view(-1, 1) * x_j
 
 
-class OutDegree(MessagePassing):
-    """Divides by the out-degree, summed at the edges' sources."""
+class _Linear(MessagePassing):
+    """A sum aggregation over a linear map of the rows (the layers below differ in their forward)."""
 
     def __init__(self, i, o):
         super().__init__(aggr="add")
         self.lin = nn.Linear(i, o)
+
+
+class OutDegree(_Linear):
+    """Divides by the out-degree, summed at the edges' sources."""
 
     def forward(self, x, edge_index):
         deg = degree(edge_index[0], x.size(0)).clamp(min=1)
         return self.propagate(edge_index, x=self.lin(x) / deg[:, None])
 
 
-class ScaledSources(MessagePassing):
+class ScaledSources(_Linear):
     """Scales the rows by their in-degree before propagate, which reads them at the sources: given its whole
     local graph (the first layer; every layer when streaming), the halo rows are scaled by partial sums
     (refused); computing its chunk's rows only, the halo rows propagate reads are exchanged, computed by the
     chunks that own them (exact)."""
-
-    def __init__(self, i, o):
-        super().__init__(aggr="add")
-        self.lin = nn.Linear(i, o)
 
     def forward(self, x, edge_index):
         deg = degree(edge_index[1], x.size(0)).clamp(min=1).sqrt()
         return self.propagate(edge_index, x=self.lin(x) / deg[:, None]) / deg[:, None]
 
 
-class InDegree(MessagePassing):
+class InDegree(_Linear):
     """A mean by hand: the sum, then divided by the in-degree at the chunk's own rows."""
-
-    def __init__(self, i, o):
-        super().__init__(aggr="add")
-        self.lin = nn.Linear(i, o)
 
     def forward(self, x, edge_index):
         deg = degree(edge_index[1], x.size(0)).clamp(min=1)
         return self.propagate(edge_index, x=self.lin(x)) / deg[:, None]
 
 
-class EdgeSoftmax(MessagePassing):
+class EdgeSoftmax(_Linear):
     """Attention scores from edge_updater, normalised with PyG's softmax over the destinations outside
     propagate."""
 
     def __init__(self, i, o):
-        super().__init__(aggr="add")
-        self.lin = nn.Linear(i, o)
+        super().__init__(i, o)
         self.att = nn.Linear(2 * o, 1)
 
     def forward(self, x, edge_index):

@@ -23,6 +23,12 @@ class PipelineConfig:
             stage; streaming on one device: from memory). ``None``: 4 per stage for each way, one per way
             for a single stage. At most |V|. One chunk per way gives exact model parallelism; more chunks
             shrink the pipeline bubble but read neighbours from historical embeddings.
+        grid: the rank grid of ``GNNPipeStrategy``: ``"pipeline"`` (the default): one stage a device, with
+            graph-parallel ways added when the model has fewer layer groups than devices; ``"auto"``: stages x
+            ways and the chunk count from a cost model of the step (a training pass timed on two chunk sizes,
+            the link between two ranks timed, the halo of each way count counted; :mod:`.plan.grid_cost`; the
+            fewest chunks a way within 10 % of the fastest predicted step; logged, saved in checkpoints).
+            ``HybridStrategy`` and ``GraphParallelStrategy`` fix their grid.
         shuffle_chunks: T1, a new chunk order every step (the same on every stage).
         snapshot_period: T2, historical embeddings snapshotted every this many steps and restored in
             between (``None``: off). 11 by default: as good as the GNNPipe authors' 23 or better in every
@@ -118,6 +124,7 @@ class PipelineConfig:
     """
 
     num_chunks: Optional[Union[int, str]] = "auto"
+    grid: str = "pipeline"
     shuffle_chunks: bool = True
     snapshot_period: Optional[int] = 11
     unbiased_gradients: bool = True
@@ -163,6 +170,9 @@ class PipelineConfig:
                 not isinstance(self.num_chunks, int) or isinstance(self.num_chunks, bool) or self.num_chunks < 1):
             raise ValueError(f"num_chunks={self.num_chunks!r} must be a positive integer, 'auto' (from a measured cost "
                              f"model) or None (4 per stage).")
+        if self.grid not in ("pipeline", "auto"):
+            raise ValueError(f"grid={self.grid!r} must be 'pipeline' (one stage a device) or 'auto' (stages x ways "
+                             f"from a measured cost model); HybridStrategy(stages=, ways=) fixes the grid by hand.")
         if self.snapshot_period is not None and (not isinstance(self.snapshot_period, int)
                                                  or isinstance(self.snapshot_period, bool) or self.snapshot_period < 1):
             raise ValueError(f"snapshot_period={self.snapshot_period!r} must be a positive integer, or None to "

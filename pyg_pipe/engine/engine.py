@@ -51,9 +51,10 @@ from .runtime.timeline import Timeline
 from .config import PipelineConfig
 from .plan.grid import RankGrid
 from .step.layers import LayerHooks
-from .reroute import Rerouted
+from .reroute import Rerouted, caller
 from .tree import unpack_rows
 from .plan.plan import Plan, Shape, decide_shape, make_plan
+from .plan.grid_cost import regrid
 from .profile import layer_costs, training_pass_memory, training_pass_seconds
 from .runtime.runtime import Runtime
 from .step.norms import StatisticsHooks
@@ -117,6 +118,8 @@ class GNNPipeEngine:
         self._shape: Optional[Shape] = None
         self._sizes: Optional[tuple] = None
         self.chunk_choice: Optional[tuple] = None   # num_chunks="auto" by an earlier engine: (count, step s, offload)
+        self.grid_choice: Optional[tuple] = None    # grid="auto": (stages, ways), measured once (or by an earlier engine)
+        self.grid_report = None                     # ... and on the rank that measured, every candidate's prediction
         self._runtimes: List[Runtime] = []
         self._saved: Optional[dict] = None
         self._instance_forward = None
@@ -208,7 +211,7 @@ class GNNPipeEngine:
         raise UnsupportedModelError(
             f"Layer '{name}' ({type(layer).__name__}) ran in a training step outside the methods of "
             f"{type(self.module).__name__} that pyg_pipe distributes (it was called through "
-            f"{_caller(self.module)}). pyg_pipe distributes the module's forward, or another method of it that "
+            f"{caller(self.module)}). pyg_pipe distributes the module's forward, or another method of it that "
             f"calls the layers and is handed the graph (edge_index, adj_t or a Data), such as encode(x, "
             f"edge_index); this layer would train undistributed on every process. Call the layers through such a "
             f"method of {type(self.module).__name__}, or pass model='<attribute>' to the strategy to name the "
@@ -344,6 +347,11 @@ class GNNPipeEngine:
             self._shape = decide_shape(self.module, inputs, comm.world_size, *self.requested, self.min_ways,
                                        self.config.split_points, self.config.streaming
                                        if self.config.streams(comm.world_size) else False, fn=self._fn)
+            if self.config.grid == "auto" and self.requested in ((None, None), (None, 1)) and self.min_ways == 1:
+                self._shape, self.grid_choice, counted, self.grid_report = regrid(
+                    self._shape, self.module, self._fn, self.config, inputs, comm, (self._saved or {}).get("plan"),
+                    self.grid_choice, self.notes)
+                self.chunk_choice = self.chunk_choice or counted
             self.notes += [n for n in self._shape.notes if n not in self.notes]
             self.grid = RankGrid(comm.rank, comm.world_size, self._shape.stages, self._shape.ways)
         shape, grid = self._shape, self.grid
@@ -378,23 +386,3 @@ class GNNPipeEngine:
         self._saved = state
         # planned already: plan again on the next call, from the saved decisions
         self.runtime, self._runtimes, self._sizes, self._grads = None, [], None, None
-
-
-def _caller(module: torch.nn.Module) -> str:
-    """The innermost method of ``module`` or one of its submodules on the stack now (else of any module), other
-    than the layers' own calls, for a message."""
-    import inspect
-    owners = {id(m) for m in module.modules()}
-    frame, other = inspect.currentframe(), None
-    while frame is not None:
-        self_ = frame.f_locals.get("self")
-        if isinstance(self_, torch.nn.Module) and frame.f_code.co_name not in _CALLS:
-            name = f"{type(self_).__name__}.{frame.f_code.co_name}"
-            if id(self_) in owners:
-                return name
-            other = other or name
-        frame = frame.f_back
-    return other or "another method"
-
-
-_CALLS = ("_call_impl", "_wrapped_call_impl", "inner", "forward", "propagate")

@@ -29,3 +29,23 @@ class Rerouted:
     def __deepcopy__(self, memo):
         copy = memo.get(id(self.module))
         return types.MethodType(self.plain, copy) if copy is not None else self.plain
+
+
+def caller(module: torch.nn.Module) -> str:
+    """The innermost method of ``module`` or one of its submodules on the stack now (else of any module), other
+    than the layers' own calls, for a message."""
+    import inspect
+    owners = {id(m) for m in module.modules()}
+    frame, other = inspect.currentframe(), None
+    while frame is not None:
+        self_ = frame.f_locals.get("self")
+        if isinstance(self_, torch.nn.Module) and frame.f_code.co_name not in CALLS:
+            name = f"{type(self_).__name__}.{frame.f_code.co_name}"
+            if id(self_) in owners:
+                return name
+            other = other or name
+        frame = frame.f_back
+    return other or "another method"
+
+
+CALLS = ("_call_impl", "_wrapped_call_impl", "inner", "forward", "propagate")

@@ -41,7 +41,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         trainer = L.Trainer(strategy=pyg_pipe.GNNPipeStrategy(num_chunks=16), devices=4)
 
     Args:
-        num_chunks, shuffle_chunks, snapshot_period, unbiased_gradients, late_gradients, balance, partition,
+        num_chunks, grid, shuffle_chunks, snapshot_period, unbiased_gradients, late_gradients, balance, partition,
         seed, per_chunk_statistics, split_points, recompute, memory_budget, offload, offload_budget, offload_dir,
         streaming, cuda_graphs, overlap, boundary_dtype, history_dtype, timeline_trace, staleness_meter, max_age,
         max_staleness, smoothing, halo_exchange: the engine's knobs, each documented in
@@ -68,6 +68,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
     def __init__(
         self,
         num_chunks: Optional[Union[int, str]] = "auto",
+        grid: str = "pipeline",
         shuffle_chunks: bool = True,
         snapshot_period: Optional[int] = 11,
         unbiased_gradients: bool = True,
@@ -110,7 +111,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout, start_method=start_method)
-        self.config = PipelineConfig(num_chunks=num_chunks, shuffle_chunks=shuffle_chunks,
+        self.config = PipelineConfig(num_chunks=num_chunks, grid=grid, shuffle_chunks=shuffle_chunks,
                                      snapshot_period=snapshot_period, unbiased_gradients=unbiased_gradients,
                                      late_gradients=late_gradients,
                                      balance=balance, partition=partition, seed=seed,
@@ -137,6 +138,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         self.notes: List[str] = []  # what the engine decided on its own (e.g. graph-parallel ways for a shallow model)
         self.planned_chunks: Optional[int] = None  # the plan's chunk count (with num_chunks="auto": the choice)
         self._chunk_choice: Optional[tuple] = None  # num_chunks="auto": (count, predicted step, offload) measured once
+        self._grid_choice: Optional[tuple] = None  # grid="auto": (stages, ways) measured once
         self.plan_check: Optional[dict] = None  # num_chunks="auto": predicted against measured step (callbacks.py)
         self.peak_memory: List[int] = []  # per rank: peak bytes of the fit net of the start (pyg_pipe.memory)
         self._memory: Optional[PeakMemory] = None
@@ -192,7 +194,8 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         return {"state": self.checkpoints.final_state, "comm_history": self.comm_history,
                 "plan_seconds": self.plan_seconds, "notes": self.notes, "peak_memory": self.peak_memory,
                 "planned_chunks": self.planned_chunks, "plan_check": self.plan_check,
-                "memory_check": self.memory_check, "chunk_choice": self._chunk_choice}
+                "memory_check": self.memory_check, "chunk_choice": self._chunk_choice,
+                "grid_choice": self._grid_choice}
 
     def take_worker_results(self, results: dict) -> None:
         """Takes what :meth:`worker_results` sent, in the main process."""
@@ -200,7 +203,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         self.plan_seconds, self.notes = results["plan_seconds"], results["notes"]
         self.peak_memory, self.planned_chunks = results["peak_memory"], results["planned_chunks"]
         self.plan_check, self.memory_check = results["plan_check"], results["memory_check"]
-        self._chunk_choice = results["chunk_choice"]
+        self._chunk_choice, self._grid_choice = results["chunk_choice"], results["grid_choice"]
 
     # ----------------------------------------------------------------------- setup / teardown
     @property
@@ -232,6 +235,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         stages, ways, min_ways = self._grid()
         self.engine = GNNPipeEngine(target, self.config, self.comm, num_stages=stages, ways=ways, min_ways=min_ways)
         self.engine.chunk_choice = self._chunk_choice  # (validate, fit, test: num_chunks="auto" measured once)
+        self.engine.grid_choice = self._grid_choice    # (and grid="auto")
         self.engine.steps_only()  # training passes only inside training_step
         self.engine.install()
         if self.fused_kernels:
@@ -263,6 +267,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
             self.notes += [n for n in self.engine.notes if n not in self.notes]  # (fit, then test: both said)
             if self.engine.plan is not None:
                 self.planned_chunks = self.engine.plan.num_chunks
+                self._grid_choice = self.engine.grid_choice
                 if self.config.num_chunks == "auto" and self.engine.plan.predicted_step is not None:
                     self._chunk_choice = (self.planned_chunks, self.engine.plan.predicted_step,
                                           self.engine.plan.offload)

@@ -25,7 +25,7 @@ if __name__ == "__main__":
     import lightning.pytorch as pl  # noqa: E402
     import torch  # noqa: E402
 
-    import pyg_pipe  # noqa: E402,F401
+    import pyg_pipe  # noqa: E402
     from tests.lit import NodeClassifier  # noqa: E402
     from tests.models import as_data, make_model, small_graph  # noqa: E402
 
@@ -42,6 +42,8 @@ if __name__ == "__main__":
         return float((pred[mask] == data.y[mask]).float().mean())
 
     plain_before = accuracy(lit.model, data.val_mask)
+    if strategy == "gnnpipe_grid_auto":  # stages x ways chosen by the cost model
+        strategy = pyg_pipe.GNNPipeStrategy(grid="auto")
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=4)
     before = trainer.validate(lit, datamodule=dm, verbose=False)
     trainer.fit(lit, datamodule=dm)
@@ -59,6 +61,7 @@ if __name__ == "__main__":
                                 for r in ckpt["pyg_pipe"]["ranks"]] if "pyg_pipe" in ckpt else None,
             "num_nodes": data.num_nodes,
             "num_chunks": ckpt["pyg_pipe"]["plan"]["num_chunks"] if "pyg_pipe" in ckpt else None,
+            "grid": [ckpt["pyg_pipe"]["plan"][k] for k in ("stages", "ways")] if "pyg_pipe" in ckpt else None,
             "plan_check": getattr(trainer.strategy, "plan_check", None),
             "notes": getattr(trainer.strategy, "notes", None),
             "checkpoints": sorted(os.listdir(trainer.checkpoint_callback.dirpath)),

@@ -20,7 +20,7 @@ def _ours(warning) -> bool:
             or "number of training batches" in warning["message"])
 
 
-@pytest.mark.parametrize("strategy", ["gnnpipe", "graph_parallel", "gnnpipe_hybrid"])
+@pytest.mark.parametrize("strategy", ["gnnpipe", "graph_parallel", "gnnpipe_hybrid", "gnnpipe_grid_auto"])
 def test_a_default_trainer_just_works(strategy, tmp_path):
     out = subprocess.run([sys.executable, SCRIPT, strategy], capture_output=True, text=True, timeout=300,
                          cwd=str(tmp_path), env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
@@ -48,6 +48,10 @@ def test_a_default_trainer_just_works(strategy, tmp_path):
         # what it chose is shown, as Lightning shows its own messages: once (rank 0; validate, fit, test and
         # predict use the one count), on stderr
         assert out.stderr.count("pyg_pipe: num_chunks='auto':") == 1, out.stderr[-3000:]
+    if strategy == "gnnpipe_grid_auto":  # chosen once (validate, fit, test and predict use it), saved, told once
+        assert out.stderr.count("pyg_pipe: grid='auto':") == 1, out.stderr[-3000:]
+        S, W = result["grid"]
+        assert S * W == 2 and any(n.startswith(f"pyg_pipe: grid='auto': {S} stage") for n in result["notes"])
     assert result["checkpoints"], "the default ModelCheckpoint wrote nothing"
     ours = [w for w in result["warnings"] if _ours(w)]
     assert not ours, json.dumps(ours, indent=1)

@@ -1,0 +1,280 @@
+"""``grid="auto"``: the rank grid (stages x ways) and the chunk count from a cost model of the step, measured once.
+
+With P devices cut into S pipeline stages x W graph-parallel ways (``S W = P``), k chunks a way and N
+vertices, a chunk has ``r = N / (W k)`` rows. Measured once, on the planning rank (the others wait)::
+
+    t(r)    = a + b r        one training pass of the whole model over a chunk of r rows: the first chunk of
+                             the plan's partition into 2P and into 8P chunks timed (:func:`measure_pass`)
+    t_W                      the same pass over the first of W ways (graph parallelism, one chunk a way:
+                             its part of the plan's partition, joined to its halo), timed for each W > 1
+    link(n) = α + n / β      one exchange of n bytes each way between ranks 0 and 1 (:func:`measure_link`)
+
+Counted from one training pass over a chunk and from the graph, not timed::
+
+    H_W   halo rows of the most loaded way when the plan's partitioner cuts the graph into W ways
+
+A stage runs its share of a chunk per tick, ``k + S - 1`` ticks a step (fill and drain)::
+
+    compute  t / S,   t = t_W with one chunk a way, else t(r)
+    halo     2 (n_h / S) α + 2 (H_W / k) (h / S) / β       rows from the other ways, gradients back (W > 1)
+    link     2 (α + r c / β)                               activations forward, gradients back (S > 1)
+    tick     = max(compute + halo, link)   with overlap (the next chunk's receive is posted ahead),
+               compute + halo + link       without
+    step     = tick (k + S - 1) + 2 (W - 1) / W · (p / S) / β      (the weight all-reduce over the ways)
+
+and, with processes sharing cores, at least ``u W k t`` (:mod:`.chunk_cost`). Every way's halo is
+exchanged once a step whatever k (a chunk sends the rows other ways read from it), so ``H_W / k`` a tick.
+Chunks are timed as the plan cuts them (with their halos: on a graph without locality a chunk joins nearly
+as many halo rows as it has rows), and a way of graph parallelism is timed whole, since its halo can make
+it cost nearly the whole graph's pass.
+
+Left out: the output sent to every rank (the same bytes in every grid), partial overlap of the halo
+exchange with compute (it is waited on inside the layer), and memory (the chunk count is then fitted to a
+memory budget as for ``num_chunks="auto"``: :mod:`.memory_fit`).
+
+**The choice** among every ``S x W = P`` with at most one stage a layer group (and ``W = 1`` with
+``late_gradients``), k in 1, 2, 4, ... (k = 1 with one stage; ``num_chunks=<int>`` fixes ``C = W k``): the
+fewest chunks a way (the least stale history; one is exact) among the candidates whose predicted step is
+within :data:`~.chunk_cost.SLACK` of the fastest, the fastest among those. A slow link moves the choice
+towards stages (one cut's rows a chunk), a fast one towards ways (every propagate's halo), a deep model
+with few vertices a way towards ways (the bubble).
+
+Decided once, on one rank, broadcast, said in one line, and saved with the plan (a checkpoint resumes on
+its grid); the strategy hands it from fit to test. ``HybridStrategy(stages=, ways=)`` and
+``GraphParallelStrategy`` fix the grid themselves.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ...model.inputs import graph_edges
+from .chunk_cost import MAX_PER_WAY, PROBES, SLACK, fit, machine_share
+from .decide import root_decides
+
+log = logging.getLogger("pyg_pipe")
+
+#: bytes exchanged by the two timings of the link
+LINK_SIZES = (1 << 12, 1 << 22)
+#: timings of each size (the smallest kept)
+LINK_REPEATS = 5
+
+
+@dataclass(frozen=True)
+class GridCosts:
+    """What the step of every candidate grid is predicted from (the module docstring's symbols)."""
+
+    num_nodes: int
+    a: float                  # seconds of a training pass over a chunk, fixed
+    b: float                  # ... and a row
+    alpha: float              # seconds of an exchange, fixed
+    beta: float               # bytes a second
+    h: float                  # bytes a halo row, over every exchanging call of a pass
+    sites: int                # n_h
+    c: float                  # bytes a row across the widest cut
+    p: float                  # the parameters' bytes
+    halos: Dict[int, int]     # W -> H_W
+    ways: Dict[int, float]    # W -> t_W (seconds)
+    shared: float = 0.0       # u
+    overlap: bool = True
+
+
+def predicted_step(m: GridCosts, S: int, W: int, k: int) -> float:
+    """The step of the module docstring for ``S`` stages x ``W`` ways and ``k`` chunks a way (seconds)."""
+    r = m.num_nodes / (W * k)
+    t = m.ways[W] if W > 1 and k == 1 and W in m.ways else m.a + m.b * r
+    compute = t / S
+    halo = 0.0 if W == 1 else 2 * (m.sites / S) * m.alpha + 2 * (m.halos[W] / k) * (m.h / S) / m.beta
+    link = 0.0 if S == 1 else 2 * (m.alpha + r * m.c / m.beta)
+    tick = max(compute + halo, link) if m.overlap else compute + halo + link
+    step = tick * (k + S - 1) + (2 * (W - 1) / W * (m.p / S) / m.beta if W > 1 else 0.0)
+    return max(step, m.shared * W * k * t)
+
+
+def candidates(P: int, layers: int, num_nodes: int, chunks: Optional[int], ways_allowed: bool) \
+        -> List[Tuple[int, int, int]]:
+    """``(S, W, k)`` for every grid of ``P`` devices with at most one stage a layer group, ``k`` chunks a way."""
+    out = []
+    for W in range(1, P + 1):
+        S = P // W
+        if P % W or S > max(layers, 1) or (W > 1 and not ways_allowed) or W > num_nodes:
+            continue
+        if chunks is not None:
+            if chunks % W == 0 and chunks <= num_nodes:
+                out.append((S, W, chunks // W))
+            continue
+        cap = 1 if S == 1 else max(1, min(MAX_PER_WAY, num_nodes // W))
+        out += [(S, W, 2 ** i) for i in range(int(math.log2(cap)) + 1)]
+    return out
+
+
+@dataclass(frozen=True)
+class GridChoice:
+    stages: int
+    ways: int
+    per_way: int
+    predicted: Dict[Tuple[int, int, int], float]
+    costs: GridCosts
+
+    def line(self) -> str:
+        m = self.costs
+        fastest = min(self.predicted, key=self.predicted.get)
+        S, W, k = self.stages, self.ways, self.per_way
+        by_grid = {}
+        for (s, w, kk), v in self.predicted.items():
+            by_grid[(s, w)] = min(by_grid.get((s, w), float("inf")), v)
+        grids = ", ".join(f"{s}x{w} {v:.3g} s" for (s, w), v in sorted(by_grid.items()))
+        return (f"pyg_pipe: grid='auto': {S} stage{'s' * (S > 1)} x {W} way{'s' * (W > 1)}, {W * k} "
+                f"chunk{'s' * (W * k > 1)}; predicted step {self.predicted[(S, W, k)]:.3g} s (the fastest "
+                f"{self.predicted[fastest]:.3g} s at {fastest[0]}x{fastest[1]}, {fastest[1] * fastest[2]} chunks; "
+                f"each grid's best: {grids}); the fewest chunks a way within {SLACK:.0%} of the fastest (link "
+                f"{m.alpha * 1e6:.3g} us + {m.beta / 1e9:.3g} GB/s, measured; "
+                f"stages=/ways= of HybridStrategy or grid='pipeline' override).")
+
+
+def choose(m: GridCosts, options: List[Tuple[int, int, int]]) -> GridChoice:
+    """The fewest chunks a way among the options within :data:`SLACK` of the fastest, the fastest of those."""
+    predicted = {o: predicted_step(m, *o) for o in options}
+    best = min(predicted.values())
+    near = [o for o in options if predicted[o] <= (1.0 + SLACK) * best]
+    S, W, k = min(near, key=lambda o: (o[2], predicted[o]))
+    return GridChoice(S, W, k, predicted, m)
+
+
+def measure_link(comm, root: int = 0) -> Tuple[float, float]:
+    """``(α, β)`` on every rank: ranks 0 and 1 exchange :data:`LINK_SIZES` bytes each way through the
+    transport (as a halo exchange does), :data:`LINK_REPEATS` times each, the smallest time kept; ``root``'s
+    fit is broadcast. Every rank calls it (ranks above 1 wait)."""
+    cuda = comm.device.type == "cuda"
+    peer = 1 - comm.rank if comm.rank < 2 else None
+    samples = []
+    comm.barrier("measuring the link")
+    for n in LINK_SIZES:
+        buf, best = torch.zeros(n // 4, device=comm.device), float("inf")
+        for _ in range(LINK_REPEATS):
+            if cuda:
+                torch.cuda.synchronize(comm.device)
+            t0 = time.perf_counter()
+            if peer is not None:
+                comm.exchange([(buf, peer)], [((n // 4,), torch.float32, peer)])
+            if cuda:
+                torch.cuda.synchronize(comm.device)
+            best = min(best, time.perf_counter() - t0)
+        samples.append((n, best))
+    (n1, t1), (n2, t2) = samples
+    beta = (n2 - n1) / max(t2 - t1, 1e-9)
+    alpha = max(0.0, t1 - n1 / beta)
+    got = comm.broadcast(torch.tensor([alpha, beta], dtype=torch.float64), root, "sharing the link's speed")
+    return float(got[0]), float(got[1])
+
+
+def halo_rows(perm: Tensor, ptr: Tensor, edge_index: Tensor, num_nodes: int) -> int:
+    """H_W: halo rows of the most loaded part of the partition ``(perm, ptr)`` (distinct sources in other
+    parts with an edge into it)."""
+    parts = ptr.numel() - 1
+    part = torch.empty(num_nodes, dtype=torch.long)
+    part[perm] = torch.bucketize(torch.arange(num_nodes), ptr[1:].long(), right=True)
+    src, dst = edge_index
+    cross = part[src] != part[dst]
+    pairs = torch.unique(src[cross] * parts + part[dst[cross]])
+    return int(torch.bincount(pairs % parts, minlength=parts).max()) if pairs.numel() else 0
+
+
+def measure_pass(seconds_of: Callable[[Tensor, Tensor], float], partition, num_nodes: int,
+                 devices: int) -> Tuple[float, float]:
+    """``(a, b)`` of ``t(r) = a + b r``: a training pass timed (``seconds_of(perm, ptr)``) on the first chunk of
+    the plan's partition (``partition(1, chunks)``) into ``PROBES`` x ``devices`` chunks."""
+    samples = []
+    for k in PROBES:
+        perm, ptr = partition(1, min(num_nodes, devices * k))
+        samples.append((int(ptr[1] - ptr[0]), float(seconds_of(perm, ptr))))
+    return fit(samples)
+
+
+def auto_grid(P: int, layers: int, inputs, config, seconds_of, memory_of, partition, comm, root: int,
+              notes: Optional[List[str]] = None) -> Tuple[int, int, int, float, Optional[GridChoice]]:
+    """``grid="auto"``: ``(S, W, C, predicted step, the choice)`` measured and chosen on ``root``, broadcast, said
+    in one line (the :class:`GridChoice`, with every candidate's prediction, on ``root`` only).
+    ``seconds_of(perm, ptr)`` / ``memory_of(chunking, way_chunking)``: a training pass's seconds and
+    :class:`~.first_step.PassMemory` over a chunk; ``partition(ways, chunks)``: the plan's ``(perm, ptr)``.
+    Every rank calls it."""
+    N = inputs.num_nodes
+    alpha, beta = measure_link(comm, root)
+    shared = machine_share(comm, root)
+    chunks = config.num_chunks if isinstance(config.num_chunks, int) else None
+    options = candidates(P, layers, N, chunks, not config.late_gradients)
+    said: list = []
+
+    def decide() -> Tensor:
+        src, dst, _ = graph_edges(inputs.primary)
+        edge_index = torch.stack([src, dst]).cpu()
+        a, b = measure_pass(seconds_of, partition, N, P)
+        halos, ways = {1: 0}, {}
+        for W in sorted({o[1] for o in options} - {1}):
+            perm, ptr = partition(W, W)
+            halos[W], ways[W] = halo_rows(perm, ptr, edge_index, N), float(seconds_of(perm, ptr))
+        one = torch.linspace(0, N, P + 1).round().long()
+        pm = memory_of((torch.arange(N), torch.linspace(0, N, 2 * P + 1).round().long()), (torch.arange(N), one))
+        sites = sum(1 for w in (pm.detail.widths if pm.detail is not None else []) if w > 0)
+        m = GridCosts(N, a, b, alpha, beta, pm.history, sites, pm.boundary, pm.params, halos, ways, shared,
+                      config.overlap)
+        choice = choose(m, options)
+        said.append(choice)
+        return torch.tensor([choice.stages, choice.ways, choice.ways * choice.per_way,
+                             choice.predicted[(choice.stages, choice.ways, choice.per_way)]], dtype=torch.float64)
+
+    got = root_decides(decide, torch.zeros(4, dtype=torch.float64), comm, root, "choosing the grid").tolist()
+    for choice in said:
+        log.info(choice.line())
+        if notes is not None:
+            notes.append(choice.line())
+    return int(got[0]), int(got[1]), int(got[2]), float(got[3]), (said[0] if said else None)
+
+
+def regrid(shape, module: torch.nn.Module, fn, config, inputs, comm, saved_plan: Optional[dict],
+           chosen: Optional[Tuple[int, int]], notes: Optional[List[str]] = None):
+    """The engine's ``grid="auto"``: ``(shape, (S, W), chunk choice, the GridChoice where measured here)``. ``shape``: the grid of one stage a device
+    (:func:`~.plan.decide_shape`, traced); a checkpoint's plan (``saved_plan``) or an earlier engine's choice
+    (``chosen``) is taken instead of measuring again. The chunk choice, ``(C, predicted step, None)`` for
+    ``num_chunks="auto"``, is ``None`` where nothing was measured or where a memory budget applies (the count is
+    then fitted to it as ``num_chunks="auto"`` does). A shape that is not a traced pipeline stays as it is."""
+    from ..profile import training_pass_memory, training_pass_seconds
+    from .plan import Shape
+    P = comm.world_size
+    if shape.program is None or shape.forced or shape.streaming or P == 1:
+        return shape, None, None, None
+    count = report = None
+    if saved_plan is not None:
+        S, W = int(saved_plan["stages"]), int(saved_plan["ways"])
+    elif chosen is not None:
+        S, W = chosen
+    else:
+        probe = (module, fn, shape.program, shape.groups, inputs, comm.device)
+        S, W, C, step, report = auto_grid(P, len(shape.groups), inputs, config,
+                                  lambda *cut: training_pass_seconds(*probe, chunking=cut),
+                                  lambda *cuts: training_pass_memory(*probe, *cuts),
+                                  lambda ways, chunks: way_partition(config, inputs, ways, chunks), comm, 0,
+                                  notes)
+        if config.num_chunks == "auto" and config.memory_budget is None and comm.device.type == "cpu":
+            count = (C, step, None)
+    if (S, W) != (shape.stages, shape.ways):
+        several = S > 1
+        shape = Shape(S, W, shape.program if several else None, shape.groups if several else None, False, W > 1,
+                      shape.notes)
+    return shape, (S, W), count, report
+
+
+def way_partition(config, inputs, ways: int, chunks: int) -> Tuple[Tensor, Tensor]:
+    """``(perm, ptr)`` of the graph in ``chunks`` chunks for ``ways`` ways, as the plan partitions it."""
+    from .plan import _partition
+    src, dst, _ = graph_edges(inputs.primary)
+    if callable(config.partition):
+        perm, ptr = config.partition(torch.stack([src, dst]).cpu(), inputs.num_nodes, chunks)
+        return torch.as_tensor(perm, dtype=torch.long), torch.as_tensor(ptr, dtype=torch.long)
+    return _partition(config, src, dst, inputs.num_nodes, chunks, ways)

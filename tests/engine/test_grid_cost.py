@@ -1,0 +1,159 @@
+"""``grid="auto"`` (pyg_pipe/engine/plan/grid_cost.py): the step predicted for each stages x ways x chunks,
+the choice from it, the halo count it uses, and the engine's use of it: one grid on every rank, decided once
+(a resume and a later engine of the strategy measure nothing), and fixed grids left alone."""
+import pytest
+import torch
+
+from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
+from pyg_pipe.engine.plan import grid_cost
+from pyg_pipe.engine.plan.grid_cost import GridCosts, candidates, choose, halo_rows, predicted_step
+from tests.dist import run_distributed
+from tests.models import forward_backward, make_model, small_graph
+
+
+def costs(halo=(0, 1000, 1500), **kw):
+    """A 10,000-vertex graph whose ways 1, 2, 4 read ``halo`` rows from the others; a way's pass (timed whole)
+    costs as much as a chunk of its rows and its halo."""
+    N, a, b = 10000, 0.01, 1e-5
+    base = dict(num_nodes=N, a=a, b=b, alpha=1e-4, beta=1e9, h=3840.0, sites=15, c=512.0, p=1e6,
+                halos=dict(zip((1, 2, 4), halo)), ways={W: a + b * (N / W + halo[j]) for j, W in enumerate((1, 2, 4))},
+                shared=0.0, overlap=True)
+    return GridCosts(**{**base, **kw})
+
+
+def test_the_step_formula():
+    m = costs()
+    t = lambda r: m.a + m.b * r  # noqa: E731
+    # one stage, two ways: the whole model over half the vertices and the halo joined to them, every
+    # exchanging call twice, the weight all-reduce
+    halo = 2 * 15 * m.alpha + 2 * 1000 * 3840 / m.beta
+    assert predicted_step(m, 1, 2, 1) == pytest.approx(t(6000) + halo + 2 * 0.5 * m.p / m.beta)
+    # two stages, one way, four chunks: 5 ticks of half a chunk's pass (the link is shorter: overlapped)
+    assert predicted_step(m, 2, 1, 4) == pytest.approx(t(2500) / 2 * 5)
+    # without overlap the link adds to every tick
+    link = 2 * (m.alpha + 2500 * 512 / m.beta)
+    assert predicted_step(costs(overlap=False), 2, 1, 4) == pytest.approx((t(2500) / 2 + link) * 5)
+    # a link slower than the compute sets the pace
+    slow = costs(beta=1e6)
+    assert predicted_step(slow, 2, 1, 4) == pytest.approx(2 * (slow.alpha + 2500 * 512 / 1e6) * 5)
+    # processes sharing cores: at least the machine's share of all the work
+    assert predicted_step(costs(shared=1.0), 2, 1, 4) == pytest.approx(1 * 4 * t(2500))
+
+
+def test_candidates():
+    assert {(S, W) for S, W, _ in candidates(4, 16, 1000, None, True)} == {(4, 1), (2, 2), (1, 4)}
+    assert [k for S, W, k in candidates(4, 16, 1000, None, True) if S == 1] == [1]  # one stage: no bubble
+    assert max(k for _, _, k in candidates(4, 16, 1000, None, True)) == 64
+    assert {(S, W) for S, W, _ in candidates(4, 2, 1000, None, True)} == {(2, 2), (1, 4)}  # a stage a layer
+    assert {(S, W) for S, W, _ in candidates(4, 16, 1000, None, False)} == {(4, 1)}  # late_gradients: no ways
+    assert candidates(4, 16, 1000, 6, True) == [(4, 1, 6), (2, 2, 3)]  # num_chunks=6: the ways must divide it
+    assert candidates(4, 16, 1000, 8, True) == [(4, 1, 8), (2, 2, 4), (1, 4, 2)]
+
+
+def test_the_choice_follows_the_link():
+    # a fast link: graph parallelism (one chunk a way: exact) is as fast as the best pipeline
+    fast = choose(costs(), candidates(2, 16, 10000, None, True))
+    assert (fast.stages, fast.ways, fast.per_way) == (1, 2, 1)
+    # a slow link with a large halo: the pipeline, whose link carries only the cut's rows
+    slow = choose(costs(beta=2e7, halo=(0, 5000, 5000)), candidates(2, 16, 10000, None, True))
+    assert (slow.stages, slow.ways) == (2, 1) and slow.per_way > 1
+    # the choice is the fewest chunks a way within 10 % of the fastest
+    best = min(slow.predicted.values())
+    assert slow.predicted[(2, 1, slow.per_way)] <= 1.1 * best
+    assert all(v > 1.1 * best for (S, W, k), v in slow.predicted.items() if k < slow.per_way)
+    assert "grid='auto': 2 stages x 1 way" in slow.line() and "GB/s" in slow.line()
+
+
+def test_halo_rows_counts_the_most_loaded_way():
+    # two triangles joined by the edges 2 -> 3, 4 -> 0 and 5 -> 0: parts {0, 1, 2} and {3, 4, 5}
+    edge_index = torch.tensor([[0, 1, 2, 3, 4, 5, 2, 4, 5], [1, 2, 0, 4, 5, 3, 3, 0, 0]])
+    ptr = torch.tensor([0, 3, 6])
+    assert halo_rows(torch.arange(6), ptr, edge_index, 6) == 2  # part 0 reads 4 and 5; part 1 reads 2
+    assert halo_rows(torch.tensor([3, 4, 5, 0, 1, 2]), ptr, edge_index, 6) == 2  # (numbered the other way)
+    assert halo_rows(torch.arange(6), torch.tensor([0, 6]), edge_index, 6) == 0
+
+
+def test_knob_is_checked():
+    PipelineConfig(grid="auto").validate()
+    with pytest.raises(ValueError, match="grid='stages'.*'pipeline'.*'auto'"):
+        PipelineConfig(grid="stages").validate()
+    import pyg_pipe
+    with pytest.raises(ValueError, match="fixes the grid"):
+        pyg_pipe.HybridStrategy(stages=2, ways=1, grid="auto")
+
+
+def _worker(rank, world):
+    x, edge_index, y, mask = small_graph()
+    comm = Comm(torch.device("cpu"))
+    alpha, beta = grid_cost.measure_link(comm)
+    assert alpha >= 0 and beta > 0
+    original = grid_cost.measure_link
+    try:
+        torch.manual_seed(0)
+        engine = GNNPipeEngine(make_model("gcnii"), PipelineConfig(grid="auto"), comm)
+        engine.install()
+        opt = torch.optim.SGD(engine.module.parameters(), lr=0.01)
+        for _ in range(2):
+            forward_backward(engine.module, opt, x, edge_index, y, mask)
+            opt.step()
+        plan = engine.plan
+        got = comm.all_gather_objects((plan.stages, plan.ways, plan.num_chunks, engine.grid_choice), "test")
+        assert got[0] == got[1] and got[0][3] == (plan.stages, plan.ways), got
+        if rank == 0:  # the rank that measured says what it chose, and why, and keeps every prediction
+            assert any(n.startswith(f"pyg_pipe: grid='auto': {plan.stages} stage") for n in engine.notes)
+            assert engine.grid_report.predicted[(plan.stages, plan.ways, plan.num_chunks // plan.ways)] > 0
+        state = engine.state_dict()
+        engine.uninstall()
+
+        def no_measure(*_):
+            raise AssertionError("measured again")
+        grid_cost.measure_link = no_measure
+        # a resume takes the saved grid; a later engine of the strategy (validate, fit, test) the earlier choice
+        resumed = GNNPipeEngine(make_model("gcnii"), PipelineConfig(grid="auto"), comm)
+        resumed.load_state_dict(state)
+        again = GNNPipeEngine(make_model("gcnii"), PipelineConfig(grid="auto"), comm)
+        again.grid_choice = engine.grid_choice
+        for e in (resumed, again):
+            e.install()
+            forward_backward(e.module, torch.optim.SGD(e.module.parameters(), lr=0.01), x, edge_index, y, mask)
+            assert (e.plan.stages, e.plan.ways) == (plan.stages, plan.ways)
+            e.uninstall()
+        # a grid given (HybridStrategy's stages=, ways=) is not chosen again
+        fixed = GNNPipeEngine(make_model("gcnii"), PipelineConfig(grid="auto", num_chunks=4), comm, num_stages=1,
+                              ways=2)
+        fixed.install()
+        forward_backward(fixed.module, torch.optim.SGD(fixed.module.parameters(), lr=0.01), x, edge_index, y, mask)
+        assert (fixed.plan.stages, fixed.plan.ways, fixed.grid_choice) == (1, 2, None)
+        fixed.uninstall()
+    finally:
+        grid_cost.measure_link = original
+
+
+def _slow_link_worker(rank, world):
+    """Every rank runs the grid the choice names, with the chunks given (num_chunks=4: 2 stages x 4 chunks or 2
+    ways x 2 chunks), chosen by the rule (a link given slow: the cost of transfers decides), and trains."""
+    x, edge_index, y, mask = small_graph()
+    comm = Comm(torch.device("cpu"))
+    grid_cost.measure_link = lambda comm, root=0: (1e-3, 1e5)  # (the same answer on every rank)
+    torch.manual_seed(0)
+    engine = GNNPipeEngine(make_model("gcnii"), PipelineConfig(grid="auto", num_chunks=4), comm)
+    engine.install()
+    _, loss = forward_backward(engine.module, torch.optim.SGD(engine.module.parameters(), lr=0.01), x, edge_index, y,
+                            mask)
+    assert torch.isfinite(loss)
+    report = comm.all_gather_objects(engine.grid_report, "test")[0]
+    S, W = engine.grid_choice
+    assert (S, W, engine.plan.num_chunks) == (report.stages, report.ways, 4)
+    assert set(report.predicted) == {(2, 1, 4), (1, 2, 2)}
+    best = min(report.predicted.values())
+    assert report.predicted[(S, W, 4 // W)] <= 1.1 * best
+    assert all(v > 1.1 * best for (_, _, k), v in report.predicted.items() if k < 4 // W)
+    engine.uninstall()
+
+
+def test_auto_is_one_grid_on_every_rank_and_saved():
+    run_distributed(_worker, 2, timeout=240)
+
+
+def test_a_chosen_grid_runs():
+    run_distributed(_slow_link_worker, 2, timeout=240)

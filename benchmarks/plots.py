@@ -580,11 +580,43 @@ def zoo_causes(args):
     print(out)
 
 
+def grid_choice(path, out="docs/img/grid_choice.png"):
+    """Draws ``grid="auto"``'s check from the JSON of ``grid_choice.py --out``: per setting, every candidate grid's
+    measured step against its predicted one, the choice and the fastest marked (needs matplotlib)."""
+    import json
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    results = json.load(open(path))["results"]
+    fig, axes = plt.subplots(1, len(results), figsize=(3.0 * len(results), 3.4), sharey=False)
+    for ax, res in zip(axes, results):
+        rows = res["rows"]
+        fastest = min(rows, key=lambda r: r["measured_s"])
+        for r in rows:
+            S, W, k = r["grid"]
+            chosen = r["grid"] == res["chosen"]
+            ax.scatter(r["predicted_s"] * 1e3, r["measured_s"] * 1e3, s=40 if chosen else 14,
+                       c="C3" if chosen else ("C2" if r is fastest else "C0"), zorder=3)
+            ax.annotate(f"{S}x{W},{W * k}", (r["predicted_s"] * 1e3, r["measured_s"] * 1e3), fontsize=6,
+                        xytext=(3, 2), textcoords="offset points")
+        hi = max(max(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3 * 1.1
+        ax.plot([0, hi], [0, hi], color="black", lw=0.5)
+        link = "loopback" if not res["bandwidth"] else f"{res['bandwidth'] / 1e6:.0f} MB/s"
+        ax.set_title(f"{res['model']}, {res['graph']}\n{res['procs']} procs, {link}", fontsize=8)
+        ax.set_xlabel("predicted step, ms", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0].set_ylabel("measured step, ms (red: chosen, green: fastest)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(out)
+
+
 #: figure name -> (function, whether it takes a list of inputs)
 FIGURES = {"epoch": (epoch, True), "comm": (comm, False), "convergence": (convergence, False), "memory": (memory, False),
            "memory_ab": (memory_ab, False), "memory_prediction": (memory_prediction, False), "speed": (speed, True), "sweep": (sweep, False), "timeline": (timeline, False),
            "gpu": (gpu, False), "auto_chunks": (auto_chunks, True), "zoo": (zoo, True),
-           "zoo_causes": (zoo_causes, True)}
+           "zoo_causes": (zoo_causes, True), "grid_choice": (grid_choice, False)}
 
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] not in FIGURES:

@@ -239,8 +239,8 @@ def auto_grid(P: int, layers: int, inputs, config, seconds_of, memory_of, partit
 
 def regrid(shape, module: torch.nn.Module, fn, config, inputs, comm, saved_plan: Optional[dict],
            chosen: Optional[Tuple[int, int]], notes: Optional[List[str]] = None):
-    """The engine's ``grid="auto"``: ``(shape, (S, W), chunk choice, the GridChoice where measured here)``. ``shape``: the grid of one stage a device
-    (:func:`~.plan.decide_shape`, traced); a checkpoint's plan (``saved_plan``) or an earlier engine's choice
+    """The engine's ``grid="auto"``: ``(shape, (S, W), chunk choice, the GridChoice where measured here)``.
+    ``shape``: the grid of one stage a device (:func:`~.plan.decide_shape`, traced); a checkpoint's plan (``saved_plan``) or an earlier engine's choice
     (``chosen``) is taken instead of measuring again. The chunk choice, ``(C, predicted step, None)`` for
     ``num_chunks="auto"``, is ``None`` where nothing was measured or where a memory budget applies (the count is
     then fitted to it as ``num_chunks="auto"`` does). A shape that is not a traced pipeline stays as it is."""
@@ -264,8 +264,7 @@ def regrid(shape, module: torch.nn.Module, fn, config, inputs, comm, saved_plan:
         if config.num_chunks == "auto" and config.memory_budget is None and comm.device.type == "cpu":
             count = (C, step, None)
     if (S, W) != (shape.stages, shape.ways):
-        several = S > 1
-        shape = Shape(S, W, shape.program if several else None, shape.groups if several else None, False, W > 1,
+        shape = Shape(S, W, shape.program if S > 1 else None, shape.groups if S > 1 else None, False, W > 1,
                       shape.notes)
     return shape, (S, W), count, report
 

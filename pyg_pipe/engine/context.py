@@ -115,6 +115,7 @@ class Invocation:
     edge_graph: Any = None
     in_edges: bool = False
     rows_only: bool = False
+    reverse: bool = False     # the layer aggregates at edge_index[0] (flow="target_to_source")
     restore: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -154,7 +155,7 @@ class Invocation:
         the order PyG computes messages."""
         g = self.edge_graph
         if isinstance(g, Tensor) and g.layout == torch.strided:
-            return g[1]
+            return g[0] if self.reverse else g[1]
         if type(g).__name__ == "SparseTensor":
             return g.storage.row()
         from torch_geometric.utils import to_edge_index

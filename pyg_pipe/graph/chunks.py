@@ -66,6 +66,17 @@ class LocalGraph:
             hit = self._row_edge_index = self.edge_index[:, :self.row_edges]
         return hit
 
+    def reversed_edges(self, rows_only: bool = False) -> Tensor:
+        """[2, E_loc] the local edges turned around (destination, source), or only those into the chunk's rows:
+        the graph of a layer that aggregates at ``edge_index[0]`` (``flow="target_to_source"``) when this is a
+        chunk of the transposed graph (the same object every time)."""
+        key = "_reversed_rows" if rows_only else "_reversed"
+        hit = getattr(self, key, None)
+        if hit is None:
+            hit = (self.row_edge_index if rows_only else self.edge_index).flip(0)
+            setattr(self, key, hit)
+        return hit
+
     @property
     def rows(self) -> int:
         return self.end - self.start
@@ -278,17 +289,20 @@ class ChunkedGraph:
         self._degrees[key] = (weight, deg.to(dtype))
         return self._degrees[key][1]
 
-    def out_degree(self, weight: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+    def out_degree(self, weight: Optional[Tensor], dtype: torch.dtype, reverse: bool = False) -> Tensor:
         """[N] weighted out-degree of every vertex (new ids), self loops excluded, for a 1-D edge
-        weight in user edge order (ones for ``None``). Cached per weight tensor and version."""
-        key = ("out", None if weight is None else id(weight), None if weight is None else weight._version, dtype)
+        weight in user edge order (ones for ``None``); with ``reverse``, the in-degree (the out-degree of the
+        graph this one transposes). Cached per weight tensor and version."""
+        key = ("out", None if weight is None else id(weight), None if weight is None else weight._version, dtype,
+               reverse)
         hit = self._degrees.get(key)
         if hit is not None and (weight is None or hit[0] is weight):
             return hit[1]
         w = torch.ones(self.num_edges, dtype=torch.float64, device=self.device) if weight is None \
             else weight.detach().to(torch.float64)
         w = torch.where(self.new_src == self.new_dst, torch.zeros_like(w), w)
-        deg = torch.zeros(self.num_nodes, dtype=torch.float64, device=self.device).index_add_(0, self.new_src, w)
+        deg = torch.zeros(self.num_nodes, dtype=torch.float64, device=self.device).index_add_(
+            0, self.new_dst if reverse else self.new_src, w)
         if len(self._degrees) > 8:
             self._degrees.clear()
         self._degrees[key] = (weight, deg.to(dtype))

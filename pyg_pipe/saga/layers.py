@@ -54,7 +54,7 @@ class SAGAGCN(SAGALayer):
 
     def forward(self, x: Tensor, edge_index: Tensor, edge_weight: Tensor = None) -> Tensor:
         edge_index, edge_weight = gcn_norm(edge_index, edge_weight, x.size(0), add_self_loops=True,
-                                           dtype=x.dtype)
+                                           flow=self.flow, dtype=x.dtype)
         return super().forward(x, edge_index, edge_weight)
 
     def apply_edge(self, src: Tensor, edge_attr: Tensor) -> Tensor:

@@ -78,20 +78,59 @@ def test_parameter_names_are_the_layers_own():
     assert parameter_names(GATConv(4, 4), 5)[:3] == ("x", "edge_index", "edge_attr")
 
 
-def test_another_flow_is_refused_by_name():
+def test_the_other_flow_on_a_sparse_adjacency_is_refused_by_name():
+    """``flow="target_to_source"`` runs on an ``edge_index`` (tests/engine/test_flow.py); PyG itself runs it on
+    nothing else, and the engine says so by name before PyG's own error."""
+    from torch_geometric.utils import to_torch_csr_tensor
+
     class Backwards(nn.Module):
         def __init__(self):
             super().__init__()
             self.conv = GraphConv(8, 3, flow="target_to_source")
 
-        def forward(self, x, edge_index):
-            return self.conv(x, edge_index)
+        def forward(self, x, adj_t):
+            return self.conv(x, adj_t)
 
     x, g, _, _ = zoo_graph()
-    engine = GNNPipeEngine(Backwards(), PipelineConfig(num_chunks=1), Comm(torch.device("cpu")), num_stages=1)
+    adj_t = to_torch_csr_tensor(g["edge_index"].flip(0), size=(x.size(0), x.size(0)))
+    engine = GNNPipeEngine(Backwards(), PipelineConfig(num_chunks=2), Comm(torch.device("cpu")), num_stages=1)
     engine.install()
     try:
-        with pytest.raises(UnsupportedModelError, match=r"Layer 'conv' \(GraphConv\) uses flow='target_to_source'"):
+        with pytest.raises(UnsupportedModelError, match=r"Layer 'conv' \(GraphConv\) uses flow='target_to_source' "
+                                                        r"with a sparse adjacency"):
+            engine.module(x, adj_t)
+    finally:
+        engine.uninstall()
+
+
+def test_degrees_at_the_end_a_layer_does_not_aggregate_at_are_refused():
+    """A layer that normalises with ``gcn_norm`` in the other direction than it aggregates sums degrees at the
+    ends of its edges whose other edges live in other chunks: refused on a cut graph, not taken as complete."""
+    from torch_geometric.nn import MessagePassing
+    from torch_geometric.nn.conv import gcn_conv
+
+    class OtherWay(MessagePassing):
+        def forward(self, x, edge_index):  # (looked up at the call, as PyG's layers do)
+            edge_index, w = gcn_conv.gcn_norm(edge_index, None, x.size(0), flow="target_to_source")
+            return self.propagate(edge_index, x=x, w=w)
+
+        def message(self, x_j, w):
+            return w.view(-1, 1) * x_j
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.conv = nn.Linear(8, 4), OtherWay()
+
+        def forward(self, x, edge_index):
+            return self.conv(self.lin(x), edge_index)
+
+    x, g, _, _ = zoo_graph()
+    engine = GNNPipeEngine(Net(), PipelineConfig(num_chunks=2, streaming=False), Comm(torch.device("cpu")),
+                           num_stages=1)
+    engine.install()
+    try:
+        with pytest.raises(UnsupportedModelError, match=r"gcn_norm\(flow='target_to_source'\).*flow=self.flow"):
             engine.module(x, g["edge_index"])
     finally:
         engine.uninstall()

@@ -127,12 +127,10 @@ def _graph(ctx, name: str, layer: MessagePassing, aggr: Aggregation) -> Tuple[Op
             raise UnsupportedModelError(message)
         ctx.observer.refuse(message)
         return None, True  # (sorted, so that the checked pass runs to its end on every rank, which then raise)
-    key = f"_padding_{layer.flow}"
-    hit = getattr(cg, key, None)
-    if hit is None:  # once per chunked graph (host syncs)
-        ends = cg.new_src if layer.flow == "target_to_source" else cg.new_dst
-        largest = int(torch.bincount(ends, minlength=cg.num_nodes).max()) if ends.numel() else 0
-        old = cg.perm[ends]
-        hit = (max(largest, 1), bool((old[:-1] <= old[1:]).all()))
-        setattr(cg, key, hit)
+    hit = getattr(cg, "_padding", None)
+    if hit is None:  # once per chunked graph (host syncs); a layer with flow="target_to_source" runs on the
+        #              transposed graph's chunking (.layers), so its vertices aggregate at destinations there too
+        largest = int(torch.bincount(cg.new_dst, minlength=cg.num_nodes).max()) if cg.new_dst.numel() else 0
+        old = cg.perm[cg.new_dst]
+        hit = cg._padding = (max(largest, 1), bool((old[:-1] <= old[1:]).all()))
     return hit

@@ -12,7 +12,7 @@ becomes (:mod:`.layers` calls these from its hooks).
 from __future__ import annotations
 
 import inspect
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -124,6 +124,32 @@ def resolve_graphs(ctx: ChunkContext, name: str, module: MessagePassing, args: l
     return cg, lg, found
 
 
+def reversed_graphs(ctx: ChunkContext, name: str, module: MessagePassing, graphs: Dict):
+    """:func:`resolve_graphs`'s result for a layer with ``flow="target_to_source"``, which aggregates at
+    ``edge_index[0]`` and reads its neighbours at ``edge_index[1]``: it is the transposed graph's layer, so each
+    edge list it is given becomes a chunk of the transposed graph (whose chunk rows are the vertices it
+    aggregates at, and whose halo the vertices it reads), handed over in the layer's own orientation
+    (:meth:`~pyg_pipe.graph.chunks.LocalGraph.reversed_edges`). Whatever the layer computes from its edges then
+    sees what it sees on one device, up to the order of the vertices."""
+    out = {}
+    for key, (cg, lg, local) in graphs.items():
+        if not isinstance(local, Tensor) or local.layout != torch.strided:  # (PyG refuses these itself)
+            raise UnsupportedModelError(
+                f"Layer '{name}' ({type(module).__name__}) uses flow='target_to_source' with a sparse adjacency; "
+                f"PyG runs that flow on an edge_index only. Pass edge_index, or transpose the adjacency and use "
+                f"the default flow.")
+        if getattr(cg, "_base", None) is not None:
+            raise UnsupportedModelError(
+                f"Layer '{name}' ({type(module).__name__}) uses flow='target_to_source' on a graph DropEdge draws in "
+                f"forward; pyg_pipe transposes only the graphs handed to the model. Draw the edges in the data "
+                f"pipeline, or use the default flow.")
+        tcg = ctx.graphs.derived(cg, "flip")
+        tlg = tcg.chunks[lg.index]
+        out[key] = (tcg, tlg, tlg.reversed_edges())
+    tcg, tlg, _ = next(iter(out.values()))
+    return tcg, tlg, out
+
+
 def edge_chunking(ctx: ChunkContext, name: str, graphs: Dict, value: Tensor):
     """``(cg, lg)`` of the graph an edge tensor of a layer given several graphs belongs to: the graph whose
     chunking cut it (an input), else the only one with as many local edges."""
@@ -209,3 +235,53 @@ def vertex_ids(ctx: ChunkContext, cg: ChunkedGraph, lg: LocalGraph) -> Tensor:
         hit = lg._vertex_ids = (cg.perm[lg.start:lg.end], lambda cg2, lg2: cg2.perm[lg2.halo])
     ctx.add_clean(hit[0], hit[1])
     return hit[0]
+
+
+def reversed_pairs(module: MessagePassing, args_attr: str, kwargs: dict) -> Tuple[int, dict]:
+    """``(j, kwargs)`` for a layer with ``flow="target_to_source"``: PyG's generated ``propagate`` /
+    ``edge_updater`` reads ``x_j`` from the first tensor of a pair ``x = (a, b)`` (j = 0), its generic one the
+    second (j = 1), and ``x_i`` from the other. Where the engine runs the generic ``edge_updater`` in place of a
+    generated one (:meth:`.layers.LayerHooks.install`), the pairs are turned around, so the layer reads what it reads
+    on one device."""
+    generic = "propagate" if args_attr == "_user_args" else "edge_updater"
+    fn = getattr(module, generic)
+    prefix = f"{type(module).__module__}_{type(module).__name__}"
+    if getattr(fn, "__module__", "").startswith(prefix):
+        return 0, kwargs
+    own = getattr(type(module), "_jinja_edge_updater", None)
+    if generic == "edge_updater" and own is not None and getattr(own, "__module__", "").startswith(prefix):
+        pairs = {a[:-2] for a in getattr(module, args_attr) if a.endswith(("_i", "_j"))}
+        kwargs = {k: type(v)((v[1], v[0])) if k in pairs and isinstance(v, (tuple, list)) and len(v) == 2 else v
+                  for k, v in kwargs.items()}
+    return 1, kwargs
+
+
+_SOURCES: Dict[tuple, List[str]] = {}
+
+
+def source_names(module: MessagePassing, args_attr: str, fused: bool, kwargs: dict) -> List[str]:
+    """The arguments of a propagate / edge_updater call read at edge sources (``x`` for ``x_j``; the
+    matrix of a fused ``message_and_aggregate``): decided once per layer class and call signature."""
+    key = (type(module), getattr(module, "_explain", None), args_attr, fused, tuple(kwargs))  # (explain mode
+    #                                                                   changes the arguments of PyG's message)
+    hit = _SOURCES.get(key)
+    if hit is None:
+        if fused:
+            hit = [a for a in module._fused_user_args if a in kwargs]
+        else:
+            hit = sorted({a[:-2] for a in getattr(module, args_attr) if a.endswith("_j") and a[:-2] in kwargs})
+        hit = _SOURCES[key] = hit
+    return hit
+
+
+_EDGE_IDS: Dict[type, bool] = {}
+
+
+def reads_edge_ids(module: MessagePassing) -> bool:
+    """Whether the layer's ``message`` takes the edge_index's own entries (``edge_index_i`` / ``edge_index_j``)."""
+    cls = type(module)
+    hit = _EDGE_IDS.get(cls)
+    if hit is None:
+        params = inspect.signature(cls.message).parameters
+        hit = _EDGE_IDS[cls] = "edge_index_j" in params or "edge_index_i" in params
+    return hit

@@ -111,7 +111,8 @@ def _engine_side(fn):
         with ctx.engine_work():
             out = fn(*args, **kwargs)
         if ctx.observer is not None and isinstance(out, tuple) and isinstance(out[0], Tensor):
-            ctx.observer.edges(out[0])  # the graph it returns (self loops added): its entries are still vertex ids
+            ctx.observer.edges(out[0], ctx.stack[-1].reverse if ctx.stack else False)  # the graph it returns (self
+            #                                                   loops added): its entries are still vertex ids
         return out
     return run
 
@@ -157,6 +158,13 @@ def gcn_norm(edge_index, edge_weight: Optional[Tensor] = None, num_nodes: Option
             ctx.cache[key] = (edge_index, whole, out)
         inv.derive(out[0], edge_index)
         return out
+    if (flow == "target_to_source") != inv.reverse:
+        raise UnsupportedModelError(
+            f"Layer '{inv.name}' normalises its graph with gcn_norm(flow='{flow}'), which sums degrees at the "
+            f"other end of its edges than the layer aggregates at (its flow is "
+            f"'{'target_to_source' if inv.reverse else 'source_to_target'}'); a chunk holds the edges of the "
+            f"vertices it aggregates at, so pyg_pipe completes degrees at that end only. Pass the layer's own flow "
+            f"to gcn_norm (flow=self.flow, as PyG's layers do), or train with one chunk and no graph-parallel ways.")
     known = _known_degrees(ctx, inv, cg, edge_index, edge_weight, num_nodes)
     # a pure function of inputs that do not change: computed once per chunk (not a graph DropEdge draws every step)
     key = None
@@ -245,7 +253,8 @@ def get_laplacian(edge_index: Tensor, edge_weight: Optional[Tensor] = None, norm
     if num_nodes is None or num_nodes != _width(inv):
         raise UnsupportedModelError(f"Layer '{inv.name}' asked for a Laplacian of {num_nodes} vertices on a chunk of "
                                     f"{_width(inv)} vertices; pyg_pipe cannot complete its degrees.")
-    deg = cg.out_degree(whole, edge_weight.dtype)[lg.nodes]   # every local vertex (sources of the edges)
+    # every local vertex (sources of the edges; with flow="target_to_source" the chunking is the transpose's)
+    deg = cg.out_degree(whole, edge_weight.dtype, inv.reverse)[lg.nodes]
     row, col = edge_index[0], edge_index[1]
     if normalization is None:
         edge_index, _ = add_self_loops(edge_index, num_nodes=num_nodes)

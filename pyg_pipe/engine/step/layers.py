@@ -38,7 +38,6 @@ Layers holding graph-wide statistics (a BatchNorm in a message MLP) get hooks ar
 each argument of a call is, and what it becomes."""
 from __future__ import annotations
 
-import inspect
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -50,7 +49,8 @@ from ...model.norms import needs_statistics
 from ..context import ChunkContext, Invocation, Site, current
 from . import aggregations, degrees
 from .arguments import (argument_kind, clean_input, each, edge_chunking, extend, is_sparse, narrow, parameter_names,
-                        relocalise_edges, resolve_graphs, row_graph, vertex_dim, vertex_ids)
+                        reads_edge_ids, relocalise_edges, resolve_graphs, reversed_graphs, reversed_pairs, row_graph,
+                        source_names, vertex_dim, vertex_ids)
 from .layer_cache import store_cache, swap_cache
 
 
@@ -141,8 +141,14 @@ def _entry(name: str, outside=None):
             ctx.counts[name] = index + 1
         if ctx.stack:  # a layer called inside another layer: already on the local graph
             parent = ctx.stack[-1]
+            if (module.flow == "target_to_source") != parent.reverse:
+                raise UnsupportedModelError(
+                    f"Layer '{name}' ({type(module).__name__}, flow='{module.flow}') runs inside layer "
+                    f"'{parent.name}', which aggregates the other way; pyg_pipe hands an inner layer its outer "
+                    f"layer's local graph. Give both the same flow, or call the inner layer from the model's forward.")
             ctx.stack.append(Invocation(name, index, parent.cg, parent.lg, parent.clean and not parent.propagated,
-                                        parent=parent, graphs=parent.graphs, rows_only=parent.rows_only))
+                                        parent=parent, graphs=parent.graphs, rows_only=parent.rows_only,
+                                        reverse=parent.reverse))
             return None
         with ctx.engine_work():
             return _enter(ctx, name, index, module, args, kwargs)
@@ -150,13 +156,11 @@ def _entry(name: str, outside=None):
 
 
 def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, args: tuple, kwargs: dict):
-    if module.flow != "source_to_target":
-        raise UnsupportedModelError(
-            f"Layer '{name}' ({type(module).__name__}) uses flow='{module.flow}'; pyg_pipe cuts chunks by "
-            f"destination vertex and supports flow='source_to_target' only. Reverse edge_index in the data "
-            f"and use the default flow.")
     args, kwargs = list(args), dict(kwargs)
     cg, lg, graphs = resolve_graphs(ctx, name, module, args, kwargs)
+    reverse = module.flow == "target_to_source"
+    if reverse:
+        cg, lg, graphs = reversed_graphs(ctx, name, module, graphs)
     several = len(graphs) > 1 and len({id(h[0]) for h in graphs.values()}) > 1   # graphs with halos of their own
     node_args: List[Tuple[Tensor, int]] = []
     edge_args: Dict[int, Tensor] = {}
@@ -191,8 +195,13 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
         raise UnsupportedModelError(
             f"Layer '{name}' ({type(module).__name__}) is given several graphs and reads vertex rows outside "
             f"propagate; pyg_pipe runs such a layer on one local graph only. Give it one graph.")
-    # several graphs: each propagate joins its own graph's halo to the chunk's rows
-    rows_only = (not clean or several) and not _whole_local_graph(module)
+    if several and reverse:
+        raise UnsupportedModelError(
+            f"Layer '{name}' ({type(module).__name__}) uses flow='target_to_source' and is given several graphs; "
+            f"pyg_pipe runs such a layer on one graph only. Give it one graph, or use the default flow.")
+    # several graphs: each propagate joins its own graph's halo to the chunk's rows. A layer with
+    # flow="target_to_source" takes the whole local graph (PyG reads its pairs differently in its two propagates)
+    rows_only = (not clean or several) and not _whole_local_graph(module) and not reverse
     if not rows_only:  # the whole local graph: true halo rows (clean), or fillers the propagate replaces
         swap = {id(t): extend(ctx, cg, lg, t, vdim, clean) for t, vdim in node_args}
         used = {i: local for i, (_, _, local) in graphs.items()}
@@ -203,7 +212,8 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
             whole = ctx.edge_input(t)
             if whole is not None:  # still the input's edges (degrees, transposes re-cut them from it)
                 ctx.add_edge_input(swap[i], whole, ctx.edge_chunking(t))
-        used = {i: row_graph(ctx, cg2, lg2, local) for i, (cg2, lg2, local) in graphs.items()}
+        used = {i: lg2.reversed_edges(True) if reverse else row_graph(ctx, cg2, lg2, local)
+                for i, (cg2, lg2, local) in graphs.items()}
     node_args.clear()
     edge_args.clear()
 
@@ -217,7 +227,7 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
 
     args = [each(a, replace) for a in args]
     kwargs = {k: each(v, replace) for k, v in kwargs.items()}
-    inv = Invocation(name, index, cg, lg, clean, rows_only=rows_only,
+    inv = Invocation(name, index, cg, lg, clean, rows_only=rows_only, reverse=reverse,
                      graphs={id(g): (g, cg2, lg2, True) for g, (cg2, lg2, _) in
                              ((used[i], graphs[i]) for i in graphs)})
     swap_cache(ctx, inv, module)
@@ -300,13 +310,16 @@ def _sources(name: str, args_attr: str, stats: bool):
         inv.calls += 1
         clean = inv.clean and not inv.propagated
         fused = args_attr == "_user_args" and module.fuse and is_sparse(edge_index)
-        names = _source_names(module, args_attr, fused, kwargs)
+        names = source_names(module, args_attr, fused, kwargs)
         kwargs = dict(kwargs)
         sources = []
         width = lg.rows if inv.rows_only else lg.num_local   # rows of a source before its halo is joined
+        j = 0  # which tensor of a pair x_j is read from
+        if inv.reverse:
+            j, kwargs = reversed_pairs(module, args_attr, kwargs)
         for arg in names:
             value = kwargs[arg]
-            t = value[0] if isinstance(value, (tuple, list)) else value
+            t = value[j] if isinstance(value, (tuple, list)) else value
             if not isinstance(t, Tensor) or t.dim() == 0:
                 continue
             vdim = vertex_dim(module, t, width)
@@ -320,7 +333,7 @@ def _sources(name: str, args_attr: str, stats: bool):
                     f"of the whole graph (a vertex-indexed parameter, featureless input) cannot be split into chunks; "
                     f"pass per-vertex features as a forward argument instead, or train on one device.")
             sources.append(arg)
-            if not t.is_floating_point() and cg.num_chunks > 1 and _reads_edge_ids(module):
+            if not t.is_floating_point() and cg.num_chunks > 1 and reads_edge_ids(module):
                 raise UnsupportedModelError(
                     f"Layer '{inv.name}' ({type(module).__name__}) is given integer vertex features ('{arg}', node "
                     f"indices) and its message reads the edge_index itself (edge_index_i / edge_index_j) to "
@@ -336,7 +349,7 @@ def _sources(name: str, args_attr: str, stats: bool):
             else:
                 joined = ctx.halo.join(f"{site}:{arg}", cg, lg, t, vdim)
             if isinstance(value, (tuple, list)):
-                kwargs[arg] = type(value)((joined, *value[1:]))
+                kwargs[arg] = type(value)((*value[:j], joined, *value[j + 1:]))
             elif inv.rows_only and not fused and module.decomposed_layers == 1:  # sources [rows | halo], dest. [rows]
                 #                                          (decomposed layers split x, not a pair: x_j read only)
                 kwargs[arg] = (joined, t)
@@ -350,37 +363,6 @@ def _sources(name: str, args_attr: str, stats: bool):
             inv.in_edges = True
         return edge_index, size, kwargs
     return hook
-
-
-_SOURCES: Dict[tuple, List[str]] = {}
-
-
-def _source_names(module: MessagePassing, args_attr: str, fused: bool, kwargs: dict) -> List[str]:
-    """The arguments of a propagate / edge_updater call read at edge sources (``x`` for ``x_j``; the
-    matrix of a fused ``message_and_aggregate``): decided once per layer class and call signature."""
-    key = (type(module), getattr(module, "_explain", None), args_attr, fused, tuple(kwargs))  # (explain mode
-    #                                                                   changes the arguments of PyG's message)
-    hit = _SOURCES.get(key)
-    if hit is None:
-        if fused:
-            hit = [a for a in module._fused_user_args if a in kwargs]
-        else:
-            hit = sorted({a[:-2] for a in getattr(module, args_attr) if a.endswith("_j") and a[:-2] in kwargs})
-        hit = _SOURCES[key] = hit
-    return hit
-
-
-_EDGE_IDS: Dict[type, bool] = {}
-
-
-def _reads_edge_ids(module: MessagePassing) -> bool:
-    """Whether the layer's ``message`` takes the edge_index's own entries (``edge_index_i`` / ``edge_index_j``)."""
-    cls = type(module)
-    hit = _EDGE_IDS.get(cls)
-    if hit is None:
-        params = inspect.signature(cls.message).parameters
-        hit = _EDGE_IDS[cls] = "edge_index_j" in params or "edge_index_i" in params
-    return hit
 
 
 def _propagated(module, inputs, output):

@@ -164,7 +164,7 @@ class RowCheck(TorchFunctionMode):
         if not tens:
             return func(*args, **kwargs)
         for g in (h[0] for h in inv.graphs.values()):  # the layer's graphs: their entries are vertex ids
-            self.edges(g)
+            self.edges(g, inv.reverse)
         rows = [(t, d) for t in tens for d in [self.vdim(t)] if d is not None] if inv.rows_only else []
         sums = [(t, 0) for t in tens if self._partial(t)]
         if (not rows and not sums and not any(self._is_ids(t) for t in tens)) or _in_propagate():
@@ -199,10 +199,11 @@ class RowCheck(TorchFunctionMode):
             self._follow(name, args, kwargs, rows, out)
         return out
 
-    def edges(self, g: Any) -> None:
-        """``g`` (a ``[2, E]`` edge list of the running layer) holds vertex ids: its sources, then destinations."""
+    def edges(self, g: Any, reverse: bool = False) -> None:
+        """``g`` (a ``[2, E]`` edge list of the running layer) holds vertex ids: its sources, then destinations
+        (``reverse``: the other way round, for a layer with ``flow="target_to_source"``)."""
         if isinstance(g, Tensor) and g.layout == torch.strided and g.dim() == 2 and g.size(0) == 2:
-            self._ids[id(g)] = (weakref.ref(g), ("src", "dst"))
+            self._ids[id(g)] = (weakref.ref(g), ("dst", "src") if reverse else ("src", "dst"))
 
     def _partial(self, t: Tensor) -> bool:
         """Whether ``t`` was summed over the layer's edges at their destinations (or computed from such sums)."""

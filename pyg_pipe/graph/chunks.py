@@ -66,15 +66,14 @@ class LocalGraph:
             hit = self._row_edge_index = self.edge_index[:, :self.row_edges]
         return hit
 
-    def reversed_edges(self, rows_only: bool = False) -> Tensor:
-        """[2, E_loc] the local edges turned around (destination, source), or only those into the chunk's rows:
-        the graph of a layer that aggregates at ``edge_index[0]`` (``flow="target_to_source"``) when this is a
-        chunk of the transposed graph (the same object every time)."""
-        key = "_reversed_rows" if rows_only else "_reversed"
-        hit = getattr(self, key, None)
+    @property
+    def reversed_edges(self) -> Tensor:
+        """[2, E_loc] the local edges turned around (destination, source): the graph of a layer that aggregates
+        at ``edge_index[0]`` (``flow="target_to_source"``) when this is a chunk of the transposed graph (the same
+        object every time)."""
+        hit = getattr(self, "_reversed", None)
         if hit is None:
-            hit = (self.row_edge_index if rows_only else self.edge_index).flip(0)
-            setattr(self, key, hit)
+            hit = self._reversed = self.edge_index.flip(0)
         return hit
 
     @property
@@ -342,17 +341,32 @@ def derived(cache: Dict, cg: ChunkedGraph, kind, step: int = 0, seed: int = 0) -
     """The chunking of a graph derived from ``cg`` (same vertex order), kept in ``cache`` under ``(id(cg), kind)``:
     ``"flip"``, its transpose; ``("drop", m, k, p)``, the edges the ``k``-th DropEdge call in the ``m``-th call of the
     model keeps at training step ``step`` (:func:`edge_keep`; one object per call, its edges drawn again when the step
-    changes)."""
+    changes); ``("drop nodes", m, k, p)``, the same for a DropNode call: the edges between the vertices it keeps
+    (:func:`node_keep`, kept as the chunking's ``node_keep``)."""
     key = (id(cg), kind)
     hit = cache.get(key)
     if hit is None:
-        if kind != "flip" and not (isinstance(kind, tuple) and kind[0] == "drop"):
+        if kind != "flip" and not (isinstance(kind, tuple) and kind[0] in ("drop", "drop nodes")):
             raise ValueError(kind)
         hit = cache[key] = cg.flipped() if kind == "flip" else cg.dropped()
     if kind != "flip" and getattr(hit, "step", None) != step:
-        hit.keep_edges(edge_keep(cg.num_edges, kind[3], seed, step, kind[1:3], cg.device))
+        if kind[0] == "drop":
+            hit.keep_edges(edge_keep(cg.num_edges, kind[3], seed, step, kind[1:3], cg.device))
+        else:
+            hit.node_keep = node_keep(cg.num_nodes, kind[3], seed, step, kind[1:3], cg.device)
+            hit.keep_edges(hit.node_keep[cg.perm[cg.new_src]] & hit.node_keep[cg.perm[cg.new_dst]])
         hit.step = step
     return hit
+
+
+def _draw(seed: int, step: int, draw: Tuple[int, int], device, salt: int = 0) -> torch.Generator:
+    """A generator seeded by ``(seed, step, m, k)`` (and ``salt``, another stream for another kind of draw)."""
+    key = ((int(seed) * 1_000_003 + int(step)) * 1_009 + int(draw[0])) * 1_013 + int(draw[1])
+    if salt:
+        key = key * 1_019 + salt
+    gen = torch.Generator(device=device)
+    gen.manual_seed(key % (2 ** 63))
+    return gen
 
 
 def edge_keep(num_edges: int, p: float, seed: int, step: int, draw: Tuple[int, int], device) -> Tensor:
@@ -360,9 +374,14 @@ def edge_keep(num_edges: int, p: float, seed: int, step: int, draw: Tuple[int, i
     ``(m, k)`` (the ``k``-th DropEdge call in the ``m``-th call of the model), in the user's edge order: a draw from a
     generator seeded by ``(seed, step, m, k)``, so every rank, chunk, stage and replay of the step gets the same edges
     without communicating."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed((((int(seed) * 1_000_003 + int(step)) * 1_009 + int(draw[0])) * 1_013 + int(draw[1])) % (2 ** 63))
-    return torch.rand(num_edges, generator=gen, device=device) >= p
+    return torch.rand(num_edges, generator=_draw(seed, step, draw, device), device=device) >= p
+
+
+def node_keep(num_nodes: int, p: float, seed: int, step: int, draw: Tuple[int, int], device) -> Tensor:
+    """[N] bool: the vertices DropNode keeps (each with probability ``1 - p``, as PyG's ``dropout_node``: a vertex
+    is kept where its draw is above ``p``) at training step ``step`` in draw ``(m, k)``, in the user's vertex order;
+    seeded as :func:`edge_keep`, on a stream of its own."""
+    return torch.rand(num_nodes, generator=_draw(seed, step, draw, device, salt=1), device=device) > p
 
 
 def way_ptr(ptr: Tensor, ways: int) -> Tensor:

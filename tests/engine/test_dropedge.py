@@ -1,19 +1,20 @@
-"""DropEdge in the model's forward (PyG's ``dropout_edge``): one draw a step over the whole graph's edges, the same on
-every rank, chunk, stage and replay (:mod:`pyg_pipe.engine.step.dropedge`).
+"""DropEdge and DropNode in the model's forward (PyG's ``dropout_edge``, ``dropout_node``): one draw a step over the
+whole graph, the same on every rank, chunk, stage and replay (:mod:`pyg_pipe.engine.step.dropedge`).
 
 The reference is plain PyG in one process on the whole graph, keeping the edges the engine's draw keeps at that step
-(``graph.chunks.edge_keep``): the engine's results must equal it where the algorithm is exact (one chunk a way,
-streaming), over several steps whose masks differ."""
+(``graph.chunks.edge_keep``; for DropNode the edges between the vertices ``graph.chunks.node_keep`` keeps, and the
+features of the dropped vertices zeroed with the vertex mask it returns): the engine's results must equal it where
+the algorithm is exact (one chunk a way, streaming), over several steps whose masks differ."""
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch_geometric.nn import GCNConv, SAGEConv
-from torch_geometric.utils import dropout_edge
+from torch_geometric.utils import dropout_edge, dropout_node
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig, sync_module_state
-from pyg_pipe.graph.chunks import edge_keep
+from pyg_pipe.graph.chunks import edge_keep, node_keep
 from tests.dist import run_distributed
 from tests.harness import ranges
 from tests.zoo import zoo_graph
@@ -55,11 +56,28 @@ class FlipThenDrop(DropEdgeNet):
         return self.conv3(x, edge_index)
 
 
+class DropNodeNet(DropEdgeNet):
+    """DropNode (GRAND's augmentation): the edges between the kept vertices, and the dropped vertices' features
+    zeroed with the mask ``dropout_node`` returns."""
+
+    def forward(self, x, edge_index):
+        edge_index, _, kept = dropout_node(edge_index, p=P, training=self.training)
+        x = self.conv1(x * kept.unsqueeze(-1).to(x.dtype), edge_index).relu()
+        x = self.conv2(x, edge_index).relu()
+        return self.conv3(x, edge_index)
+
+
 def reference(model: DropEdgeNet, x, edge_index, step: int, call: int = 0):
     """The model on one device, on the edges the engine's draws keep at ``step`` (training mode): the ``k``-th call of
     the forward keeps ``edge_keep(E, p, seed, step, k)``."""
     if isinstance(model, FlipThenDrop) and model.training:
         edge_index = edge_index.flip(0)
+    if isinstance(model, DropNodeNet):
+        kept = node_keep(x.size(0), P, 0, step, (call, 0), x.device) if model.training else \
+            torch.ones(x.size(0), dtype=torch.bool, device=x.device)
+        edge_index = edge_index[:, kept[edge_index[0]] & kept[edge_index[1]]]
+        h = model.conv1(x * kept.unsqueeze(-1).to(x.dtype), edge_index).relu()
+        return model.conv3(model.conv2(h, edge_index).relu(), edge_index)
 
     def kept(k):
         return edge_index[:, edge_keep(edge_index.size(1), P, 0, step, (call, k), edge_index.device)]
@@ -111,8 +129,8 @@ def _train(rank, world, stages, ways, chunks, streaming, device="cpu", make=Drop
         engine.uninstall()
 
 
-@pytest.mark.parametrize("make", [DropEdgeNet, PerLayerDropEdge, FlipThenDrop],
-                         ids=["one_draw", "a_draw_per_layer", "on_the_transpose"])
+@pytest.mark.parametrize("make", [DropEdgeNet, PerLayerDropEdge, FlipThenDrop, DropNodeNet],
+                         ids=["one_draw", "a_draw_per_layer", "on_the_transpose", "dropnode"])
 @pytest.mark.parametrize("mode,world,stages,ways,chunks,streaming", [
     ("graph_parallel", 2, 1, 2, 2, False),
     ("pipeline", 2, 2, 1, 1, False),
@@ -155,3 +173,17 @@ def test_outside_the_engine_dropout_edge_is_pygs():
     torch.manual_seed(3)
     want = dropout_edge(g["edge_index"], p=P)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_outside_the_engine_dropout_node_is_pygs():
+    x, g, y, mask = zoo_graph()
+    engine = GNNPipeEngine(DropNodeNet(), PipelineConfig(num_chunks=1), Comm(torch.device("cpu")), num_stages=1)
+    engine.install()
+    try:
+        torch.manual_seed(3)
+        got = dropout_node(g["edge_index"], p=P)
+    finally:
+        engine.uninstall()
+    torch.manual_seed(3)
+    want = dropout_node(g["edge_index"], p=P)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -112,9 +112,10 @@ def resolve_graphs(ctx: ChunkContext, name: str, module: MessagePassing, args: l
                     f"input graph (add_self_loops, to_undirected, coalesce, ...): compute it in the data pipeline, "
                     f"as a transform (T.AddSelfLoops(), T.ToUndirected()) or as another graph passed to forward "
                     f"(data.edge_index2 = ...; every graph passed is cut into chunks). Understood as they are: the "
-                    f"input graphs, their transposes (edge_index.flip(0)), PyG's dropout_edge on them (DropEdge), and "
-                    f"what a layer computes from its graph inside its own forward (self loops, normalisations); any "
-                    f"other graph drawn at random in forward is not supported: train without it, or on one device.")
+                    f"input graphs, their transposes (edge_index.flip(0)), PyG's dropout_edge and dropout_node on "
+                    f"them, and what a layer computes from its graph inside its own forward (self loops, "
+                    f"normalisations); any other graph drawn at random in forward is not supported: train without "
+                    f"it, or on one device.")
             found.setdefault(id(value), hit)
     if not found:
         raise UnsupportedModelError(
@@ -129,7 +130,7 @@ def reversed_graphs(ctx: ChunkContext, name: str, module: MessagePassing, graphs
     ``edge_index[0]`` and reads its neighbours at ``edge_index[1]``: it is the transposed graph's layer, so each
     edge list it is given becomes a chunk of the transposed graph (whose chunk rows are the vertices it
     aggregates at, and whose halo the vertices it reads), handed over in the layer's own orientation
-    (:meth:`~pyg_pipe.graph.chunks.LocalGraph.reversed_edges`). Whatever the layer computes from its edges then
+    (:attr:`~pyg_pipe.graph.chunks.LocalGraph.reversed_edges`). Whatever the layer computes from its edges then
     sees what it sees on one device, up to the order of the vertices."""
     out = {}
     for key, (cg, lg, local) in graphs.items():
@@ -145,7 +146,7 @@ def reversed_graphs(ctx: ChunkContext, name: str, module: MessagePassing, graphs
                 f"pipeline, or use the default flow.")
         tcg = ctx.graphs.derived(cg, "flip")
         tlg = tcg.chunks[lg.index]
-        out[key] = (tcg, tlg, tlg.reversed_edges())
+        out[key] = (tcg, tlg, tlg.reversed_edges)
     tcg, tlg, _ = next(iter(out.values()))
     return tcg, tlg, out
 

@@ -15,7 +15,9 @@ these hooks adapt each call to the chunk's local graph (:mod:`pyg_pipe.graph.chu
      (the local edges into the chunk's rows, a ``[rows, num_local]`` adjacency), and edge tensors are cut to those
      edges. Nothing is computed for halo vertices.
 
-   Degrees the layer computes are completed by :mod:`.degrees`.
+   Degrees the layer computes are completed by :mod:`.degrees`. A layer with ``flow="target_to_source"``
+   (aggregating at ``edge_index[0]``) is the transposed graph's layer: it gets the transpose's chunk, in its own
+   orientation, and always the whole local graph (:func:`~.arguments.reversed_graphs`).
 2. **each propagate / edge_updater call** (pre-hook): the arguments the layer reads at edge sources (``x`` for
    ``x_j``; the matrix of ``message_and_aggregate`` for sparse adjacencies) get their true halo rows
    (:mod:`..runtime.halo`): ``[rows | halo]``. In a rows-only call a source read at both ends (``x_i`` and ``x_j``)
@@ -212,8 +214,7 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
             whole = ctx.edge_input(t)
             if whole is not None:  # still the input's edges (degrees, transposes re-cut them from it)
                 ctx.add_edge_input(swap[i], whole, ctx.edge_chunking(t))
-        used = {i: lg2.reversed_edges(True) if reverse else row_graph(ctx, cg2, lg2, local)
-                for i, (cg2, lg2, local) in graphs.items()}
+        used = {i: row_graph(ctx, cg2, lg2, local) for i, (cg2, lg2, local) in graphs.items()}
     node_args.clear()
     edge_args.clear()
 

@@ -86,3 +86,34 @@ def _worker(rank, world, offload_dir):
 
 def test_training_with_history_in_any_tier_is_bit_identical(tmp_path):
     run_distributed(_worker, 2, str(tmp_path), timeout=300)
+
+
+def test_host_gradients_summed_when_read_equal_the_device_sums_bit_for_bit():
+    """:class:`~pyg_pipe.engine.runtime.store.Store` with its gradients in host memory keeps each chunk's
+    ``[rows | halo]`` gradient and sums a chunk's rows when they are read; mixed with a gradient by ids (a barrier
+    site's), the parts are summed into a buffer first, in order. Both equal a store on the device bit for bit."""
+    from pyg_pipe.engine.runtime.store import Store
+    from pyg_pipe.graph import ChunkedGraph
+
+    gen = torch.Generator().manual_seed(0)
+    n = 60
+    src, dst = torch.randint(0, n, (400,), generator=gen), torch.randint(0, n, (400,), generator=gen)
+    cg = ChunkedGraph(src, dst, n, torch.randperm(n, generator=gen), torch.tensor([0, 15, 30, 45, 60]))
+    grads = [torch.randn(lg.num_local, 5, generator=gen) for lg in cg.chunks]
+    ids = torch.randint(0, n, (30,), generator=gen)
+    extra = torch.randn(30, 5, generator=gen)
+    for by_ids in (False, True):
+        got = []
+        for tiers in (Tiers(torch.device("cpu")), Tiers(torch.device("cpu"), "host", 0)):
+            store = Store(tiers, n)
+            for lg in cg.chunks:
+                store.put("h", lg, torch.zeros(lg.rows, 5))
+            for lg, g in zip(cg.chunks, grads):
+                store.add_grad_local("h", lg, g)
+            assert ("h" in store.deferred) == (tiers.offload is not None)
+            if by_ids:
+                store.add_grad("h", ids, extra)
+            got.append([store.grad_rows("h", lg) for lg in cg.chunks])
+            assert store.summed == (4 if tiers.offload is not None and not by_ids else 0)
+        assert all(torch.equal(a, b) for a, b in zip(*got))
+

@@ -2,7 +2,7 @@
 one ``[|V|, ...]`` buffer per node value in the memory tiers, anything else per chunk, and their gradients."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -31,8 +31,11 @@ class Store:
         self.pending: Dict[str, Dict[int, Tuple[LocalGraph, Any]]] = {}
         self.ahead: Dict[Tuple[str, int], tuple] = {}                # (value, chunk) -> rows on their way in
         self.prefetched = 0                                          # reads served by :meth:`prefetch`
+        self.summed = 0                                              # gradient reads summed on the device
         self._halos: Dict[int, Tuple[LocalGraph, Tensor]] = {}       # chunk -> its halo ids on the host
         self.writes: Dict[tuple, list] = {}                         # ("rows"/"grads", value) -> writes to land
+        self.deferred: Dict[str, List[Tuple[LocalGraph, Tensor]]] = {}  # value -> its gradient's parts, in order
+        self._owned: Dict[Tuple[int, int], tuple] = {}               # (reader, owner chunk) -> halo slice
 
     def put(self, name: str, lg: LocalGraph, value) -> None:
         """Stores chunk ``lg``'s part of ``value`` (detached). Whether a value is a node value is decided by
@@ -171,6 +174,7 @@ class Store:
 
     def add_grad(self, name: str, ids: Tensor, grad: Tensor) -> None:
         """Adds ``grad`` to the gradient of rows ``ids`` of node value ``name``."""
+        self._undefer(name)
         g = self.grads.get(name)
         if g is None:
             like = self.rows[name]
@@ -183,10 +187,24 @@ class Store:
 
     def add_grad_local(self, name: str, lg: LocalGraph, grad: Tensor) -> None:
         """Adds ``grad`` (``[rows | halo]`` of chunk ``lg``) to the gradient of node value ``name``: the rows'
-        part as one block, the halo's by index (the same sums as ``add_grad(name, lg.nodes, grad)``)."""
+        part as one block, the halo's by index (the same sums as ``add_grad(name, lg.nodes, grad)``).
+
+        A gradient that would sit in host memory (``offload="host"`` beyond the budget) is not summed there: each
+        part is copied to the host as it is (on a GPU by DMA on the side stream), and the owner's rows are summed
+        on the device when read (:meth:`grad_rows`), part by part in the order they came, so the sums are the
+        ones the device would make (no index_add_ over the halo rows on the host, no zeroed host buffer)."""
+        like = self.rows[name]
+        if name in self.deferred or (name not in self.grads and self.tiers.offload == "host"
+                                     and self.tiers.offloads(like.shape, like.dtype)):
+            parts = self.deferred.setdefault(name, [])
+            sent = self.tiers.send(grad)
+            if sent is None:
+                parts.append((lg, grad.detach().to("cpu", copy=True)))
+            else:
+                self.writes.setdefault(("grads", name), []).append((sent, lambda rows, lg=lg: parts.append((lg, rows))))
+            return
         g = self.grads.get(name)
         if g is None:
-            like = self.rows[name]
             g = self.grads[name] = self.tiers.zeros(like.shape, like.dtype)
 
         def add(grad: Tensor, g=g, lg=lg) -> None:
@@ -197,8 +215,53 @@ class Store:
             self.tiers.release(g)
         self._write(("grads", name), g, grad, add)
 
+    def _undefer(self, name: str) -> None:
+        """The parts :meth:`add_grad_local` kept for ``name``, summed into a gradient buffer in their order (before
+        a gradient by ids joins them)."""
+        parts = self.deferred.pop(name, None)
+        if parts is None:
+            return
+        self._land(("grads", name))
+        like = self.rows[name]
+        g = self.grads[name] = self.tiers.zeros(like.shape, like.dtype)
+        for lg, grad in parts:
+            grad = grad.to(g.device, g.dtype)
+            g[lg.start:lg.end] += grad[:lg.rows]
+            if lg.halo.numel():
+                g.index_add_(0, self._halo(lg, g.device), grad[lg.rows:])
+        self.tiers.release(g)
+
+    def _summed(self, name: str, lg: LocalGraph) -> Tensor:
+        """Chunk ``lg``'s rows of the gradient kept as parts (:meth:`add_grad_local`), summed on the device: its own
+        block and the slices of other chunks' halo gradients that are its rows, in the order they came."""
+        self._land(("grads", name))
+        self.summed += 1
+        like = self.rows[name]
+        out = torch.zeros((lg.rows, *like.shape[1:]), dtype=like.dtype, device=self.tiers.device)
+        for part_lg, grad in self.deferred[name]:
+            if part_lg.index == lg.index:
+                out += self.tiers.to_device(grad[:lg.rows])
+                continue
+            a, b, ids = self._owned_rows(part_lg, lg)
+            if b > a:
+                out.index_add_(0, ids, self.tiers.to_device(grad[part_lg.rows + a:part_lg.rows + b]))
+        return out
+
+    def _owned_rows(self, reader: LocalGraph, owner: LocalGraph) -> Tuple[int, int, Tensor]:
+        """``(a, b, ids)``: ``reader``'s halo entries ``a .. b-1`` are ``owner``'s rows ``ids`` (device; a halo is
+        sorted by vertex id and a chunk's rows are a range of them, so they are one slice). Found once per pair."""
+        key = (id(reader), id(owner))
+        hit = self._owned.get(key)
+        if hit is None or hit[0] is not reader or hit[1] is not owner:
+            host = self._halo(reader, torch.device("cpu"))
+            a, b = (int(i) for i in torch.searchsorted(host, torch.tensor([owner.start, owner.end])))
+            hit = self._owned[key] = (reader, owner, a, b, reader.halo[a:b] - owner.start)
+        return hit[2:]
+
     def grad_rows(self, name: str, lg: LocalGraph) -> Optional[Tensor]:
         """The gradient of chunk ``lg``'s rows of node value ``name`` (``None``: nothing reached it)."""
+        if name in self.deferred:
+            return self._summed(name, lg)
         g = self.grads.get(name)
         if g is None:
             return None
@@ -212,6 +275,7 @@ class Store:
         self._forget(name)
         self.writes.pop(("rows", name), None)
         self.writes.pop(("grads", name), None)
+        self.deferred.pop(name, None)
         for table in (self.rows, self.grads):
             t = table.pop(name, None)
             if t is not None:
@@ -221,7 +285,8 @@ class Store:
 
     def clear(self) -> None:
         """Frees everything (the end of a step, or an inference pass)."""
-        for name in list(self.rows) + list(self.grads) + list(self.chunks) + list(self.chunk_grads):
+        for name in list(self.rows) + list(self.grads) + list(self.deferred) + list(self.chunks) + \
+                list(self.chunk_grads):
             self.drop(name)
 
 

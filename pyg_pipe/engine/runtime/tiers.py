@@ -63,6 +63,11 @@ class Tiers:
             return torch.zeros(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
         return self._mapped(shape, dtype, nbytes)
 
+    def offloads(self, shape, dtype: torch.dtype) -> bool:
+        """Whether a buffer :meth:`zeros` made now would go to the tier."""
+        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        return self.offload is not None and self.on_device + nbytes > self._budget()
+
     def copy(self, t: Tensor) -> Tensor:
         """A copy of ``t`` in the same kind of place a new buffer would get."""
         out = self.zeros(t.shape, t.dtype)

@@ -85,9 +85,9 @@ def dropout_node(edge_index: Tensor, p: float = 0.5, num_nodes: Optional[int] = 
         return local.edge_index, dropped.local_keep[lg.index], rows
 
 
-for _fn in (dropout_edge, dropout_node):
-    _fn.__name__ = _fn.__qualname__ = f"chunk_{_fn.__name__}"  # (not random to the stage split: each stage computes
-    #                                                        it itself, the same edges: model.trace.Program.recomputable)
+for _fn in (dropout_edge, dropout_node):  # (not random to the stage split: each stage computes its draws itself,
+    #                                         the same edges: model.trace.Program.recomputable)
+    _fn.__name__ = _fn.__qualname__ = f"chunk_{_fn.__name__}"
     _fn.numbered = True  # (a traced stage numbers its calls in the whole forward's order: runtime.program)
 
 

@@ -64,6 +64,24 @@ def test_the_choice_follows_the_link():
     assert "grid='auto': 2 stages x 1 way" in slow.line() and "GB/s" in slow.line()
 
 
+def test_under_a_memory_room_the_choice_is_among_the_grids_that_fit():
+    options = candidates(2, 16, 10000, None, True)
+    fast = choose(costs(), options)
+    assert (fast.stages, fast.ways, fast.per_way) == (1, 2, 1)  # (the time alone: graph parallelism)
+    # graph parallelism holds the whole model's activations over half the vertices: estimated not to fit, while
+    # the pipeline from 4 chunks on does
+    peaks = {o: (900 if o[1] == 2 else 800 // o[2] + 300) for o in options}
+    tight = choose(costs(), options, room=600, peaks=peaks)
+    assert (tight.stages, tight.ways) == (2, 1) and peaks[(2, 1, tight.per_way)] <= 600
+    assert tight.per_way == min(k for S, W, k in options if W == 1 and peaks[(S, W, k)] <= 600 and
+                                tight.predicted[(S, W, k)] <= 1.1 * min(tight.predicted[o] for o in options
+                                                                         if peaks[o] <= 600))
+    assert "candidates' first steps are estimated to fit" in tight.line()
+    # nothing fits: the time alone decides, and the line says so
+    none = choose(costs(), options, room=10, peaks=peaks)
+    assert (none.stages, none.ways, none.per_way) == (1, 2, 1) and "no candidate's first step" in none.line()
+
+
 def test_halo_rows_counts_the_most_loaded_way():
     # two triangles joined by the edges 2 -> 3, 4 -> 0 and 5 -> 0: parts {0, 1, 2} and {3, 4, 5}
     edge_index = torch.tensor([[0, 1, 2, 3, 4, 5, 2, 4, 5], [1, 2, 0, 4, 5, 3, 3, 0, 0]])
@@ -149,6 +167,39 @@ def _slow_link_worker(rank, world):
     assert report.predicted[(S, W, 4 // W)] <= 1.1 * best
     assert all(v > 1.1 * best for (_, _, k), v in report.predicted.items() if k < 4 // W)
     engine.uninstall()
+
+
+def _budget_worker(rank, world):
+    """With a memory budget, every candidate's first step is estimated (as num_chunks='auto' does under one), the
+    choice is among those that fit, and the line says so; the same grid on every rank. Budgets: ample (all fit),
+    between the candidates' estimates (some fit: the choice is one of them), and below every one (the time decides)."""
+    x, edge_index, y, mask = small_graph()
+    comm = Comm(torch.device("cpu"))
+    peaks = None
+    for kind in ("ample", "between", "tight"):
+        budget = {"ample": 1 << 34, "tight": 1 << 10}.get(kind) or sorted(peaks.values())[len(peaks) // 2]
+        torch.manual_seed(0)
+        engine = GNNPipeEngine(make_model("gcnii"), PipelineConfig(grid="auto", memory_budget=budget), comm)
+        engine.install()
+        _, loss = forward_backward(engine.module, torch.optim.SGD(engine.module.parameters(), lr=0.01), x,
+                                   edge_index, y, mask)
+        assert torch.isfinite(loss)
+        report = comm.all_gather_objects(engine.grid_report, "test")[0]
+        assert report.room == budget and set(report.peaks) == set(report.predicted)
+        chosen = (report.stages, report.ways, report.per_way)
+        assert engine.grid_choice == chosen[:2]
+        fit = [o for o, v in report.peaks.items() if v <= budget]
+        assert len(fit) == {"ample": len(report.peaks), "tight": 0}.get(kind, len(fit)), (kind, report.peaks)
+        if kind == "between":
+            assert 0 < len(fit) < len(report.peaks) and chosen in fit, (budget, report.peaks, chosen)
+        if kind == "tight":
+            assert "no candidate's first step" in report.line()
+        peaks = report.peaks
+        engine.uninstall()
+
+
+def test_a_memory_budget_limits_the_grids_chosen_among():
+    run_distributed(_budget_worker, 2, timeout=300)
 
 
 def test_auto_is_one_grid_on_every_rank_and_saved():

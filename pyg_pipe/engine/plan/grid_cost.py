@@ -28,9 +28,15 @@ Chunks are timed as the plan cuts them (with their halos: on a graph without loc
 as many halo rows as it has rows), and a way of graph parallelism is timed whole, since its halo can make
 it cost nearly the whole graph's pass.
 
-Left out: the output sent to every rank (the same bytes in every grid), partial overlap of the halo
-exchange with compute (it is waited on inside the layer), and memory (the chunk count is then fitted to a
-memory budget as for ``num_chunks="auto"``: :mod:`.memory_fit`).
+Left out: the output sent to every rank (the same bytes in every grid), and partial overlap of the halo
+exchange with compute (it is waited on inside the layer).
+
+**Memory.** Where a process's room is known (``memory_budget``, or on an accelerator the least free memory of the
+ranks less 10 %: :func:`~.memory_fit.memory_room`), each candidate's first step is estimated before any step as
+``num_chunks="auto"`` estimates it under a budget (:func:`~.memory_fit.first_step_estimate`: its partition's
+structures and history rows counted, the rest from one training pass over a chunk), and the choice below is made
+among the candidates that fit; where none does, the time alone chooses and the line says so. The plan then fits
+the chunk count of the grid chosen to the room as ``num_chunks="auto"`` does (:mod:`.memory_fit`).
 
 **The choice** among every ``S x W = P`` with at most one stage a layer group (and ``W = 1`` with
 ``late_gradients``), k in 1, 2, 4, ... (k = 1 with one stage; ``num_chunks=<int>`` fixes ``C = W k``): the
@@ -57,6 +63,7 @@ from torch import Tensor
 from ...model.inputs import graph_edges
 from .chunk_cost import MAX_PER_WAY, PROBES, SLACK, fit, machine_share
 from .decide import root_decides
+from .memory_cost import MB
 
 log = logging.getLogger("pyg_pipe")
 
@@ -121,6 +128,8 @@ class GridChoice:
     per_way: int
     predicted: Dict[Tuple[int, int, int], float]
     costs: GridCosts
+    room: Optional[int] = None                                   # bytes a process may hold, where known
+    peaks: Optional[Dict[Tuple[int, int, int], int]] = None      # each candidate's first step, estimated
 
     def line(self) -> str:
         m = self.costs
@@ -135,16 +144,33 @@ class GridChoice:
                 f"{self.predicted[fastest]:.3g} s at {fastest[0]}x{fastest[1]}, {fastest[1] * fastest[2]} chunks; "
                 f"each grid's best: {grids}); the fewest chunks a way within {SLACK:.0%} of the fastest (link "
                 f"{m.alpha * 1e6:.3g} us + {m.beta / 1e9:.3g} GB/s, measured; "
-                f"stages=/ways= of HybridStrategy or grid='pipeline' override).")
+                f"stages=/ways= of HybridStrategy or grid='pipeline' override){self._memory()}.")
+
+    def _memory(self) -> str:
+        if self.room is None or not self.peaks:
+            return ""
+        fit = sum(1 for v in self.peaks.values() if v <= self.room)
+        est = self.peaks[(self.stages, self.ways, self.per_way)] / MB
+        if not fit:
+            return (f"; memory: no candidate's first step is estimated to fit the room for {self.room / MB:.0f} MB "
+                    f"a process (this one {est:.0f} MB), so the time alone chose")
+        return (f"; memory: {fit} of {len(self.peaks)} candidates' first steps are estimated to fit the room for "
+                f"{self.room / MB:.0f} MB a process, chosen among those (this one {est:.0f} MB)")
 
 
-def choose(m: GridCosts, options: List[Tuple[int, int, int]]) -> GridChoice:
-    """The fewest chunks a way among the options within :data:`SLACK` of the fastest, the fastest of those."""
+def choose(m: GridCosts, options: List[Tuple[int, int, int]], room: Optional[int] = None,
+           peaks: Optional[Dict[Tuple[int, int, int], int]] = None) -> GridChoice:
+    """The fewest chunks a way among the options within :data:`SLACK` of the fastest, the fastest of those; under a
+    memory ``room`` (bytes a process may hold), among the options whose first step's estimated peak (``peaks``)
+    fits it, where any does."""
     predicted = {o: predicted_step(m, *o) for o in options}
-    best = min(predicted.values())
-    near = [o for o in options if predicted[o] <= (1.0 + SLACK) * best]
+    pool = options
+    if room is not None and peaks:
+        pool = [o for o in options if peaks[o] <= room] or options
+    best = min(predicted[o] for o in pool)
+    near = [o for o in pool if predicted[o] <= (1.0 + SLACK) * best]
     S, W, k = min(near, key=lambda o: (o[2], predicted[o]))
-    return GridChoice(S, W, k, predicted, m)
+    return GridChoice(S, W, k, predicted, m, room, peaks)
 
 
 def measure_link(comm, root: int = 0) -> Tuple[float, float]:
@@ -204,9 +230,11 @@ def auto_grid(P: int, layers: int, inputs, config, seconds_of, memory_of, partit
     ``seconds_of(perm, ptr)`` / ``memory_of(chunking, way_chunking)``: a training pass's seconds and
     :class:`~.first_step.PassMemory` over a chunk; ``partition(ways, chunks)``: the plan's ``(perm, ptr)``.
     Every rank calls it."""
+    from .memory_fit import first_step_estimate, memory_room
     N = inputs.num_nodes
     alpha, beta = measure_link(comm, root)
     shared = machine_share(comm, root)
+    room = memory_room(config, comm)
     chunks = config.num_chunks if isinstance(config.num_chunks, int) else None
     options = candidates(P, layers, N, chunks, not config.late_gradients)
     said: list = []
@@ -224,7 +252,11 @@ def auto_grid(P: int, layers: int, inputs, config, seconds_of, memory_of, partit
         sites = sum(1 for w in (pm.detail.widths if pm.detail is not None else []) if w > 0)
         m = GridCosts(N, a, b, alpha, beta, pm.history, sites, pm.boundary, pm.params, halos, ways, shared,
                       config.overlap)
-        choice = choose(m, options)
+        peaks = None
+        if room is not None:  # each candidate's first step, estimated as num_chunks="auto" does (memory_fit)
+            peaks = {(S, W, k): first_step_estimate(pm, config, inputs, S, W, k, *partition(W, W * k))[0].peak
+                     for S, W, k in options}
+        choice = choose(m, options, room, peaks)
         said.append(choice)
         return torch.tensor([choice.stages, choice.ways, choice.ways * choice.per_way,
                              choice.predicted[(choice.stages, choice.ways, choice.per_way)]], dtype=torch.float64)

@@ -109,6 +109,28 @@ def probe_scale(m, room: int, num_nodes: int, stages: int, ways: int, notes: Opt
     return scale
 
 
+def _copies(config) -> int:
+    """Buffers of every history row on the device: the buffer, T2's snapshot, the smoothed rows, the late gradients
+    (none with an offload tier)."""
+    return 0 if config.offload is not None else \
+        1 + (config.snapshot_period is not None) + (config.smoothing is not None) + bool(config.late_gradients)
+
+
+def first_step_estimate(m, config, inputs, stages: int, ways: int, per_way: int, perm: Tensor, ptr: Tensor,
+                        shares=None, with_offload: bool = False):
+    """``(on, off)``: :func:`~.first_step.first_step_peak` of the chunking ``(perm, ptr)`` (``per_way`` chunks a
+    way) under ``config`` (its tier, copies and replay), and with the history in the host tier (``off``; the same as
+    ``on`` unless ``with_offload``)."""
+    structures, edges = chunking_bytes(inputs.graphs, perm, ptr, ways)
+    rows = history_rows(inputs.graphs, perm, ptr, ways)
+    replay = config.recompute != False  # noqa: E712
+    on = first_step_peak(m, inputs.num_nodes, stages, ways, per_way, structures, edges, rows, _copies(config),
+                         replay, offloaded=config.offload is not None, shares=shares)
+    off = first_step_peak(m, inputs.num_nodes, stages, ways, per_way, structures, edges, rows, 0, replay,
+                          offloaded=True, shares=shares) if with_offload else on
+    return on, off
+
+
 def fit_memory(m, room: Optional[int], config, inputs, stages: int, ways: int, chunks: int, perm: Tensor,
                ptr: Tensor, partition: Callable[[int], Tuple[Tensor, Tensor]], comm, root: int,
                notes: Optional[List[str]] = None, split: Optional[Tuple[Sequence[int], Sequence[float]]] = None) \
@@ -120,8 +142,6 @@ def fit_memory(m, room: Optional[int], config, inputs, stages: int, ways: int, c
     if room is None or stages == 1:
         return Fitted(chunks, perm, ptr)
     N = inputs.num_nodes
-    copies = 0 if config.offload is not None else \
-        1 + (config.snapshot_period is not None) + (config.smoothing is not None) + bool(config.late_gradients)
     replay = config.recompute != False  # noqa: E712 - "auto" replays the first step, True every step
     may_offload = replay and config.offload is None
     cap = max(1, min(MAX_PER_WAY, N // ways))
@@ -131,14 +151,8 @@ def fit_memory(m, room: Optional[int], config, inputs, stages: int, ways: int, c
     said: Dict[int, object] = {}             # (root) chunks a way -> the estimate's parts
     while True:
         def estimate() -> Tensor:  # (on root, which measured: ``m`` has the detail there)
-            p, q = cuts[k]
-            structures, edges = chunking_bytes(inputs.graphs, p, q, ways)
-            rows = history_rows(inputs.graphs, p, q, ways)
             shares = stage_shares(m, *split) if split is not None else None
-            on = first_step_peak(m, N, stages, ways, k, structures, edges, rows, copies, replay,
-                                 offloaded=config.offload is not None, shares=shares)
-            off = first_step_peak(m, N, stages, ways, k, structures, edges, rows, 0, replay, offloaded=True,
-                                  shares=shares) if may_offload else on
+            on, off = first_step_estimate(m, config, inputs, stages, ways, k, *cuts[k], shares, may_offload)
             said[k] = on
             return torch.tensor([on.peak, off.peak], dtype=torch.float64)
         got = root_decides(estimate, torch.zeros(2, dtype=torch.float64), comm, root,

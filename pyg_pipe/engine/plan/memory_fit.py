@@ -120,10 +120,12 @@ def first_step_estimate(m, config, inputs, stages: int, ways: int, per_way: int,
                         shares=None, with_offload: bool = False):
     """``(on, off)``: :func:`~.first_step.first_step_peak` of the chunking ``(perm, ptr)`` (``per_way`` chunks a
     way) under ``config`` (its tier, copies and replay), and with the history in the host tier (``off``; the same as
-    ``on`` unless ``with_offload``)."""
+    ``on`` unless ``with_offload``). With one chunk a way nothing is read from history (graph-parallel ways
+    exchange their halos fresh: no rows held), and with one stage too nothing is replayed (the step keeps its
+    activations, as one device's does)."""
     structures, edges = chunking_bytes(inputs.graphs, perm, ptr, ways)
-    rows = history_rows(inputs.graphs, perm, ptr, ways)
-    replay = config.recompute != False  # noqa: E712
+    rows = history_rows(inputs.graphs, perm, ptr, ways) if per_way > 1 else 0
+    replay = config.recompute != False and (per_way > 1 or stages > 1)  # noqa: E712
     on = first_step_peak(m, inputs.num_nodes, stages, ways, per_way, structures, edges, rows, _copies(config),
                          replay, offloaded=config.offload is not None, shares=shares)
     off = first_step_peak(m, inputs.num_nodes, stages, ways, per_way, structures, edges, rows, 0, replay,

@@ -52,6 +52,11 @@ from ..context import current
 from .row_rules import (caller, ids_kinds, in_bounds, mixes, moved, op_name, reads_at_ids,
                         scatter_index, tensors)
 
+#: the sources named for a layer aggregating at edge_index[0] (``Invocation.reverse``)
+_ENDS = {False: "", True: " (with flow='target_to_source' the sources are edge_index[1], the end the layer reads its "
+                         "neighbours at)"}
+
+
 class RowCheck(TorchFunctionMode):
     """Follows the tensors with one row per vertex through one chunk's run of the forward and records
     the first operation that combines the rows of different vertices (see the module docstring).
@@ -175,11 +180,12 @@ class RowCheck(TorchFunctionMode):
             if any(t is read[0] for t, _ in rows):
                 return self._neighbour_read(inv, name, func, args, kwargs, *read)
             self._refuse_sum(inv, name, "reads at the sources of the layer's edges a value summed over each "
-                                        "vertex's in-edges")
+                                        "vertex's in-edges" + _ENDS[inv.reverse])
             return self._neighbour_read(inv, name, func, args, kwargs, *read)
         at = scatter_index(name, args, kwargs)
         if at is not None and self._is_ids(at) and self._kind(at) != "dst":
-            self._refuse_sum(inv, name, "sums over the layer's edges at their sources (out-degrees)")
+            self._refuse_sum(inv, name, "sums over the layer's edges at their sources (out-degrees)"
+                             + _ENDS[inv.reverse])
             args = in_bounds(name, args, kwargs)  # (sources past the chunk's rows: the pass goes on to its end)
         out = func(*args, **kwargs)
         outs = list(out) if isinstance(out, (tuple, list)) else [out]

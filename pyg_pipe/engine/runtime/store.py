@@ -208,12 +208,16 @@ class Store:
             g = self.grads[name] = self.tiers.zeros(like.shape, like.dtype)
 
         def add(grad: Tensor, g=g, lg=lg) -> None:
-            grad = grad.to(g.device, g.dtype)
-            g[lg.start:lg.end] += grad[:lg.rows]
-            if lg.halo.numel():
-                g.index_add_(0, self._halo(lg, g.device), grad[lg.rows:])
+            self._add_local(g, lg, grad)
             self.tiers.release(g)
         self._write(("grads", name), g, grad, add)
+
+    def _add_local(self, g: Tensor, lg: LocalGraph, grad: Tensor) -> None:
+        """``grad`` (``[rows | halo]`` of chunk ``lg``) added into the gradient buffer ``g``."""
+        grad = grad.to(g.device, g.dtype)
+        g[lg.start:lg.end] += grad[:lg.rows]
+        if lg.halo.numel():
+            g.index_add_(0, self._halo(lg, g.device), grad[lg.rows:])
 
     def _undefer(self, name: str) -> None:
         """The parts :meth:`add_grad_local` kept for ``name``, summed into a gradient buffer in their order (before
@@ -225,10 +229,7 @@ class Store:
         like = self.rows[name]
         g = self.grads[name] = self.tiers.zeros(like.shape, like.dtype)
         for lg, grad in parts:
-            grad = grad.to(g.device, g.dtype)
-            g[lg.start:lg.end] += grad[:lg.rows]
-            if lg.halo.numel():
-                g.index_add_(0, self._halo(lg, g.device), grad[lg.rows:])
+            self._add_local(g, lg, grad)
         self.tiers.release(g)
 
     def _summed(self, name: str, lg: LocalGraph) -> Tensor:

@@ -116,6 +116,7 @@ class Invocation:
     in_edges: bool = False
     rows_only: bool = False
     reverse: bool = False     # the layer aggregates at edge_index[0] (flow="target_to_source")
+    extended: tuple = ()      # a clean whole-local-graph call: its node arguments as extended (..step.direct)
     restore: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -209,6 +210,7 @@ class ChunkContext:
         self.clean_calls: Dict[Tuple[str, int], bool] = {}
         self.tables: List[Tuple[torch.nn.Module, Tensor, Tensor]] = []
         self.drops = 0  # DropEdge calls made so far in this run (:mod:`.step.dropedge`)
+        self.direct = None  # streaming: the calls that propagate their clean inputs (:mod:`.step.direct`)
 
     def __enter__(self) -> "ChunkContext":
         _STACK.append(self)

@@ -79,6 +79,24 @@ _TRANSPOSE_CACHE_BYTES = int(os.environ.get("PYG_PIPE_TRANSPOSE_CACHE_MB", "512"
 _transpose_cache: OrderedDict[tuple, tuple] = OrderedDict()
 
 
+def forget(*roots) -> None:
+    """Drops the cached transposes of the CSR adjacencies found in ``roots`` (tensors, or dicts, lists and tuples
+    holding them): graphs their owner is about to let go of, whose entries would keep them alive."""
+    held, stack = set(), list(roots)
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, Tensor):
+            if obj.layout == torch.sparse_csr:
+                held.add((obj.crow_indices().data_ptr(), obj.col_indices().data_ptr()))
+        elif isinstance(obj, dict):
+            stack += list(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack += list(obj)
+    with _cache_lock:
+        for key in [k for k in _transpose_cache if (k[1], k[4]) in held]:
+            del _transpose_cache[key]
+
+
 def _entry_bytes(entry: tuple) -> int:
     return sum(t.numel() * t.element_size() for t in entry)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch_geometric.nn import APPNP, GAT, GCN, DeepGCNLayer, GCNConv
+from torch_geometric.nn import APPNP, GAT, GCN, DeepGCNLayer, GCNConv, MessagePassing
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
 from pyg_pipe.engine.step import stream
@@ -341,3 +341,52 @@ def test_kept_activations_train_bit_for_bit_as_replays(name, monkeypatch):
     assert runs[False] <= runs["auto"] <= runs[True]
     if not name.startswith(("ResGCN+", "APPNP")):  # (every group of those has a barrier site: all replayed)
         assert runs[False] < runs["auto"] < runs[True]
+
+
+@pytest.mark.parametrize("name", ["GCNII", "GCN"])
+def test_calls_that_propagate_their_inputs_compute_rows_only_after_their_first_chunk(name):
+    """Streamed layers receive their inputs with true halo rows. A call whose propagates read exactly those inputs
+    at edge sources (GCN2Conv) runs on the whole local graph on the first chunk only, which marks it; every other
+    chunk, and from the second step every chunk, computes its rows only (the propagate's output has the chunk's
+    rows, not its local vertices). A call that reads something it computed first (GCNConv's ``lin(x)``) keeps the
+    whole local graph. Either way three Adam steps on ``adj_t`` equal one device (float64, a graph of three
+    components, 4 chunks with halos)."""
+    from torch_geometric.utils import to_torch_csr_tensor
+    torch.set_default_dtype(torch.float64)
+    try:
+        x, g, y, mask = zoo_graph(sizes=(16, 40, 40))
+        adj = to_torch_csr_tensor(g["edge_index"].flip(0), size=(x.size(0), x.size(0)))
+        torch.manual_seed(0)
+        model = gcnii(8, 12, 3, 4) if name == "GCNII" else GCN(8, 12, num_layers=3, out_channels=3, cached=True)
+        ref = copy.deepcopy(model)
+        sizes = []  # per step: the row counts the layers' propagates returned
+        for conv in (m for m in model.modules() if isinstance(m, MessagePassing)):
+            conv.register_propagate_forward_hook(lambda module, inputs, out: sizes[-1].add(out.size(0)))
+
+        def train(m):
+            opt, outs = torch.optim.Adam(m.parameters(), lr=0.02), []
+            for _ in range(3):
+                sizes.append(set())
+                out = m(x, adj)
+                F.cross_entropy(out[mask], y[mask]).backward()
+                opt.step()
+                opt.zero_grad()
+                outs.append(out.detach())
+            return outs
+        engine = _engine(model)
+        engine.install()
+        try:
+            streamed = train(model)
+        finally:
+            engine.uninstall()
+        sizes, chunks = sizes[:3], engine.runtime.graph.chunks
+        for a, b in zip(streamed, train(ref)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    rows, local = {lg.rows for lg in chunks}, {lg.num_local for lg in chunks}
+    assert not rows & local  # (every chunk has a halo)
+    if name == "GCNII":
+        assert sizes[0] == rows | {chunks[0].num_local} and sizes[1] == sizes[2] == rows
+    else:
+        assert sizes[0] == sizes[1] == sizes[2] == local

@@ -96,6 +96,7 @@ class Runtime:
         self.programs = Programs(module, fn, plan.sizes, config.split_points, grid.stage, grid.is_last)
         self.sites = CallSites(comm, grid.stage_group if W > 1 else None)
         self.layer_cache: Dict = {}
+        self.direct = None  # streaming: the calls that go rows only after the first step (..step.direct.DirectCalls)
         self.adjacency: Dict = {}
         self.tables = vertex_tables(module, plan.num_nodes)  # embedding tables with a row per vertex
         # the inputs' chunk rows (and joined halos) kept across calls, when twice the inputs fit an eighth of the

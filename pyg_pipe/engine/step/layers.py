@@ -10,7 +10,9 @@ these hooks adapt each call to the chunk's local graph (:mod:`pyg_pipe.graph.chu
 
    * *clean* call (every node argument is an input handed out for the chunk, unchanged): node tensors are extended to
      the local graph's ``num_local`` rows with their **true** halo rows (from the whole input), the layer runs on
-     the whole local graph, and its sources need no exchange (the first layer of a model reads the input features);
+     the whole local graph, and its sources need no exchange (the first layer of a model reads the input features;
+     streaming, a call whose propagates read exactly those inputs computes its rows only after its first chunk:
+     :mod:`.direct`);
    * otherwise the layer computes **the chunk's rows only**: node tensors stay ``[rows]``, the graph is the *row graph*
      (the local edges into the chunk's rows, a ``[rows, num_local]`` adjacency), and edge tensors are cut to those
      edges. Nothing is computed for halo vertices.
@@ -203,7 +205,8 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
             f"pyg_pipe runs such a layer on one graph only. Give it one graph, or use the default flow.")
     # several graphs: each propagate joins its own graph's halo to the chunk's rows. A layer with
     # flow="target_to_source" takes the whole local graph (PyG reads its pairs differently in its two propagates)
-    rows_only = (not clean or several) and not _whole_local_graph(module) and not reverse
+    direct = clean and not several and ctx.direct is not None and ctx.direct.rows_only(name, index, lg.index)  # (.direct)
+    rows_only = (not clean or several or direct) and not _whole_local_graph(module) and not reverse
     if not rows_only:  # the whole local graph: true halo rows (clean), or fillers the propagate replaces
         swap = {id(t): extend(ctx, cg, lg, t, vdim, clean) for t, vdim in node_args}
         used = {i: local for i, (_, _, local) in graphs.items()}
@@ -230,7 +233,7 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
     kwargs = {k: each(v, replace) for k, v in kwargs.items()}
     inv = Invocation(name, index, cg, lg, clean, rows_only=rows_only, reverse=reverse,
                      graphs={id(g): (g, cg2, lg2, True) for g, (cg2, lg2, _) in
-                             ((used[i], graphs[i]) for i in graphs)})
+                             ((used[i], graphs[i]) for i in graphs)}, extended=tuple(swap.values()) if clean and not rows_only else ())
     swap_cache(ctx, inv, module)
     ctx.stack.append(inv)
     return tuple(args), kwargs
@@ -285,6 +288,8 @@ def _exit(module: MessagePassing, args, kwargs, output):
     inv = ctx.stack.pop()
     if inv.parent is not None:
         return None
+    if ctx.direct is not None:
+        ctx.direct.unread(inv)
     with ctx.engine_work():
         store_cache(ctx, inv, module)
         for attr, value in inv.restore.items():
@@ -334,6 +339,8 @@ def _sources(name: str, args_attr: str, stats: bool):
                     f"of the whole graph (a vertex-indexed parameter, featureless input) cannot be split into chunks; "
                     f"pass per-vertex features as a forward argument instead, or train on one device.")
             sources.append(arg)
+            if ctx.direct is not None:
+                ctx.direct.observe(inv, t)
             if not t.is_floating_point() and cg.num_chunks > 1 and reads_edge_ids(module):
                 raise UnsupportedModelError(
                     f"Layer '{inv.name}' ({type(module).__name__}) is given integer vertex features ('{arg}', node "

@@ -54,6 +54,7 @@ from ..runtime.store import Store
 from ..tree import flatten, pack_rows, unflatten
 from .barriers import StreamHalo, _Barrier
 from .checks import check_output, row_check
+from .direct import DirectCalls
 from .chunk import SavedBytes, rng_state, same_rng
 from .layer_cache import CacheView, by_chunk
 
@@ -88,6 +89,8 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
     the output (packed: :func:`~..tree.pack_rows`, ``record.structure`` unpacks it) and the record.
     ``train``: keep what the backward needs (random states, the store)."""
     cg = rt.graph
+    if rt.direct is None:
+        rt.direct = DirectCalls()
     runners = rt.programs.stage_runners(inputs)
     record = StreamRecord(rt, inputs, Localizer(inputs, rt.chunked, rt.adjacency, rt.tables, rt.keep_inputs), runners, store, [])
     record.localizer.call = rt.call if train else 0
@@ -196,6 +199,7 @@ def backward(grad: Tensor, record: StreamRecord) -> None:
     store.clear()
     if rt.stream_keep is None:
         decide_keep(rt, record.saved_bytes)
+    rt.direct.settle(rt.layer_cache)
 
 
 def decide_keep(rt: Runtime, saved_bytes: int) -> None:
@@ -234,6 +238,7 @@ def _run(rt: Runtime, record: StreamRecord, g: int, c: int, halo: StreamHalo, gr
         record.caches = by_chunk(rt.layer_cache)
     cache = CacheView(rt.layer_cache, record.caches.get(c, {}), c)
     ctx = ChunkContext(cg, lg, halo, record.localizer.resolver(c, rt.derive), stats, cache, check, replay=False)
+    ctx.direct = rt.direct
     leaves: List[Tuple[str, Tensor, Tensor]] = []
     chunk_leaves: Dict[str, Any] = {}
     received: Dict[str, Any] = {}

@@ -21,7 +21,9 @@ community graph, plain PyG against the engine on the same GPU:
     each trial in a fresh process with the CUDA allocator capped at ``--cap-gib`` (so the sweep stays small
     and fast; the ratio is the point): plain PyG, and the engine streaming with every value between layers
     in pinned host memory (``offload="host"``, budget 0) and ``8 × size ÷ largest plain size`` chunks (at
-    least 4); ``trials`` lists each with its peak memory;
+    least 4); the trials of a round (plain PyG: 4 sizes, streaming: 3 and the largest plain one) run at once, in
+    processes of their own, so their times overlap (``stream_step_s``: each trial's own seconds, contended);
+    ``trials`` lists each with its peak memory;
     ``loss_gap_at_plain_max``: |loss of the streamed step − plain PyG's| on the largest plain graph;
 ``pipeline_2proc_ratio``
     2 processes on this one GPU, 2 pipeline stages, 4 chunks, gloo with the transport staging CUDA tensors
@@ -218,56 +220,67 @@ def _trial_main(nodes: int, plain_max: int, device: str, cap_gib: float) -> None
 TRIALS: list = []
 
 
-def _fits(nodes: int, dev, plain_max: int | None, cap_gib: float):
-    """The loss of one step at ``nodes`` vertices in a fresh process under the cap, or ``None`` when it ran out
-    of memory (a trial that fails otherwise stops the sweep with its error)."""
+def _fits(sizes: list, dev, plain_max: int | None, cap_gib: float) -> dict:
+    """``{nodes: loss}`` of one step at each of ``sizes`` vertices, each in a fresh process under the cap, all at once
+    (one GPU holds several 2 GiB caps; the trials' times overlap, their memory does not), the loss ``None`` where it
+    ran out of memory (a trial that fails otherwise stops the sweep with its error)."""
     import subprocess
-    cmd = [sys.executable, os.path.abspath(__file__), "--trial", str(nodes), str(plain_max or 0),
-           "--device", str(dev), "--cap-gib", str(cap_gib)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("TRIAL ")]
-    if run.returncode != 0 or not lines:
-        raise RuntimeError(f"sweep trial {nodes} ({'plain' if plain_max is None else 'stream'}) failed "
-                           f"(rc {run.returncode}):\n{run.stderr[-3000:]}")
-    trial = json.loads(lines[-1][len("TRIAL "):])
-    TRIALS.append(trial)
-    print(f"  sweep: {trial['mode']} {nodes}: {'ok' if trial['ok'] else 'out of memory'} in {trial['seconds']:.1f} s, "
-          f"peak {trial.get('peak_mb', float('nan')):.0f} MB", flush=True)
-    return trial["loss"] if trial["ok"] else None
+    runs = [(n, subprocess.Popen([sys.executable, os.path.abspath(__file__), "--trial", str(n), str(plain_max or 0),
+                                  "--device", str(dev), "--cap-gib", str(cap_gib)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)) for n in sizes]
+    out = {}
+    for n, run in runs:
+        stdout, stderr = run.communicate(timeout=600)
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("TRIAL ")]
+        if run.returncode != 0 or not lines:
+            raise RuntimeError(f"sweep trial {n} ({'plain' if plain_max is None else 'stream'}) failed "
+                               f"(rc {run.returncode}):\n{stderr[-3000:]}")
+        trial = json.loads(lines[-1][len("TRIAL "):])
+        TRIALS.append(trial)
+        print(f"  sweep: {trial['mode']} {n}: {'ok' if trial['ok'] else 'out of memory'} in {trial['seconds']:.1f} s, "
+              f"peak {trial.get('peak_mb', float('nan')):.0f} MB", flush=True)
+        out[n] = trial["loss"] if trial["ok"] else None
+    return out
 
 
-def largest(dev, start: int, limit_s: float, cap_gib: float) -> dict:
-    """The doubling sweep (module docstring), each trial in a fresh process."""
+def _doubling(first: int, dev, plain_max: int | None, cap_gib: float, limit_s: float, per_round: int, also=()):
+    """The doubling sweep from ``first`` vertices, ``per_round`` sizes a round run at once (and ``also``, in the
+    first): ``(largest size that fit with every smaller one, its loss, why it stopped, {size: loss} of each)``."""
+    best, loss, n, t0, seen = None, None, first, time.perf_counter(), {}
+    while time.perf_counter() - t0 < limit_s:
+        sizes = [n * 2 ** k for k in range(per_round)]
+        seen.update(_fits(list(also) + sizes, dev, plain_max, cap_gib))
+        also = ()
+        for size in sizes:
+            if seen[size] is None:
+                return best, loss, "memory", seen
+            best, loss = size, seen[size]
+        n = sizes[-1] * 2
+    return best, loss, f"the {limit_s:.0f} s limit", seen
+
+
+def largest(dev, start: int, limit_s: float, cap_gib: float, per_round=(4, 3)) -> dict:
+    """The doubling sweep (module docstring), each trial in a fresh process, a round of them at once (``per_round``:
+    plain PyG's sizes, streaming's)."""
     out = {}
     _one_step(1000, dev, None)   # the kernels' first build (a minute) is not the sweep's time (the trials
     _one_step(1000, dev, 500)    # load them from the extension cache)
     TRIALS.clear()
-    n, t0, plain_max = start, time.perf_counter(), None
-    out["plain_stopped_by"] = f"the {limit_s:.0f} s limit"
-    while time.perf_counter() - t0 < limit_s:
-        loss = _fits(n, dev, None, cap_gib)
-        if loss is None:
-            out["plain_stopped_by"] = "memory"
-            break
-        plain_max, loss_plain, n = n, loss, n * 2
+    plain_max, loss_plain, out["plain_stopped_by"], _ = _doubling(start, dev, None, cap_gib, limit_s, per_round[0])
     out["largest_vertices_plain"] = plain_max
     if plain_max is None:
         out["trials"] = TRIALS
         return out
-    loss_stream = _fits(plain_max, dev, plain_max, cap_gib)
+    t0 = time.perf_counter()
+    last, _, stopped, seen = _doubling(plain_max * 2, dev, plain_max, cap_gib, limit_s, per_round[1],
+                                       also=(plain_max,))
+    loss_stream = seen.get(plain_max)
     out["loss_gap_at_plain_max"] = abs(loss_plain - loss_stream) if loss_stream is not None else None
-    n, t0, last, full = plain_max * 2, time.perf_counter(), plain_max, False
-    while time.perf_counter() - t0 < limit_s:
-        t1 = time.perf_counter()
-        if _fits(n, dev, plain_max, cap_gib) is None:
-            full = True
-            break
-        last = n
-        out.setdefault("stream_step_s", {})[str(n)] = time.perf_counter() - t1
-        n *= 2
-    out["largest_vertices_stream"] = last
+    out["stream_step_s"] = {str(t["nodes"]): t["seconds"] for t in TRIALS if t["mode"] == "stream" and t["ok"]}
+    out["stream_round_s"] = time.perf_counter() - t0
+    out["largest_vertices_stream"] = last if last is not None else plain_max if loss_stream is not None else None
     out["trials"] = TRIALS
-    out["sweep_stopped_by"] = "memory" if full else f"the {limit_s:.0f} s limit"
+    out["sweep_stopped_by"] = stopped
     return out
 
 
@@ -372,7 +385,8 @@ def main() -> None:
         done(f"2 processes on one device: {r['step_s'] * 1e3:.1f} ms a step (staging: {r['staging']})")
     if "sweep" not in args.skip:
         start = 500 if args.small else args.sweep_start
-        summary.update(largest(dev, start, 20.0 if args.small else args.sweep_seconds, args.cap_gib))
+        summary.update(largest(dev, start, 20.0 if args.small else args.sweep_seconds, args.cap_gib,
+                               (1, 1) if args.small else (4, 3)))
         done(f"largest graphs: plain {summary['largest_vertices_plain']}, "
              f"streamed {summary.get('largest_vertices_stream')}")
     print(json.dumps({k: v for k, v in summary.items() if not k.startswith("detail")}, indent=1))

@@ -7,9 +7,9 @@ and thrown away at the exit. On a graph with little locality the halo is several
 16 chunks: 10x), so most of such a step is work for rows nobody keeps, on normalised graphs and transposes kept
 twice (whole local graph and row graph).
 
-A call whose every ``propagate`` / ``edge_updater`` reads at edge sources exactly the tensors it was handed (GCNII's,
-GCNConv's with ``adj_t``... every layer that transforms after aggregating) needs nothing at the halo but those inputs'
-rows, which the chunk has. Such a call can run *rows only*: node tensors ``[rows]``, the row graph, and the sources
+A call whose every ``propagate`` / ``edge_updater`` reads at edge sources exactly the tensors it was handed (GCN2Conv,
+SAGEConv, GINConv: a layer that aggregates before it transforms) needs nothing at the halo but those inputs' rows,
+which the chunk has. Such a call can run *rows only*: node tensors ``[rows]``, the row graph, and the sources
 joined with their true halo rows at the propagate, as a clean input's are (:func:`~.arguments.extend`): the same
 edges into the same rows, summed in the same order. A call that reads at the sources something it computed first
 (``lin(x)``, GATConv's attention terms) keeps the whole local graph: its halo rows are work it needs.

@@ -204,8 +204,9 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
             f"Layer '{name}' ({type(module).__name__}) uses flow='target_to_source' and is given several graphs; "
             f"pyg_pipe runs such a layer on one graph only. Give it one graph, or use the default flow.")
     # several graphs: each propagate joins its own graph's halo to the chunk's rows. A layer with
-    # flow="target_to_source" takes the whole local graph (PyG reads its pairs differently in its two propagates)
-    direct = clean and not several and ctx.direct is not None and ctx.direct.rows_only(name, index, lg.index)  # (.direct)
+    # flow="target_to_source" takes the whole local graph (PyG reads its pairs differently in its two propagates).
+    # direct: a streamed clean call marked as propagating its inputs (.direct)
+    direct = clean and not several and ctx.direct is not None and ctx.direct.rows_only(name, index, lg.index)
     rows_only = (not clean or several or direct) and not _whole_local_graph(module) and not reverse
     if not rows_only:  # the whole local graph: true halo rows (clean), or fillers the propagate replaces
         swap = {id(t): extend(ctx, cg, lg, t, vdim, clean) for t, vdim in node_args}
@@ -233,7 +234,8 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
     kwargs = {k: each(v, replace) for k, v in kwargs.items()}
     inv = Invocation(name, index, cg, lg, clean, rows_only=rows_only, reverse=reverse,
                      graphs={id(g): (g, cg2, lg2, True) for g, (cg2, lg2, _) in
-                             ((used[i], graphs[i]) for i in graphs)}, extended=tuple(swap.values()) if clean and not rows_only else ())
+                             ((used[i], graphs[i]) for i in graphs)},
+                     extended=tuple(swap.values()) if clean and not rows_only else ())
     swap_cache(ctx, inv, module)
     ctx.stack.append(inv)
     return tuple(args), kwargs

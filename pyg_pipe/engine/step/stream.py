@@ -54,8 +54,8 @@ from ..runtime.store import Store
 from ..tree import flatten, pack_rows, unflatten
 from .barriers import StreamHalo, _Barrier
 from .checks import check_output, row_check
-from .direct import DirectCalls
 from .chunk import SavedBytes, rng_state, same_rng
+from .direct import DirectCalls
 from .layer_cache import CacheView, by_chunk
 
 

@@ -156,6 +156,8 @@ class Localizer:
             values = hit[3]
             if lg.num_local == lg.rows and lg.num_edges == lg.row_edges:  # no halo (one chunk a way, one way)
                 rows = local
+            elif local.layout == torch.sparse_csr:  # its first rows: views of the local graph's arrays, no copy
+                rows = first_rows(local, lg.rows)
             else:
                 rows = cg.local_adjacency(lg, values, local.layout, values.dtype, rows_only=True)
             rect = self._adjacency[key] = (local, rows)
@@ -206,3 +208,11 @@ def _extender(whole: Tensor):
             idx = lg._halo_index = cg.perm[lg.halo]
         return whole.index_select(0, idx)
     return extend
+
+
+def first_rows(adj: Tensor, rows: int) -> Tensor:
+    """The first ``rows`` rows of the CSR adjacency ``adj``, as a ``[rows, n]`` CSR tensor of views of its arrays.
+    A chunk's local edges list the edges into its rows first, so this is its row graph, entry for entry."""
+    crow = adj.crow_indices()[:rows + 1]
+    nnz = int(crow[-1])  # (once per chunk: the caller keeps it)
+    return torch.sparse_csr_tensor(crow, adj.col_indices()[:nnz], adj.values()[:nnz], (rows, adj.size(1)))

@@ -215,7 +215,7 @@ class Store:
     def _add_local(self, g: Tensor, lg: LocalGraph, grad: Tensor) -> None:
         """``grad`` (``[rows | halo]`` of chunk ``lg``) added into the gradient buffer ``g``."""
         grad = grad.to(g.device, g.dtype)
-        g[lg.start:lg.end] += grad[:lg.rows]
+        g[lg.start:lg.end].add_(grad[:lg.rows])  # (in place: no copy of the slice onto itself)
         if lg.halo.numel():
             g.index_add_(0, self._halo(lg, g.device), grad[lg.rows:])
 

@@ -23,26 +23,8 @@ import torch  # noqa: E402
 
 
 def _train(name: str, tier, deterministic: bool):
-    from tests.engine.test_stream import EXACT, _engine, _loss
-    from tests.zoo import zoo_graph
-    torch.use_deterministic_algorithms(deterministic, warn_only=True)
-    x, g, y, mask = zoo_graph(sizes=(16, 40, 40))
-    x, y, mask, ei = x.cuda(), y.cuda(), mask.cuda(), g["edge_index"].cuda()
-    torch.manual_seed(0)
-    model = EXACT[name]().cuda()
-    engine = _engine(model, "cuda", offload=tier, offload_budget=0 if tier else None, cuda_graphs=False)
-    engine.install()
-    opt = torch.optim.Adam(model.parameters(), lr=0.02)
-    try:
-        for _ in range(3):
-            loss, _ = _loss(model, x, ei, y, mask, 0)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    finally:
-        engine.uninstall()
-        torch.use_deterministic_algorithms(False)
-    return [p.detach().clone() for p in model.parameters()]
+    from tests.engine.test_stream import three_steps
+    return three_steps(name, "cuda", tier, deterministic)[0]
 
 
 def _gap(a, b) -> str:

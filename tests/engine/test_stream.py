@@ -175,31 +175,36 @@ def test_gradients_kept_in_host_memory_give_the_device_sums_bit_for_bit(name, de
     PyTorch's deterministic algorithms: CUDA's ``index_add_`` and PyG's scatter add with atomics in no fixed order, so
     without them the device run differs from itself (measured on an H100: two runs 3e-8 to 1.2e-7 apart, and bit for
     bit with them, host tier included: ``benchmarks/gpu/diagnose_tests.py``)."""
+    runs = [three_steps(name, device, tier, deterministic=device == "cuda") for tier in (None, "host")]
+    (params, summed), (params_host, summed_host) = runs
+    assert summed == 0 and (summed_host > 0 or name == "APPNP-hops")  # (one layer group: no value between groups)
+    assert all(torch.equal(p, q) for p, q in zip(params, params_host))
+
+
+def three_steps(name: str, device: str, tier, deterministic: bool = False):
+    """Three Adam steps of ``EXACT[name]`` streamed in 4 chunks on ``device`` with every buffer between layer groups
+    in ``tier`` (``None``: on the device), uncaptured, optionally under PyTorch's deterministic algorithms: the
+    parameters after them, and how many gradient reads the stores summed on the device."""
     x, g, y, mask = zoo_graph(sizes=(16, 40, 40))
     x, y, mask, ei = x.to(device), y.to(device), mask.to(device), g["edge_index"].to(device)
-    params, summed = [], []
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    for tier in (None, "host"):
-        if device == "cuda":
-            torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.manual_seed(0)
-        model = EXACT[name]().to(device)
-        engine = _engine(model, device, offload=tier, offload_budget=0 if tier else None, cuda_graphs=False)
-        engine.install()
-        opt = torch.optim.Adam(model.parameters(), lr=0.02)
-        try:
-            for _ in range(3):
-                loss, _ = _loss(model, x, ei, y, mask, 0)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-            summed.append(sum(s.summed for s in engine.runtime.stores.values()))
-        finally:
-            engine.uninstall()
-            torch.use_deterministic_algorithms(deterministic)
-        params.append([p.detach().clone() for p in model.parameters()])
-    assert summed[0] == 0 and (summed[1] > 0 or name == "APPNP-hops")  # (one layer group: no value between groups)
-    assert all(torch.equal(p, q) for p, q in zip(*params))
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic or before, warn_only=True)
+    torch.manual_seed(0)
+    model = EXACT[name]().to(device)
+    engine = _engine(model, device, offload=tier, offload_budget=0 if tier else None, cuda_graphs=False)
+    engine.install()
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    try:
+        for _ in range(3):
+            loss, _ = _loss(model, x, ei, y, mask, 0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        summed = sum(s.summed for s in engine.runtime.stores.values())
+    finally:
+        engine.uninstall()
+        torch.use_deterministic_algorithms(before)
+    return [p.detach().clone() for p in model.parameters()], summed
 
 
 def test_a_budget_keeps_buffers_on_the_device_up_to_it():

@@ -5,7 +5,8 @@
 #   1. the tests marked `gpu` (the kernels against their reference on CUDA, the engine streaming on one
 #      GPU and through Lightning equal to plain PyG (also under bf16-mixed), the captured streamed step (CUDA graphs)
 #      equal to the uncaptured one, 2 processes on one GPU over gloo with the transport
-#      staging through host memory, gnnpipe over NCCL when there are two GPUs);
+#      staging through host memory, gnnpipe over NCCL when there are two GPUs), with benchmarks/gpu/diagnose_tests.py
+#      as a plugin: for a test that fails, the exceptions raised inside CUDA graph captures go to raised_in_capture.txt;
 #   2. benchmarks/gpu/diagnose_capture.py: the last operations before the one capture measured failing
 #      (PyG's GCN keeping activations inside the capture; prints only);
 #   3. benchmarks/gpu/gpu_summary.py: the GPU issue's figures in one summary.json (streamed epoch against plain
@@ -38,9 +39,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 procs=$(( gpus >= 2 ? 2 : 1 ))
 failed=0
 step() { echo "+ $*"; "$@" || { echo "benchmarks/gpu.sh: failed: $*"; failed=1; }; }
-step bash -c "set -o pipefail; python -c 'from pyg_pipe.ops.build import backend; print(\"kernels:\", backend(\"cuda\"))' \
-    2>&1 | tee '$out/kernels.txt'"
-step bash -c "set -o pipefail; python -m pytest -q -m gpu tests 2>&1 | tee '$out/tests.txt'"
+step bash -c "set -o pipefail; python -c 'from pyg_pipe.ops.build import backend; print(\"kernels:\", \
+    backend(\"cuda\"))' 2>&1 | tee '$out/kernels.txt'"
+step bash -c "set -o pipefail; RAISED_LOG='$out/raised_in_capture.txt' python -m pytest -q -m gpu tests \
+    -p benchmarks.gpu.diagnose_tests 2>&1 | tee '$out/tests.txt'"
 step bash -c "set -o pipefail; python benchmarks/gpu/diagnose_capture.py 2>&1 | tee '$out/diagnose_capture.txt'"
 step bash -c "set -o pipefail; PYTHONUNBUFFERED=1 python benchmarks/gpu/gpu_summary.py --out '$out/summary.json' \
     --sweep-seconds ${GPU_SWEEP_SECONDS:-90} 2>&1 | tee '$out/summary.txt'"

@@ -29,8 +29,9 @@ _NOTHING = nullcontext()  # reusable: entering it does nothing
 
 def _show(table: torch.nn.Module, rows: Tensor, whole: Tensor) -> None:
     table._parameters["weight"] = rows
-    table.__dict__["forward"] = lambda ids: torch.nn.functional.embedding(
-        ids, whole, table.padding_idx, table.max_norm, table.norm_type, table.scale_grad_by_freq, table.sparse)
+    if isinstance(table, torch.nn.Embedding):  # (a lookup by ids still reads the whole table)
+        table.__dict__["forward"] = lambda ids: torch.nn.functional.embedding(
+            ids, whole, table.padding_idx, table.max_norm, table.norm_type, table.scale_grad_by_freq, table.sparse)
 
 
 def _hide(table: torch.nn.Module, whole: Tensor) -> None:

@@ -105,11 +105,18 @@ def _names(code: types.CodeType) -> set:
     return names
 
 
-def vertex_tables(module: torch.nn.Module, num_nodes: int) -> List[torch.nn.Embedding]:
-    """The embedding tables of ``module`` with one row per vertex (``nn.Embedding(num_nodes, d)``: learned
-    node features, LightGCN's embeddings), found by their type and size, never their values."""
-    return [m for m in module.modules() if isinstance(m, torch.nn.Embedding) and m.num_embeddings == num_nodes
-            and m.weight.dim() == 2]
+def vertex_tables(module: torch.nn.Module, num_nodes: int) -> List[torch.nn.Module]:
+    """The tables of ``module`` with one learned row per vertex, found by their type and size, never their values:
+    ``nn.Embedding(num_nodes, d)`` (learned node features, LightGCN's embeddings), and message-passing layers whose
+    ``weight`` has a row per vertex, which they propagate (PyG's ``SparseLinear(num_nodes, d)``: ``A @ W``, LINKX's
+    adjacency embedding)."""
+    from torch_geometric.nn import MessagePassing
+    out = []
+    for m in module.modules():
+        weight = m._parameters.get("weight") if isinstance(m, (torch.nn.Embedding, MessagePassing)) else None
+        if isinstance(weight, torch.nn.Parameter) and weight.dim() == 2 and weight.size(0) == num_nodes:
+            out.append(m)
+    return out
 
 
 def tensor_attributes(module: torch.nn.Module) -> Dict[str, Tensor]:

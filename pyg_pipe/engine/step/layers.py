@@ -331,6 +331,14 @@ def _sources(name: str, args_attr: str, stats: bool):
             if not isinstance(t, Tensor) or t.dim() == 0:
                 continue
             vdim = vertex_dim(module, t, width)
+            if vdim is None and not inv.rows_only and lg.rows != width and clean_input(ctx, t):
+                vdim = vertex_dim(module, t, lg.rows)  # a vertex table read inside the layer (SparseLinear's
+                if vdim is not None:                   # weight): its chunk's rows, joined with their true halo rows
+                    joined = extend(ctx, cg, lg, t, vdim, True)
+                    kwargs[arg] = type(value)((*value[:j], joined, *value[j + 1:])) \
+                        if isinstance(value, (tuple, list)) else joined
+                    sources.append(arg)
+                    continue
             if vdim is None:
                 if fused:
                     continue  # not a vertex tensor (an edge-level argument of message_and_aggregate)

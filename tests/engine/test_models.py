@@ -1,8 +1,9 @@
 """The model shapes people write (:mod:`tests.shapes`: JumpingKnowledge, ResGCN+ with and without
 checkpointing, reversible blocks, an LSTM state, ``forward(data)``, control flow, graph-wide norms, an
 edge encoder, a transposed graph, zero-initialised layers, K-hop layers, attention over all vertices
-(GPSConv, SGFormer), Graph U-Net, LSTM and GRU aggregations, PMLP, Polynormer) in every mode,
-against one process. float64; one process launch per mode. Streaming (one device, 4 chunks, layer group by
+(GPSConv, SGFormer), Graph U-Net, LSTM and GRU aggregations, PMLP, Polynormer; and :mod:`tests.shapes_pyg`: EdgeCNN,
+GATv2, PNA, RECT_L, LINKX, MaskLabel, DirGNNConv, degrees, gcn_norm and edge features computed in forward) in every
+mode, against one process. float64; one process launch per mode. Streaming (one device, 4 chunks, layer group by
 layer group) is exact at any learning rate, like graph parallelism; a forward that does not trace
 streams as one group.
 
@@ -18,6 +19,7 @@ import torch
 from tests import harness
 from tests.dist import run_distributed
 from tests.shapes import SHAPES, graph
+from tests.shapes_pyg import MORE
 
 UNSPLITTABLE = ["cannot split ControlFlow", "submodule", "graph_parallel"]
 POOLING = ["'pools.0' (TopKPooling)", "builds a new graph"]
@@ -29,25 +31,31 @@ ATTENTION = ["'gps.attn' (MultiheadAttention)", "multiplies the rows of differen
 EDGE_IDS = ["'conv1' (FastRGCNConv) is given integer vertex features", "RGCNConv instead of FastRGCNConv"]
 NO_LAYER = ["PMLP calls no MessagePassing layer in its forward in training mode", "strategy='graph_parallel'"]
 GLOBAL = ["'trans_conv' (SGModule) calls `sort`", "num_chunks=1"]
+DEGREE = ["calls `scatter_add_`", "sums over the graph's edges per vertex", "outside the MessagePassing layers",
+          "data.deg = degree("]
+ENDPOINTS = ["calls `__getitem__`", "at the ends of the graph's edges", "outside the MessagePassing layers"]
+# refused wherever the graph is cut
+CUT = {"degree-in-forward": DEGREE, "gcn_norm-in-forward": DEGREE, "edge-features-in-forward": ENDPOINTS}
+SHALLOW = {"RECT_L": TOO_SHALLOW, "LINKX": TOO_SHALLOW}
 
 # mode -> case -> words of the expected refusal (every other case must be exact). BatchNorm and GraphNorm with
 # several chunks per way in the pipeline take historical statistics by default (per_chunk_statistics="auto"):
 # exact at lr = 0; streaming still refuses them
 REFUSED = {
     "graph_parallel": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "GPSConv": ATTENTION, "FastRGCN-featureless": EDGE_IDS,
-                       "SGFormer": GLOBAL},
+                       "SGFormer": GLOBAL, **CUT},
     "pipeline": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW,
-                 "PMLP": NO_LAYER},
+                 "PMLP": NO_LAYER, **SHALLOW},
     "chunks": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW,
                "FastRGCN-featureless": EDGE_IDS,
                "GCN-pyg-layernorm-graph": STATS + ["LayerNorm"], "GPSConv": ATTENTION, "PMLP": NO_LAYER,
-               "SGFormer": GLOBAL},
+               "SGFormer": GLOBAL, **SHALLOW, **CUT},
     "graph_parallel_chunks": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "FastRGCN-featureless": EDGE_IDS,
-                              "GCN-pyg-layernorm-graph": STATS, "GPSConv": ATTENTION, "SGFormer": GLOBAL},
+                              "GCN-pyg-layernorm-graph": STATS, "GPSConv": ATTENTION, "SGFormer": GLOBAL, **CUT},
     "streaming": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "GCN-batchnorm": STATS, "GCN-graphnorm": STATS,
                   "FastRGCN-featureless": EDGE_IDS,
                   "GCN-pyg-layernorm-graph": STATS, "GPSConv": ATTENTION, "PMLP": STATS,
-                  "Polynormer-local": STATS, "SGFormer": STATS},
+                  "Polynormer-local": STATS, "SGFormer": STATS, "LINKX": STATS, **CUT},
 }
 
 
@@ -56,7 +64,7 @@ def _sweep(rank, world, mode, path):
     g = graph()
     _, _, y, mask = g
     results = {name: harness.check_mode(mode, make, inputs(g), y, mask, world)
-               for name, (make, inputs) in SHAPES.items()}
+               for name, (make, inputs) in {**SHAPES, **MORE}.items()}
     if rank == 0:
         with open(path, "w") as f:
             json.dump(results, f)

@@ -101,12 +101,13 @@ def _site(kind: str):
 
 
 def _engine_side(fn):
-    """Runs ``fn`` as the engine's own work: the row check (:mod:`.rows`) does not judge the sums over edges it
-    computes (it completes them)."""
+    """Runs ``fn`` inside a layer as the engine's own work: the row check (:mod:`.rows`) does not judge the sums over
+    edges it computes (it completes them). Called by the model's forward outside the layers it is PyG's own, judged
+    like any operation there."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
         ctx = current()
-        if ctx is None:
+        if ctx is None or not ctx.stack:
             return fn(*args, **kwargs)
         with ctx.engine_work():
             out = fn(*args, **kwargs)

@@ -79,6 +79,7 @@ class RowCheck(TorchFunctionMode):
         self._paused = 0
         self._ids: Dict[int, Any] = {}   # tensors holding vertex ids at edge ends, in the layers being run: which
         #                                   ends (:func:`~.row_rules.ids_kinds`)
+        self._graphs_of: Any = None       # the run whose handed graphs were marked as ids
         self._sums: Dict[int, Any] = {}  # per-vertex sums over a layer's edges at their destinations (and what
         #                                   is computed from them): complete for the chunk's rows only
 
@@ -132,6 +133,13 @@ class RowCheck(TorchFunctionMode):
             return self._in_layer(ctx.stack[-1], func, args, kwargs)
         if self.found is not None:
             return func(*args, **kwargs)
+        if self._graphs_of is not ctx:  # the graphs this run handed the forward hold vertex ids at edge ends
+            self._graphs_of = ctx
+            for obj, _, _, local in list(getattr(ctx.graphs, "known", {}).values()):
+                self.edges(obj)
+                self.edges(local)
+        if any(self._is_ids(t) for t in tensors(args, kwargs)):
+            return self._at_edges(func, args, kwargs)
         aligned = [(t, d) for t in tensors(args, kwargs) for d in [self.vdim(t)] if d is not None]
         if not aligned:
             return func(*args, **kwargs)
@@ -146,6 +154,52 @@ class RowCheck(TorchFunctionMode):
         out = func(*args, **kwargs)
         self._follow(name, args, kwargs, aligned, out)
         return out
+
+    # ------------------------------------------------------------------ the graph's edges, outside layers
+    def _at_edges(self, func, args, kwargs):
+        """An operation of the forward, outside the layers, on the vertex ids of the graph's edges (``edge_index[1]``,
+        and what selects, joins or reshapes them). A chunk's edge list holds the edges into its rows, its halo's
+        vertices numbered after them (with their self loops), so a sum over the edges at either end
+        (``degree(edge_index[1], x.size(0))``) counts part of them, and a read of vertex rows at the edges' ends
+        (``x[edge_index[0]]``) reads rows the chunk does not hold; one device sees the whole graph. Both are refused
+        on every rank after the pass (the pass goes on, the indices kept in bounds), whatever the chunk holds."""
+        name = op_name(func)
+        at = scatter_index(name, args, kwargs)
+        if at is not None and self._is_ids(at):
+            self._refuse_edges(name, "sums over the graph's edges per vertex (a degree, a count or sum at the edges' "
+                                     "ends)")
+            return func(*in_bounds(name, args, kwargs), **kwargs)
+        rows = [(t, 0 if d is None else d) for t in tensors(args, kwargs) if t.dim() > 0 and not self._is_ids(t)
+                for d in [self.vdim(t)]]  # (a tensor indexed by vertex ids holds vertex rows, tracked or not)
+        read = reads_at_ids(name, args, kwargs, rows, self._is_ids) if rows else None
+        if read is not None:
+            self._refuse_edges(name, "reads {rows} at the ends of the graph's edges", read[1])
+            t, v, index = read
+            need = int(index.max()) + 1 if index.numel() else 0  # (a host sync: the checked pass only)
+            if need > t.size(v):  # zeros past the chunk's rows: the pass goes on to its end
+                pad = t.new_zeros(*t.shape[:v], need - t.size(v), *t.shape[v + 1:])
+                args = tuple(torch.cat([t, pad], dim=v) if a is t else a for a in args)
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        kinds = ids_kinds(name, args, kwargs, self._kind, len(outs))
+        if kinds is not None:
+            for o, kind in zip(outs, kinds):
+                if isinstance(o, Tensor):
+                    self._ids[id(o)] = (weakref.ref(o), kind)
+        return out
+
+    def _refuse_edges(self, name: str, what: str, v: Optional[int] = None) -> None:
+        if self.refusal is None:
+            found = self._describe(caller(4), name, what, v)
+            self.refuse(
+                f"{found[0].upper()}{found[1:]}, outside the MessagePassing layers. With {self.cut}, each process "
+                f"holds the edges into part of the vertices at a time (its halo's vertices numbered after them), so "
+                f"this would count part of the edges or read rows it does not hold, and differ from one device. "
+                f"Compute per-vertex values of the graph in the data pipeline and pass them to forward (a transform, "
+                f"e.g. T.GCNNorm(), or data.deg = degree(data.edge_index[1], data.num_nodes)), compute per-edge "
+                f"values inside a layer (message() reads x_j / x_i), or train with one chunk and no graph-parallel "
+                f"ways (strategy='gnnpipe', num_chunks=1), which is exact.")
 
     # ------------------------------------------------------------------ inside a layer
     def _in_layer(self, inv, func, args, kwargs):
@@ -269,7 +323,7 @@ class RowCheck(TorchFunctionMode):
             if d is not None and 0 <= d < o.dim() and o.size(d) == t.size(v):
                 self.tracked[id(o)] = (weakref.ref(o), d)
 
-    def _describe(self, frame, name: str, what: str, v: int) -> str:
+    def _describe(self, frame, name: str, what: str, v: Optional[int]) -> str:
         """Where the model called the operation: its module and line (or the traced step), found by
         walking up from the operation to the engine's runner of the forward."""
         from ..runtime.program import RUNNER_CODES, STEP_CODE
@@ -283,12 +337,13 @@ class RowCheck(TorchFunctionMode):
             if frame.f_code is STEP_CODE:  # a step of a traced program
                 node = frame.f_locals.get("node")
                 where = where or (f"traced step '{node.name}'" if node is not None else "")
-            elif not where and not frame.f_globals.get("__name__", "").startswith(("torch", "lightning")):
+            elif not where and not frame.f_globals.get("__name__", "").startswith(("torch", "lightning",
+                                                                                   "pyg_pipe.engine")):
                 where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
             frame = frame.f_back
         what = what.format(rows="the rows of different vertices")
-        return (f"{module or 'the forward'} calls `{name}`, which {what} (dimension {v} has one row per "
-                f"vertex){f', at {where}' if where else ''}")
+        dim = f" (dimension {v} has one row per vertex)" if v is not None else ""
+        return f"{module or 'the forward'} calls `{name}`, which {what}{dim}{f', at {where}' if where else ''}"
 
     def message(self, found: str) -> str:
         """The refusal for a finding (the same text on every rank)."""

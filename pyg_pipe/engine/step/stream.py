@@ -119,6 +119,9 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
                         raise UnsupportedModelError(_differs(b.key, barrier))
                     barrier = b.key
                     continue
+                finally:
+                    if c == 0 and check is not None and (check.found or check.refusal):
+                        check.verdict(rt.comm)  # (one device: now, before chunks the check does not follow)
                 if barrier is not None:
                     raise UnsupportedModelError(_differs(None, barrier))
                 keys = site_keys(rec.ctx.sites)

@@ -24,7 +24,8 @@ def test_reachable_counts_every_storage_once_and_not_the_model():
 def test_the_formulas():
     s = MemorySample(kept_bytes=1000, kept_rows=10, replayed_bytes=300, replayed_rows=30, pending=50)
     keep, replay, transient = activations(s, way_rows=40, largest_rows=10)
-    assert (keep, replay, transient) == (4000, 10 * 40 + 1000 + 50, 1000)   # a R; b R + a r + G; a r
+    assert (keep, replay, transient) == (4000, 10 * 40 + 1000 + 50, 1000)   # a R; b R + a r + G; a r / L (L = 1)
+    assert activations(s, 40, 10, groups=4)[2] == 250                      # one of the stage's 4 groups' share
     s.pending = 3500                                                       # G larger than a chunk's activations:
     assert activations(s, 40, 10)[0] == 100 * 30 + 3500                    # a (R - r) + G once one chunk drained
     # a first step that kept every chunk measured no replayed chunk: b is the received share of a

@@ -253,6 +253,10 @@ def test_the_pass_tells_each_group_what_it_saved_its_sites_and_what_crosses_each
     assert wide.a > 1.5 * narrow.a and wide.h > 10 * narrow.h and wide.b == 0 and narrow.b == 96 * 4  # (received)
     mean = stage_shares(m, None, [1.0, 1.0])[0]
     assert narrow.a < mean.a < wide.a
+    # the drain's working set: the stage's widest group's saved bytes (without the split: the widest of all)
+    per_group = [sum(found.values()) / d.rows for found in d.saved]
+    assert wide.working == max(per_group[:2]) < wide.a and narrow.working == max(per_group[2:])
+    assert mean.working == max(per_group)
 
 
 def _widest(rank, world):

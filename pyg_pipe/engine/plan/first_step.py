@@ -22,7 +22,7 @@ and with ``R = N / W`` rows a way in ``k`` chunks of ``r = R / k``, ``H`` histor
     resident    = structures + (cache + way_cache) E + copies G     (a chunk's caches: one per stage)
     state       = 3 params                                          (gradients and Adam's two moments)
     activations = b R + a r + G    replaying  (a R + G keeping: no chunk count changes it)
-    transient   = a r
+    transient   = w r               (w: the stage's widest layer group's saved bytes a row; a where not known)
 
 The widest stage (the largest sum) is the estimate. Where the split is not known, every stage is taken as the
 mean one: ``a = saved / S + the widest cut``, ``b`` that cut, ``h = history / S``, ``params / S``.
@@ -115,6 +115,11 @@ class StageShare:
     b: float
     h: float
     params: float
+    w: float = -1.0    # the widest layer group's saved bytes a row, the drain's working set (< 0: not known, a)
+
+    @property
+    def working(self) -> float:
+        return self.a if self.w < 0 else self.w
 
 
 def stage_shares(m: PassMemory, sizes: Optional[Sequence[int]], params: Optional[Sequence[float]]) \
@@ -124,7 +129,8 @@ def stage_shares(m: PassMemory, sizes: Optional[Sequence[int]], params: Optional
     d = m.detail
     if d is None or sizes is None or params is None or sum(sizes) != len(d.saved):
         S = len(params) if params else max(len(sizes or ()), 1)
-        return [StageShare(m.saved / S + m.boundary, m.boundary, m.history / S, m.params / S)]
+        widest = max((sum(g.values()) for g in d.saved), default=0) / d.rows if d is not None else -1.0
+        return [StageShare(m.saved / S + m.boundary, m.boundary, m.history / S, m.params / S, widest)]
     shares, g = [], 0
     for s, n in enumerate(sizes):
         held: Dict[int, int] = {}
@@ -133,8 +139,9 @@ def stage_shares(m: PassMemory, sizes: Optional[Sequence[int]], params: Optional
         received = d.crossing[g - 1] if s > 0 else {}
         held.update(received)
         held.update(d.crossing[g + n - 1] if s < len(sizes) - 1 else d.out)
+        widest = max(sum(d.saved[j].values()) for j in range(g, g + n)) if n else 0
         shares.append(StageShare(sum(held.values()) / d.rows, sum(received.values()) / d.rows,
-                                 sum(d.widths[g:g + n]), float(params[s])))
+                                 sum(d.widths[g:g + n]), float(params[s]), widest / d.rows))
         g += n
     return shares
 
@@ -173,7 +180,7 @@ def first_step_peak(m, num_nodes: int, stages: int, ways: int, per_way: int, str
         G = 0.0 if offloaded else hist_rows * share.h
         resident = structures + (m.cache + m.way_cache) * edges + copies * G
         acts = (share.b * R + share.a * r if replay else share.a * R) + G
-        got = FirstStep(per_way, int(resident), int(3 * share.params), int(acts), int(share.a * r), s)
+        got = FirstStep(per_way, int(resident), int(3 * share.params), int(acts), int(share.working * r), s)
         if best is None or got.peak > best.peak:
             best = got
     return best

@@ -13,8 +13,10 @@ beyond the model's parameters and the user's data::
                  replay (``recompute=True``): what a replayed chunk keeps (the values it received)
                  for every chunk, one chunk's activations while it is replayed, and G
                                                                   b R + a r + G
-    transient    the drain's working set: one chunk's activations again (the gradients of what it
-                 saved, allocated as its backward runs)                                     a r
+    transient    the drain's working set beyond what the chunk saved: autograd frees a layer's saved
+                 tensors as its backward runs, so at most about one layer group's share of a chunk's
+                 activations is held twice (``L`` the stage's layer groups; untraced: the
+                 layer calls a chunk ran)                                                   a r / L
     other        what the process holds after the first step beyond ``resident + state`` (the batch
                  moved to the device after the start, Python objects, on a CPU the allocator's own
                  share of the resident set): measured then, held the same through later steps
@@ -115,6 +117,7 @@ class MemorySample:
     replayed_bytes: int = 0
     replayed_rows: int = 0
     pending: Optional[int] = None   # bytes of the pending cross-chunk gradients at the end of the first drain
+    layers: int = 0                 # layer calls a kept chunk ran (``L`` where the forward is not traced)
     exclude: Set[int] = field(default_factory=set)
     done: bool = False
 
@@ -174,11 +177,12 @@ class MemoryPrediction:
                 f"{self.peak(False) / MB:.0f} MB, replaying them {self.peak(True) / MB:.0f} MB.")
 
 
-def activations(sample: MemorySample, way_rows: int, largest_rows: int) -> tuple:
-    """``(keep, replay, transient)`` bytes of the module docstring's formulas."""
+def activations(sample: MemorySample, way_rows: int, largest_rows: int, groups: int = 1) -> tuple:
+    """``(keep, replay, transient)`` bytes of the module docstring's formulas (``groups``: ``L``)."""
     a, b, G = sample.kept_per_row, sample.replayed_per_row, sample.pending or 0
     one = a * largest_rows
-    return int(max(a * way_rows, a * (way_rows - largest_rows) + G)), int(b * way_rows + one + G), int(one)
+    return int(max(a * way_rows, a * (way_rows - largest_rows) + G)), int(b * way_rows + one + G), \
+        int(one / max(groups, 1))
 
 
 def predict(runtime, parameters: Iterable[Tensor], optimizers: Iterable = (), in_use: Optional[int] = None) \
@@ -205,7 +209,8 @@ def predict(runtime, parameters: Iterable[Tensor], optimizers: Iterable = (), in
     plan = runtime.plan
     w = runtime.grid.way
     lgs = runtime.chunked[0].chunks[w * plan.chunks_per_way:(w + 1) * plan.chunks_per_way]
-    keep, replay, transient = activations(sample, runtime.way_rows[w], max(lg.rows for lg in lgs))
+    groups = plan.sizes[runtime.grid.stage] if plan.sizes is not None else max(sample.layers, 1)
+    keep, replay, transient = activations(sample, runtime.way_rows[w], max(lg.rows for lg in lgs), groups)
     counted = sum(resident.values()) + sum(state.values())
     other = max(0, in_use - counted) if in_use is not None else 0
     return MemoryPrediction(sum(resident.values()), sum(state.values()), keep, replay, transient, other,

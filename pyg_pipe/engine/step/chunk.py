@@ -130,6 +130,8 @@ def sample_memory(rt: Runtime, rec: "ChunkRecord", saved: Optional[SavedBytes], 
             add_storage(held, t, exclude)
     held.update(received)
     sample.kept(rows, held, received)
+    if rec.ctx is not None:  # the layer calls the chunk ran (the groups of an untraced forward, for the transient)
+        sample.layers = max(sample.layers, sum(rec.ctx.counts.values()))
 
 
 def input_storages(module: torch.nn.Module, inputs) -> set:

@@ -23,7 +23,8 @@ community graph, plain PyG against the engine on the same GPU:
     in pinned host memory (``offload="host"``, budget 0) and ``8 × size ÷ largest plain size`` chunks (at
     least 4); the trials of a round (plain PyG: 4 sizes, streaming: 3 and the largest plain one) run at once, in
     processes of their own, so their times overlap (``stream_step_s``: each trial's own seconds, contended);
-    ``trials`` lists each with its peak memory;
+    ``trials`` lists each with its peak memory, the data's megabytes and, streamed, the engine's graph structures
+    after the step (chunked graphs, local adjacencies: what stays on the device with the values in host memory);
     ``loss_gap_at_plain_max``: |loss of the streamed step − plain PyG's| on the largest plain graph;
 ``pipeline_2proc_ratio``
     2 processes on this one GPU, 2 pipeline stages, 4 chunks, gloo with the transport staging CUDA tensors
@@ -171,19 +172,31 @@ def _replaying_capture(model, data, dev, chunks: int, steps: int) -> float:
         stream.KEEP_WHEN_CAPTURED = before
 
 
-def _one_step(nodes: int, dev, plain_max: int | None) -> float:
-    """One training step at ``nodes`` vertices: plain PyG (``plain_max`` None) or streamed; its loss."""
+def _one_step(nodes: int, dev, plain_max: int | None, trial: dict) -> float:
+    """One training step at ``nodes`` vertices: plain PyG (``plain_max`` None) or streamed; its loss. ``trial`` gets
+    the megabytes of the user's data and, streamed, of the engine's graph structures after the step (what stays on
+    the device while the values between layers are in host memory)."""
     from benchmarks.speed.gnnpipe_epoch import build
+    from pyg_pipe.engine.plan.memory_cost import reachable
     data, model = build(_ns(nodes, graph="random"))
     data, model = data.to(dev), model.to(dev)
+    seen = set(reachable([v for _, v in data.items()]))
+    trial["data_mb"] = sum(reachable([v for _, v in data.items()]).values()) / 2**20
     if plain_max is None:
         from pyg_pipe import ops
         with ops.fused_kernels():
             ops.fuse_messages(model)
             return float(_step_fn(model, data)())
     chunks = max(4, 8 * -(-nodes // plain_max))  # (4 x ran out at 2 x the plain size: the chunks' graphs dominate)
-    with _Engine(model, dev, num_chunks=chunks, offload="host", offload_budget=0, partition="contiguous"):
-        return float(_step_fn(model, data)())
+    trial["chunks"] = chunks
+    with _Engine(model, dev, num_chunks=chunks, offload="host", offload_budget=0, partition="contiguous") as engine:
+        loss = float(_step_fn(model, data)())
+        rt = engine.runtime
+        for name, roots in (("chunked_graphs_mb", [rt.chunked]), ("local_adjacencies_mb", [rt.adjacency])):
+            found = reachable(roots, seen)
+            seen |= set(found)
+            trial[name] = sum(found.values()) / 2**20
+        return loss
 
 
 def _trial_main(nodes: int, plain_max: int, device: str, cap_gib: float) -> None:
@@ -202,7 +215,7 @@ def _trial_main(nodes: int, plain_max: int, device: str, cap_gib: float) -> None
             min(1.0, cap_gib * 2**30 / torch.cuda.get_device_properties(index).total_memory), index)
     t0 = time.perf_counter()
     try:
-        trial["loss"] = _one_step(nodes, dev, plain_max or None)
+        trial["loss"] = _one_step(nodes, dev, plain_max or None, trial)
         trial["ok"] = True
     except torch.OutOfMemoryError as exc:
         trial["ok"], trial["error"] = False, str(exc)[:300]
@@ -263,8 +276,8 @@ def largest(dev, start: int, limit_s: float, cap_gib: float, per_round=(4, 3)) -
     """The doubling sweep (module docstring), each trial in a fresh process, a round of them at once (``per_round``:
     plain PyG's sizes, streaming's)."""
     out = {}
-    _one_step(1000, dev, None)   # the kernels' first build (a minute) is not the sweep's time (the trials
-    _one_step(1000, dev, 500)    # load them from the extension cache)
+    _one_step(1000, dev, None, {})   # the kernels' first build (a minute) is not the sweep's time (the trials
+    _one_step(1000, dev, 500, {})    # load them from the extension cache)
     TRIALS.clear()
     plain_max, loss_plain, out["plain_stopped_by"], _ = _doubling(start, dev, None, cap_gib, limit_s, per_round[0])
     out["largest_vertices_plain"] = plain_max

@@ -85,6 +85,26 @@ class _ChunkProbe:
         self.steps = [n for g in groups for n in g]
         self.runner = StageProgram(program, Stage(0, self.steps, [], [n.name for n in program.output.all_input_nodes],
                                                   None), fn, True)
+        if ptr.numel() > 2:
+            self._check_rows(f"num_chunks={ptr.numel() - 1}")
+
+    def _check_rows(self, cut: str) -> None:
+        """One pass under the row check (:mod:`.step.rows`) before any measuring pass: a forward that cannot run
+        on part of the graph (a degree computed from the edges outside the layers) is refused here, as the first
+        training pass would refuse it, instead of failing inside a measuring pass."""
+        from .step.rows import RowCheck
+        from ..model.errors import UnsupportedModelError
+        lg = self.lg
+        check = RowCheck(lg.rows, {id(m): n for n, m in self.module.named_modules()}, cut)
+        ctx = ChunkContext(self.cgs[0], lg, self.halo, self.localizer.resolver(0, self._derive),
+                           Statistics(None, None, None, lg.rows, False), {}, check)
+        with self.passes(), torch.no_grad(), ctx:
+            env = self.runner.bind(*self.localizer.localize(0, ctx))
+            with check:
+                for node in self.steps:
+                    env[node.name] = self.runner.step(node, env)
+        if check.refusal is not None or check.found is not None:
+            raise UnsupportedModelError(check.refusal or check.message(check.found))
 
     def _derive(self, cg, kind):  # graphs derived from the inputs (transposes, DropEdge's), as the runtime derives them
         return derived(self.derived, cg, kind)

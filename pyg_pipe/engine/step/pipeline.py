@@ -104,14 +104,16 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
     if watching:                                                        # random numbers, staleness.py)
         rt.meter.watch(rng_state(rt.comm.device))
     for i, c in enumerate(order):
-        if reference is None:  # the pass's first chunk is checked (every chunk makes the same calls)
+        if reference is None:  # every chunk of the plan's first pass is checked (each runs to its end)
             check = row_check(rt, rt.chunked[0].chunks[c].rows)
+        elif check is not None:
+            check.next_chunk(rt.chunked[0].chunks[c].rows)
         keep = not replay or i == len(order) - 1  # the last chunk's drain comes next: nothing to save by replaying
         rng = None if keep else rng_state(rt.comm.device)
         with torch.enable_grad() if keep else torch.no_grad(), \
                 SavedBytes(measure and keep, rt.memory.exclude) as saved, rt.timeline.chunk("fill", c, i == 0):
             rec = run_chunk(rt, run, localizer, rt.chunked, c, runner, ("train", sig, c), plan.chunks_per_way == 1,
-                            init=False, check=check if reference is None else None, train=True, protect=not keep,
+                            init=False, check=check, train=True, protect=not keep,
                             next_key=("train", sig, order[i + 1]) if ahead and i + 1 < len(order) else None,
                             statistics=stat_history, last=i == len(order) - 1)
         if measure:

@@ -83,6 +83,12 @@ class RowCheck(TorchFunctionMode):
         self._sums: Dict[int, Any] = {}  # per-vertex sums over a layer's edges at their destinations (and what
         #                                   is computed from them): complete for the chunk's rows only
 
+    def next_chunk(self, rows: int) -> None:
+        """The checked pass goes on to another chunk of ``rows`` rows: every chunk of the pass is followed (what one
+        chunk cannot run, another may not even reach; each runs to its end and the verdict comes after the pass)."""
+        self.rows = rows
+        self.tracked, self._ids, self._sums, self._graphs_of = {}, {}, {}, None
+
     def refuse(self, message: str) -> None:
         """A refusal found while the pass runs on this rank: raised on every rank after the pass
         (:meth:`verdict`), so that no rank stops while another waits for it."""

@@ -110,18 +110,17 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
                 if c + 1 < cg.num_chunks:  # the next chunk's inputs on their way in from the tier while c runs
                     store.prefetch(record.received[g], cg.chunks[c + 1])
                 grad = keep and not complete  # (a group with barrier sites is replayed: its passes differ)
+                if check is not None:  # every chunk of the checked pass (each runs to its end)
+                    check.next_chunk(lg.rows)
                 try:
                     with torch.set_grad_enabled(grad):
                         rec = _run(rt, record, g, c, StreamHalo(store, complete), grad=grad,
-                                   check=check if c == 0 else None, moves=not complete)
+                                   check=check, moves=not complete)
                 except _Barrier as b:
                     if barrier is not None and b.key != barrier:
                         raise UnsupportedModelError(_differs(b.key, barrier))
                     barrier = b.key
                     continue
-                finally:
-                    if c == 0 and check is not None and (check.found or check.refusal):
-                        check.verdict(rt.comm)  # (one device: now, before chunks the check does not follow)
                 if barrier is not None:
                     raise UnsupportedModelError(_differs(None, barrier))
                 keys = site_keys(rec.ctx.sites)

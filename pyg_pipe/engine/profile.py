@@ -89,22 +89,29 @@ class _ChunkProbe:
             self._check_rows(f"num_chunks={ptr.numel() - 1}")
 
     def _check_rows(self, cut: str) -> None:
-        """One pass under the row check (:mod:`.step.rows`) before any measuring pass: a forward that cannot run
-        on part of the graph (a degree computed from the edges outside the layers) is refused here, as the first
-        training pass would refuse it, instead of failing inside a measuring pass."""
-        from .step.rows import RowCheck
+        """One pass under the row check (:mod:`.step.rows`) before any measuring pass: what the check refuses by
+        itself (a degree computed from the edges outside the layers, a read of neighbour rows outside propagate) is
+        refused here, as the first training pass would refuse it, instead of failing inside a measuring pass. (What
+        it only finds, an operation over all rows, is left to that pass: graph-wide norms, which it finds here, are
+        the engine's there.)"""
         from ..model.errors import UnsupportedModelError
+        from .step.rows import RowCheck
         lg = self.lg
         check = RowCheck(lg.rows, {id(m): n for n, m in self.module.named_modules()}, cut)
         ctx = ChunkContext(self.cgs[0], lg, self.halo, self.localizer.resolver(0, self._derive),
                            Statistics(None, None, None, lg.rows, False), {}, check)
-        with self.passes(), torch.no_grad(), ctx:
-            env = self.runner.bind(*self.localizer.localize(0, ctx))
-            with check:
-                for node in self.steps:
-                    env[node.name] = self.runner.step(node, env)
-        if check.refusal is not None or check.found is not None:
-            raise UnsupportedModelError(check.refusal or check.message(check.found))
+        try:
+            with self.passes(), torch.no_grad(), ctx:
+                env = self.runner.bind(*self.localizer.localize(0, ctx))
+                with check:
+                    for node in self.steps:
+                        env[node.name] = self.runner.step(node, env)
+        except Exception as exc:
+            if check.refusal is None:
+                raise
+            raise UnsupportedModelError(check.refusal) from exc
+        if check.refusal is not None:
+            raise UnsupportedModelError(check.refusal)
 
     def _derive(self, cg, kind):  # graphs derived from the inputs (transposes, DropEdge's), as the runtime derives them
         return derived(self.derived, cg, kind)

@@ -137,15 +137,15 @@ class RowCheck(TorchFunctionMode):
             return func(*args, **kwargs)  # the engine's own, or outside the model's run
         if ctx.stack:
             return self._in_layer(ctx.stack[-1], func, args, kwargs)
-        if self.found is not None:
-            return func(*args, **kwargs)
         if self._graphs_of is not ctx:  # the graphs this run handed the forward hold vertex ids at edge ends
             self._graphs_of = ctx
             for obj, _, _, local in list(getattr(ctx.graphs, "known", {}).values()):
                 self.edges(obj)
                 self.edges(local)
-        if any(self._is_ids(t) for t in tensors(args, kwargs)):
+        if any(self._is_ids(t) for t in tensors(args, kwargs)):  # (followed after a finding too: kept in bounds)
             return self._at_edges(func, args, kwargs)
+        if self.found is not None:
+            return func(*args, **kwargs)
         aligned = [(t, d) for t in tensors(args, kwargs) for d in [self.vdim(t)] if d is not None]
         if not aligned:
             return func(*args, **kwargs)

@@ -180,20 +180,22 @@ class RowCheck(TorchFunctionMode):
         read = reads_at_ids(name, args, kwargs, rows, self._is_ids) if rows else None
         if read is not None:
             self._refuse_edges(name, "reads {rows} at the ends of the graph's edges", read[1])
-            t, v, index = read
-            need = int(index.max()) + 1 if index.numel() else 0  # (a host sync: the checked pass only)
-            if need > t.size(v):  # zeros past the chunk's rows: the pass goes on to its end
-                pad = t.new_zeros(*t.shape[:v], need - t.size(v), *t.shape[v + 1:])
-                args = tuple(torch.cat([t, pad], dim=v) if a is t else a for a in args)
-            return func(*args, **kwargs)
+            return func(*_padded(args, *read), **kwargs)
         out = func(*args, **kwargs)
+        self._mark_ids(name, args, kwargs, out)
+        return out
+
+    def _mark_ids(self, name: str, args, kwargs, out) -> bool:
+        """Whether the operation's outputs hold vertex ids at edge ends (selected, joined, reshaped from such ids);
+        if so they are followed as such."""
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         kinds = ids_kinds(name, args, kwargs, self._kind, len(outs))
-        if kinds is not None:
-            for o, kind in zip(outs, kinds):
-                if isinstance(o, Tensor):
-                    self._ids[id(o)] = (weakref.ref(o), kind)
-        return out
+        if kinds is None:
+            return False
+        for o, kind in zip(outs, kinds):
+            if isinstance(o, Tensor):
+                self._ids[id(o)] = (weakref.ref(o), kind)
+        return True
 
     def _refuse_edges(self, name: str, what: str, v: Optional[int] = None) -> None:
         if self.refusal is None:
@@ -248,13 +250,9 @@ class RowCheck(TorchFunctionMode):
                              + _ENDS[inv.reverse])
             args = in_bounds(name, args, kwargs)  # (sources past the chunk's rows: the pass goes on to its end)
         out = func(*args, **kwargs)
-        outs = list(out) if isinstance(out, (tuple, list)) else [out]
-        kinds = ids_kinds(name, args, kwargs, self._kind, len(outs))
-        if kinds is not None:
-            for o, kind in zip(outs, kinds):
-                if isinstance(o, Tensor):
-                    self._ids[id(o)] = (weakref.ref(o), kind)
+        if self._mark_ids(name, args, kwargs, out):
             return out
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
         if (at is not None and self._kind(at) == "dst") or sums:  # per-vertex sums at the destinations, and
             into = [args[0]] if at is not None and name.endswith("_") else []  # what is computed from them
             n = sums[0][0].size(0) if sums and at is None else None
@@ -310,12 +308,8 @@ class RowCheck(TorchFunctionMode):
                 f"this read would miss them. Read neighbour rows in message() (its x_j / x_i arguments) or "
                 f"edge_updater(), as PyG's layers do, or train with one chunk and no graph-parallel ways "
                 f"(strategy='gnnpipe', num_chunks=1), which is exact.")
-        need = int(index.max()) + 1 if index.numel() else 0  # (a host sync: the checked pass only)
-        if need > t.size(v):  # the rows the read expects, zeros past the chunk's: the pass goes on to its end
-            pad = t.new_zeros(*t.shape[:v], need - t.size(v), *t.shape[v + 1:])
-            args = tuple(torch.cat([t, pad], dim=v) if a is t else a for a in args)
         try:
-            return func(*args, **kwargs)
+            return func(*_padded(args, t, v, index), **kwargs)
         except Exception as exc:  # noqa: BLE001 - it cannot run even so: refuse on this rank now
             raise UnsupportedModelError(self.refusal) from exc
 
@@ -371,6 +365,16 @@ class RowCheck(TorchFunctionMode):
         first = next((f for _, f in every if f is not None), None)
         if first is not None:
             raise UnsupportedModelError(self.message(first))
+
+
+def _padded(args: tuple, t: Tensor, v: int, index: Tensor) -> tuple:
+    """``args`` with ``t`` padded with zero rows along ``v`` up to the rows ``index`` reads (a refused read: the pass
+    goes on to its end). A host synchronisation, on the checked pass only."""
+    need = int(index.max()) + 1 if index.numel() else 0
+    if need <= t.size(v):
+        return args
+    pad = t.new_zeros(*t.shape[:v], need - t.size(v), *t.shape[v + 1:])
+    return tuple(torch.cat([t, pad], dim=v) if a is t else a for a in args)
 
 
 def _in_propagate() -> bool:

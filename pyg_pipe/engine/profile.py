@@ -99,13 +99,16 @@ class _ChunkProbe:
         lg = self.lg
         check = RowCheck(lg.rows, {id(m): n for n, m in self.module.named_modules()}, cut)
         ctx = ChunkContext(self.cgs[0], lg, self.halo, self.localizer.resolver(0, self._derive),
-                           Statistics(None, None, None, lg.rows, False), {}, check)
+                           Statistics(None, None, None, lg.rows, False), self.cache, check)  # (what it caches, the
+        #                                                                    measuring passes would cache: no second copy)
         try:
             with self.passes(), torch.no_grad(), ctx:
                 env = self.runner.bind(*self.localizer.localize(0, ctx))
                 with check:
                     for node in self.steps:
                         env[node.name] = self.runner.step(node, env)
+                        for value in self.runner.release_after(node):  # no grad: values die after their last use
+                            env.pop(value, None)
         except Exception as exc:
             if check.refusal is None:
                 raise

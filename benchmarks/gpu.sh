@@ -12,9 +12,8 @@
 #   3. benchmarks/gpu/gpu_summary.py: the GPU issue's figures in one summary.json (streamed epoch against plain
 #      PyG at 20k and 200k vertices, host time per chunk and layer, GPU busy share and copies per step,
 #      the largest graph plain PyG and streaming train under a memory cap, 2 processes on one GPU);
-#   with GPU_FULL=1 also (the default steps took 7.1 minutes on an H200; on an H100 the steps to the sweep with
-#   host_tier.py after it ran past 530 s, the sweep's trials then one after another; they now run a round at once,
-#   and host_tier.py only here: not yet timed)
+#   the default steps took 387 s on an H100 in the eighth run (the build about 110 s, the tests 106 s in 4
+#   processes, the summary 163 s with GPU_SWEEP_SECONDS=60); with GPU_FULL=1 also (not yet timed together):
 #   4. benchmarks/gpu/host_tier.py: streaming with every value in pinned host memory at 200k vertices against
 #      plain PyG, profiled (where the host's time goes: the halo gathers and gradient adds, the waits);
 #   5. the fused kernels against cuSPARSE (torch.sparse.mm) and PyG's scatter path, with the kernel's
@@ -41,8 +40,11 @@ failed=0
 step() { echo "+ $*"; "$@" || { echo "benchmarks/gpu.sh: failed: $*"; failed=1; }; }
 step bash -c "set -o pipefail; python -c 'from pyg_pipe.ops.build import backend; print(\"kernels:\", \
     backend(\"cuda\"))' 2>&1 | tee '$out/kernels.txt'"
-step bash -c "set -o pipefail; RAISED_LOG='$out/raised_in_capture.txt' python -m pytest -q -m gpu tests \
-    -p benchmarks.gpu.diagnose_tests 2>&1 | tee '$out/tests.txt'"
+# the tests in 4 processes where pytest-xdist is there (eighth run, H100: 106 s; the seventh ran them in one
+# process, the kernels' build inside: 272 s)
+par=$(python -c "import xdist" 2>/dev/null && echo "-n 4" || true)
+step bash -c "set -o pipefail; RAISED_LOG='$out/raised_in_capture.txt' python -m pytest -q -m gpu tests $par \
+    -p benchmarks.gpu.diagnose_tests --durations=25 2>&1 | tee '$out/tests.txt'"
 step bash -c "set -o pipefail; python benchmarks/gpu/diagnose_capture.py 2>&1 | tee '$out/diagnose_capture.txt'"
 step bash -c "set -o pipefail; PYTHONUNBUFFERED=1 python benchmarks/gpu/gpu_summary.py --out '$out/summary.json' \
     --sweep-seconds ${GPU_SWEEP_SECONDS:-90} 2>&1 | tee '$out/summary.txt'"

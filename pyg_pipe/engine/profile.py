@@ -85,16 +85,31 @@ class _ChunkProbe:
         self.steps = [n for g in groups for n in g]
         self.runner = StageProgram(program, Stage(0, self.steps, [], [n.name for n in program.output.all_input_nodes],
                                                   None), fn, True)
-        if ptr.numel() > 2:
-            self._check_rows(f"num_chunks={ptr.numel() - 1}")
+        self.cut = f"num_chunks={ptr.numel() - 1}" if ptr.numel() > 2 else None
 
-    def _check_rows(self, cut: str) -> None:
-        """One pass under the row check (:mod:`.step.rows`) before any measuring pass: what the check refuses by
-        itself (a degree computed from the edges outside the layers, a read of neighbour rows outside propagate) is
-        refused here, as the first training pass would refuse it, instead of failing inside a measuring pass. (What
-        it only finds, an operation over all rows, is left to that pass: graph-wide norms, which it finds here, are
-        the engine's there.)"""
-        from ..model.errors import UnsupportedModelError
+    @contextmanager
+    def refusing(self):
+        """Measuring passes that fail are judged by the row check (:mod:`.step.rows`): a forward the check refuses
+        by itself (a degree computed from the edges outside the layers, a read of neighbour rows outside propagate)
+        can fail inside a pass over a cut graph (an index out of bounds); then one checked pass over the chunk turns
+        the failure into the refusal the first training pass would give, named. Only on failure: a checked pass
+        before every measuring one raised the plan's peak memory (docs/benchmarks.md), and a forward that passes
+        the measuring passes is checked in every chunk of the first training pass anyway. The same on every rank:
+        every rank measures the whole model on the same first chunk."""
+        try:
+            yield
+        except Exception as exc:
+            from ..model.errors import UnsupportedModelError
+            if self.cut is None or isinstance(exc, UnsupportedModelError):
+                raise
+            refusal = self._check_rows(self.cut)
+            if refusal is None:
+                raise
+            raise UnsupportedModelError(refusal) from exc
+
+    def _check_rows(self, cut: str) -> Optional[str]:
+        """What the row check refuses in one no-grad pass over the chunk, or None. (What it only finds, an
+        operation over all rows, is left to the training pass: graph-wide norms are the engine's there.)"""
         from .step.rows import RowCheck
         lg = self.lg
         check = RowCheck(lg.rows, {id(m): n for n, m in self.module.named_modules()}, cut)
@@ -109,12 +124,9 @@ class _ChunkProbe:
                         env[node.name] = self.runner.step(node, env)
                         for value in self.runner.release_after(node):  # no grad: values die after their last use
                             env.pop(value, None)
-        except Exception as exc:
-            if check.refusal is None:
-                raise
-            raise UnsupportedModelError(check.refusal) from exc
-        if check.refusal is not None:
-            raise UnsupportedModelError(check.refusal)
+        except Exception:  # (the check keeps indices in bounds; a failure it does not refuse is the caller's)
+            pass
+        return check.refusal
 
     def _derive(self, cg, kind):  # graphs derived from the inputs (transposes, DropEdge's), as the runtime derives them
         return derived(self.derived, cg, kind)
@@ -158,7 +170,7 @@ def layer_costs(module: torch.nn.Module, fn: Callable, program: Program, groups:
     steps = probe.steps
     times: Dict[str, List[float]] = {n.name: [] for n in steps}
     shapes: Dict[str, tuple] = {}
-    with probe.passes(), torch.no_grad():
+    with probe.refusing(), probe.passes(), torch.no_grad():
         for _ in range(passes):
             ctx, localize = probe.inputs()
             with ctx:
@@ -179,7 +191,7 @@ def training_pass_seconds(module: torch.nn.Module, fn: Callable, program: Progra
     probe = _ChunkProbe(module, fn, program, groups, inputs, device, chunking)
     params = list(module.parameters())  # (a backward, not autograd.grad, which reentrant checkpoints refuse)
     best = float("inf")
-    with probe.passes(params), torch.enable_grad():
+    with probe.refusing(), probe.passes(params), torch.enable_grad():
         for _ in range(passes):
             ctx, localize = probe.inputs()
             if cuda:
@@ -222,7 +234,7 @@ def training_pass_memory(module: torch.nn.Module, fn: Callable, program: Program
     rows = probe.lg.rows
     by_group: List[Dict[int, int]] = []   # every storage each group's steps saved
     group_widths: List[float] = []
-    with probe.passes(params), torch.enable_grad():
+    with probe.refusing(), probe.passes(params), torch.enable_grad():
         ctx, localize = probe.inputs()
         with ctx, SavedBytes(True, exclude) as saved:
             args, kwargs = localize()
@@ -246,7 +258,7 @@ def training_pass_memory(module: torch.nn.Module, fn: Callable, program: Program
     del env, out, saved  # (before the way's pass)
     cache = reachable([probe.cache, probe.localizer._adjacency], exclude | set(reachable([probe.cgs])))
     way = _ChunkProbe(module, fn, program, groups, inputs, device, way_chunking)
-    with way.passes(), torch.no_grad():
+    with way.refusing(), way.passes(), torch.no_grad():
         ctx, localize = way.inputs()
         with ctx:
             args, kwargs = localize()

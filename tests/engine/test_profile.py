@@ -1,6 +1,8 @@
 """The cost model of ``balance="time"``: one measured cost per layer group, from a pass that changes nothing."""
 import copy
 
+import pytest
+
 import torch
 from torch import nn
 from torch_geometric.nn import GCNConv
@@ -141,3 +143,31 @@ def test_a_training_pass_on_a_chunk_changes_nothing_and_runs_its_backward():
     assert all(p.grad is None for p in model.parameters())
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_a_measuring_pass_that_fails_on_a_forward_the_row_check_refuses_gives_the_refusal():
+    """A degree computed in forward from a chunk's edges (whose halo ids lie past the chunk's rows) fails with an
+    index out of bounds inside the cost model's pass; the plan turns that failure into the row check's refusal,
+    naming the operation and the fix, on every rank alike (the pass is the same on each). The check runs only
+    when a pass fails: a forward that passes is checked in every chunk of the first training pass."""
+    from pyg_pipe.model.errors import UnsupportedModelError
+    from tests.shapes_pyg import DegreeFeature
+    x, g, _, _ = zoo_graph()
+    ei = g["edge_index"]
+    torch.manual_seed(0)
+    model = DegreeFeature()
+    inputs = CallInputs((x, ei), {})
+    program = trace(model, inputs.args, inputs.kwargs)
+    groups, _ = stage_groups(program)
+    perm, ptr = make_chunks(ei, x.size(0), 4)
+    hooks = LayerHooks(model)
+    hooks.install()
+    try:
+        with pytest.raises(UnsupportedModelError, match=r"(?s)calls `scatter_add_`.*outside the MessagePassing"):
+            layer_costs(model, forward_function(model), program, groups, inputs, torch.device("cpu"),
+                        chunking=(perm, ptr))
+        # the whole graph as one chunk: nothing to refuse, the pass measures
+        assert all(c > 0 for c in layer_costs(model, forward_function(model), program, groups, inputs,
+                                              torch.device("cpu")))
+    finally:
+        hooks.remove()

@@ -13,6 +13,10 @@ from ..tree import flatten, unflatten
 from .tiers import Tiers
 
 
+#: passes' worth of a node value's gradient parts kept in host memory before they are summed (:meth:`Store._fold`)
+FOLD_AFTER = 2
+
+
 class Store:
     """Rows of the values crossing group boundaries, and of barrier sites, with their gradients.
 
@@ -35,6 +39,9 @@ class Store:
         self._halos: Dict[int, Tuple[LocalGraph, Tensor]] = {}       # chunk -> its halo ids on the host
         self.writes: Dict[tuple, list] = {}                         # ("rows"/"grads", value) -> writes to land
         self.deferred: Dict[str, List[Tuple[LocalGraph, Tensor]]] = {}  # value -> its gradient's parts, in order
+        self.folded: Dict[str, Tensor] = {}                          # value -> its parts summed so far (tier buffer)
+        self.owners: Dict[str, Dict[int, LocalGraph]] = {}           # value -> the chunks whose parts came
+        self.folds = 0                                               # times parts were summed into ``folded``
         self._owned: Dict[Tuple[int, int], tuple] = {}               # (reader, owner chunk) -> halo slice
 
     def put(self, name: str, lg: LocalGraph, value) -> None:
@@ -197,11 +204,15 @@ class Store:
         if name in self.deferred or (name not in self.grads and self.tiers.offload == "host"
                                      and self.tiers.offloads(like.shape, like.dtype)):
             parts = self.deferred.setdefault(name, [])
+            owners = self.owners.setdefault(name, {})
+            owners[lg.index] = lg
             sent = self.tiers.send(grad)
             if sent is None:
                 parts.append((lg, grad.detach().to("cpu", copy=True)))
             else:
                 self.writes.setdefault(("grads", name), []).append((sent, lambda rows, lg=lg: parts.append((lg, rows))))
+            if len(parts) + len(self.writes.get(("grads", name), ())) >= FOLD_AFTER * len(owners):
+                self._fold(name)
             return
         g = self.grads.get(name)
         if g is None:
@@ -221,24 +232,57 @@ class Store:
 
     def _undefer(self, name: str) -> None:
         """The parts :meth:`add_grad_local` kept for ``name``, summed into a gradient buffer in their order (before
-        a gradient by ids joins them)."""
+        a gradient by ids joins them), from what :meth:`_fold` summed of them already."""
         parts = self.deferred.pop(name, None)
         if parts is None:
             return
         self._land(("grads", name))
+        self.owners.pop(name, None)
         like = self.rows[name]
-        g = self.grads[name] = self.tiers.zeros(like.shape, like.dtype)
+        g = self.folded.pop(name, None)
+        if g is None:
+            g = self.tiers.zeros(like.shape, like.dtype)
+        self.grads[name] = g
         for lg, grad in parts:
             self._add_local(g, lg, grad)
         self.tiers.release(g)
 
+    def _fold(self, name: str) -> None:
+        """The parts kept for ``name`` summed into one buffer in the tier, chunk by chunk on the device (each owner's
+        rows read back, its parts' slices added in their order, written out), so that a value whose gradient comes
+        from every layer group (GCNII's ``x0``) holds at most :data:`FOLD_AFTER` passes of parts in host memory, not
+        one per (group, chunk): a chunk's part is its rows and its whole halo, on a graph with little locality
+        nearly every vertex (16 groups x 8 chunks of a 100k-vertex random graph held 3 GB of parts for a 24 MB
+        gradient). The additions are the reads' own, in the same order, so the sums are the same bit for bit. Only
+        when the chunks whose parts came cover every vertex (else the parts stay as they are)."""
+        self._land(("grads", name))
+        owners = sorted(self.owners[name].values(), key=lambda lg: lg.start)
+        if [lg.start for lg in owners] != [0] + [lg.end for lg in owners[:-1]] or owners[-1].end != self.num_nodes:
+            return
+        acc = self.folded.get(name)
+        if acc is None:
+            like = self.rows[name]
+            acc = self.folded[name] = self.tiers.zeros(like.shape, like.dtype)
+        sums = [self._summed(name, lg) for lg in owners]
+        for lg, rows in zip(owners, sums):
+            acc[lg.start:lg.end].copy_(rows)
+        self.tiers.release(acc)
+        self.deferred[name] = []
+        self.folds += 1
+
     def _summed(self, name: str, lg: LocalGraph) -> Tensor:
-        """Chunk ``lg``'s rows of the gradient kept as parts (:meth:`add_grad_local`), summed on the device: its own
-        block and the slices of other chunks' halo gradients that are its rows, in the order they came."""
+        """Chunk ``lg``'s rows of the gradient kept as parts (:meth:`add_grad_local`), summed on the device: what
+        :meth:`_fold` summed of them, then its own block and the slices of other chunks' halo gradients that are its
+        rows, in the order they came."""
         self._land(("grads", name))
         self.summed += 1
         like = self.rows[name]
-        out = torch.zeros((lg.rows, *like.shape[1:]), dtype=like.dtype, device=self.tiers.device)
+        acc = self.folded.get(name)
+        if acc is None:
+            out = torch.zeros((lg.rows, *like.shape[1:]), dtype=like.dtype, device=self.tiers.device)
+        else:
+            out = acc[lg.start:lg.end].to(self.tiers.device, copy=True)
+            self.tiers.release(acc)
         for part_lg, grad in self.deferred[name]:
             if part_lg.index == lg.index:
                 out += self.tiers.to_device(grad[:lg.rows])
@@ -277,7 +321,8 @@ class Store:
         self.writes.pop(("rows", name), None)
         self.writes.pop(("grads", name), None)
         self.deferred.pop(name, None)
-        for table in (self.rows, self.grads):
+        self.owners.pop(name, None)
+        for table in (self.rows, self.grads, self.folded):
             t = table.pop(name, None)
             if t is not None:
                 self.tiers.free(t)

@@ -44,6 +44,7 @@ from ..model.trace import forward_function
 from .step import pipeline as steps
 from .step.checks import same_loss
 from .step import capture, dropedge, stream
+from .collector import older_objects_frozen
 from .comm import Comm
 from .context import autocast_as, autocast_state, current, in_backward
 from .runtime.staleness import StalenessMeter
@@ -72,11 +73,12 @@ class _Fill(torch.autograd.Function):
     def forward(ctx, engine: "GNNPipeEngine", runtime: Runtime, inputs: CallInputs, call: int, anchor: Tensor):
         ctx.engine = engine
         ctx.autocast = autocast_state(engine.comm.device)  # mixed precision: the drain recomputes under it too
-        if runtime.plan.streaming:  # (captured as CUDA graphs where it can be: step/capture.py)
-            out, ctx.record = capture.forward(runtime, inputs, call, engine.config.cuda_graphs)
-        else:
-            with torch.enable_grad():
-                out, ctx.record = steps.fill(runtime, inputs, engine.step, call)
+        with older_objects_frozen():  # (the collector's passes skip the process's older objects: .collector)
+            if runtime.plan.streaming:  # (captured as CUDA graphs where it can be: step/capture.py)
+                out, ctx.record = capture.forward(runtime, inputs, call, engine.config.cuda_graphs)
+            else:
+                with torch.enable_grad():
+                    out, ctx.record = steps.fill(runtime, inputs, engine.step, call)
         engine._structure = ctx.record.structure  # the output is packed into one tensor (tree.pack_rows)
         return out
 
@@ -84,7 +86,7 @@ class _Fill(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         engine, record = ctx.engine, ctx.record
         ctx.record = None
-        with autocast_as(ctx.autocast):
+        with autocast_as(ctx.autocast), older_objects_frozen():
             engine._drained(grad, record)
         return None, None, None, None, None
 

@@ -263,7 +263,9 @@ class Store:
         if acc is None:
             like = self.rows[name]
             acc = self.folded[name] = self.tiers.zeros(like.shape, like.dtype)
+        reads = self.summed
         sums = [self._summed(name, lg) for lg in owners]
+        self.summed = reads  # (a fold is not a read)
         for lg, rows in zip(owners, sums):
             acc[lg.start:lg.end].copy_(rows)
         self.tiers.release(acc)

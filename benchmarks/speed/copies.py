@@ -1,7 +1,8 @@
 """Row copies per (chunk, layer): how many gathers, joins and copies one training step makes, and where.
 
 Every tensor operation that copies rows (``copy_``, ``index_select``, ``index``, ``cat``, ``index_copy_``,
-``clone``, ``_to_copy``, ``index_put_``) is counted through a ``TorchDispatchMode`` during one training step
+``clone``, ``_to_copy``, ``index_put_``, and the backward of a slice or a selected row, ``slice_backward`` /
+``select_backward``: a zero-filled gradient of the whole tensor with the slice's copied in) is counted through a ``TorchDispatchMode`` during one training step
 (forward and backward) of a 16-layer GCNII on one process with C chunks, by the innermost line of pyg_pipe or
 PyG that made it; the total is divided by C x L. On a GPU each of these is a device copy (a kernel launch),
 so this is the count the GPU profile reports (docs/benchmarks.md, "On a GPU"), measured on the CPU.
@@ -18,7 +19,8 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-COPIES = {"copy_", "index_select", "cat", "index_copy_", "clone", "index", "_to_copy", "index_put_"}
+COPIES = {"copy_", "index_select", "cat", "index_copy_", "clone", "index", "_to_copy", "index_put_", "slice_backward",
+          "select_backward"}
 
 
 def count(streaming: bool, nodes: int, chunks: int, layers: int) -> dict:
@@ -49,8 +51,9 @@ def count(streaming: bool, nodes: int, chunks: int, layers: int) -> dict:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.__name__.split(".")[0]
             if name in COPIES:
-                frames = [f for f in traceback.extract_stack() if "pyg_pipe" in f.filename
-                          or "torch_geometric" in f.filename]
+                frames = [f for f in traceback.extract_stack() if ("pyg_pipe" in f.filename
+                          or "torch_geometric" in f.filename) and not f.filename.endswith("hash_tensor.py")]
+                # (PyG wraps torch.index_select in hash_tensor.py: the line that called it is the one named)
                 at = "autograd"
                 if frames:
                     f = frames[-1].filename

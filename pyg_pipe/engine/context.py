@@ -39,6 +39,12 @@ def _hide(table: torch.nn.Module, whole: Tensor) -> None:
     table.__dict__.pop("forward", None)
 
 
+def leading_rows(t: Tensor, dim: int, n: int) -> Tensor:
+    """The first ``n`` entries of ``t`` along ``dim``: ``t`` itself when it has no more (a narrow to the whole extent
+    would add a slice to the autograd graph, whose backward zero-fills a gradient of ``t``'s size and copies it in)."""
+    return t if t.size(dim) == n else t.narrow(dim, 0, n)
+
+
 def current() -> Optional["ChunkContext"]:
     """The context of the chunk running now, or ``None`` outside the engine."""
     return _STACK[-1] if _STACK else None
@@ -241,20 +247,24 @@ class ChunkContext:
         return _NOTHING if self.observer is None else self.observer.paused()
 
     # ------------------------------------------------------------------ inputs, registered by the localiser
-    def add_clean(self, local: Tensor, extend: Callable, whole: Optional[Tensor] = None) -> None:
-        """``local`` is an input's chunk rows; ``extend(cg, lg)`` gives its rows beyond them. ``whole``: when
-        ``local`` is the first rows of a tensor ``[rows | halo]`` of this context's chunk (streaming's values
-        gathered from the store), that tensor, handed out as it is instead of joined again."""
+    def add_clean(self, local: Tensor, extend: Callable, whole: Optional[Callable[[], Tensor]] = None) -> None:
+        """``local`` is an input's chunk rows; ``extend(cg, lg)`` gives its rows beyond them. ``whole``: for an input
+        whose ``[rows | halo]`` for this context's chunk comes as one tensor (streaming's values read from the
+        store), the function that makes it; the tensor it returns is handed out at every extension of ``local``
+        instead of a join of ``local`` and ``extend``'s rows."""
         self.clean[id(local)] = (local, local._version, extend)
         if whole is not None:
-            self.extended[id(local)] = (local, whole, whole._version)
+            self.extended[id(local)] = (local, whole, None)
 
     def clean_extended(self, t: Tensor, lg) -> Optional[Tensor]:
         """The registered ``[rows | halo]`` of the clean input ``t`` for this context's chunk ``lg``, else ``None``."""
         hit = self.extended.get(id(t))
-        if hit is None or lg is not self.lg or hit[0] is not t or hit[1]._version != hit[2]:
+        if hit is None or lg is not self.lg or hit[0] is not t:
             return None
-        return hit[1]
+        if hit[2] is None:  # made at the first extension
+            whole = hit[1]()
+            hit = self.extended[id(t)] = (t, whole, whole._version)
+        return hit[1] if hit[1]._version == hit[2] else None
 
     def add_edge_input(self, local: Tensor, whole: Tensor, cg=None) -> None:
         """``local`` holds the chunk's local edges of the edge input ``whole``, cut with the chunked graph

@@ -52,7 +52,7 @@ from ..model.inputs import CallInputs
 from ..model.localize import Localizer
 from ..model.split import Stage
 from ..model.trace import Program
-from .context import ChunkContext
+from .context import ChunkContext, leading_rows
 from .plan.first_step import PassDetail, PassMemory
 from .runtime.program import StageProgram
 from .runtime.runtime import chunk_graphs
@@ -316,7 +316,7 @@ class _Fillers:
     def join(self, key: str, cg, lg, t: Tensor, vdim: int) -> Tensor:
         if self.widths is not None:
             self.widths[key] = t.numel() // max(t.size(vdim), 1) * t.element_size()
-        rows = t.narrow(vdim, 0, lg.rows)
+        rows = leading_rows(t, vdim, lg.rows)
         shape = list(rows.shape)
         shape[vdim] = lg.num_local - lg.rows
         return torch.cat([rows, rows.new_zeros(shape)], dim=vdim)

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from ...graph.chunks import ChunkedGraph, LocalGraph
 from ..comm import Comm
-from ..context import current, in_backward
+from ..context import current, in_backward, leading_rows
 from ..plan.grid import RankGrid
 from .history import CallHistory
 from .ring import RingGrads, RingRows
@@ -175,7 +175,7 @@ class HaloPass:
     def join(self, key: str, cg: ChunkedGraph, lg: LocalGraph, t: Tensor, vdim: int) -> Tensor:
         """``t`` (the chunk's rows, or all ``num_local`` rows, along ``vdim``) as ``[rows | halo]`` with the
         true halo rows."""
-        rows = t.narrow(vdim, 0, lg.rows)
+        rows = leading_rows(t, vdim, lg.rows)
         if vdim:
             rows = rows.movedim(vdim, 0)
         out = rows.new_empty((lg.num_local, *rows.shape[1:]))

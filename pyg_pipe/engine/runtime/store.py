@@ -104,7 +104,11 @@ class Store:
         """``[rows | halo]`` of node value ``name`` for chunk ``lg``, on the device: the chunk's rows are a
         contiguous range of the buffer (new vertex ids), copied as one block; only the halo is gathered
         (the same values as ``gather(name, lg.nodes)``, in a fraction of the time of a gather of every row).
-        Rows :meth:`prefetch` started reading are taken from there."""
+        Rows :meth:`prefetch` started reading are taken from there.
+
+        A copy even of the rows, never a view of the buffer: a layer may change or free its input's storage
+        (PyG's reversible ``GroupAddRev`` frees it and restores it in the backward), and the buffer's rows are
+        read again by other chunks and groups."""
         ahead = self.ahead.pop((name, lg.index), None)
         if ahead is not None:
             self.prefetched += 1
@@ -192,9 +196,10 @@ class Store:
             self.tiers.release(g)
         self._write(("grads", name), g, grad, add)
 
-    def add_grad_local(self, name: str, lg: LocalGraph, grad: Tensor) -> None:
-        """Adds ``grad`` (``[rows | halo]`` of chunk ``lg``) to the gradient of node value ``name``: the rows'
-        part as one block, the halo's by index (the same sums as ``add_grad(name, lg.nodes, grad)``).
+    def add_grad_local(self, name: str, lg: LocalGraph, grad: Tensor, halo: Optional[Tensor] = None) -> None:
+        """Adds the gradient of chunk ``lg``'s ``[rows | halo]`` of node value ``name``: ``grad`` is that whole, or
+        the rows' part with ``halo`` the halo's (``None``: nothing reached the halo). The rows' part is added as one
+        block, the halo's by index (the same sums as ``add_grad(name, lg.nodes, ...)``).
 
         A gradient that would sit in host memory (``offload="host"`` beyond the budget) is not summed there: each
         part is copied to the host as it is (on a GPU by DMA on the side stream), and the owner's rows are summed
@@ -203,6 +208,7 @@ class Store:
         like = self.rows[name]
         if name in self.deferred or (name not in self.grads and self.tiers.offload == "host"
                                      and self.tiers.offloads(like.shape, like.dtype)):
+            grad = _whole(grad, halo, lg)
             parts = self.deferred.setdefault(name, [])
             owners = self.owners.setdefault(name, {})
             owners[lg.index] = lg
@@ -217,18 +223,21 @@ class Store:
         g = self.grads.get(name)
         if g is None:
             g = self.grads[name] = self.tiers.zeros(like.shape, like.dtype)
+        if halo is not None and self.tiers.in_tier(g):  # (sent to the tier as one block)
+            grad, halo = _whole(grad, halo, lg), None
 
-        def add(grad: Tensor, g=g, lg=lg) -> None:
-            self._add_local(g, lg, grad)
+        def add(grad: Tensor, g=g, lg=lg, halo=halo) -> None:
+            if halo is None:
+                grad, halo = grad[:lg.rows], (grad[lg.rows:] if grad.size(0) > lg.rows else None)
+            self._add_local(g, lg, grad, halo)
             self.tiers.release(g)
         self._write(("grads", name), g, grad, add)
 
-    def _add_local(self, g: Tensor, lg: LocalGraph, grad: Tensor) -> None:
-        """``grad`` (``[rows | halo]`` of chunk ``lg``) added into the gradient buffer ``g``."""
-        grad = grad.to(g.device, g.dtype)
-        g[lg.start:lg.end].add_(grad[:lg.rows])  # (in place: no copy of the slice onto itself)
-        if lg.halo.numel():
-            g.index_add_(0, self._halo(lg, g.device), grad[lg.rows:])
+    def _add_local(self, g: Tensor, lg: LocalGraph, rows: Tensor, halo: Optional[Tensor]) -> None:
+        """The gradient of chunk ``lg``'s rows (``rows``) and of its halo (``halo``) added into the buffer ``g``."""
+        g[lg.start:lg.end].add_(rows.to(g.device, g.dtype))  # (in place: no copy of the slice onto itself)
+        if halo is not None and lg.halo.numel():
+            g.index_add_(0, self._halo(lg, g.device), halo.to(g.device, g.dtype))
 
     def _undefer(self, name: str) -> None:
         """The parts :meth:`add_grad_local` kept for ``name``, summed into a gradient buffer in their order (before
@@ -244,7 +253,7 @@ class Store:
             g = self.tiers.zeros(like.shape, like.dtype)
         self.grads[name] = g
         for lg, grad in parts:
-            self._add_local(g, lg, grad)
+            self._add_local(g, lg, grad[:lg.rows], grad[lg.rows:])
         self.tiers.release(g)
 
     def _fold(self, name: str) -> None:
@@ -342,3 +351,12 @@ def _is_rows(value, lg: LocalGraph) -> bool:
     """Possibly a node value: a tensor with one row per chunk vertex along dimension 0."""
     return isinstance(value, Tensor) and value.layout == torch.strided and value.dim() > 0 \
         and value.size(0) == lg.rows
+
+
+def _whole(rows: Tensor, halo: Optional[Tensor], lg: LocalGraph) -> Tensor:
+    """The gradient of a chunk's ``[rows | halo]`` as one tensor from its parts (a halo nothing reached: zeros)."""
+    if rows.size(0) != lg.rows:
+        return rows  # (already whole)
+    if halo is None:
+        halo = rows.new_zeros((lg.num_local - lg.rows, *rows.shape[1:]))
+    return torch.cat([rows, halo.to(rows.dtype)])

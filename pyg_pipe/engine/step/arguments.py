@@ -21,7 +21,7 @@ from torch_geometric.nn import MessagePassing
 from ...graph.chunks import ChunkedGraph, LocalGraph
 from ...model.errors import UnsupportedModelError
 from ...model.inputs import is_graph_tensor
-from ..context import ChunkContext
+from ..context import ChunkContext, leading_rows
 
 
 def row_graph(ctx: ChunkContext, cg: ChunkedGraph, lg: LocalGraph, local):
@@ -64,7 +64,7 @@ def narrow(module: MessagePassing, value, lg: LocalGraph):
     if isinstance(value, Tensor) and value.dim() > 0:
         vdim = vertex_dim(module, value, lg.num_local)
         if vdim is not None:
-            return value.narrow(vdim, 0, lg.rows)
+            return leading_rows(value, vdim, lg.rows)
     return value
 
 

@@ -1,6 +1,7 @@
-"""The halo of a streamed chunk (:mod:`.stream`): the group's inputs carry their true halo rows; a
-propagate whose sources are computed inside the group is a *barrier site*, whose rows every chunk writes
-to the store in one pass and reads, complete, in the next; its backward depends on the phase."""
+"""The halo of a streamed chunk (:mod:`.stream`): the group's inputs carry their true halo rows
+(:class:`StreamInput`); a propagate whose sources are computed inside the group is a *barrier site*, whose
+rows every chunk writes to the store in one pass and reads, complete, in the next; its backward depends on
+the phase."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ...graph.chunks import ChunkedGraph, LocalGraph
+from ..context import leading_rows
 from ..runtime.store import Store
 
 
@@ -19,6 +21,60 @@ class _Barrier(Exception):
     def __init__(self, key: str):
         super().__init__(key)
         self.key = key
+
+
+class StreamInput:
+    """One node value a streamed chunk receives, gathered from the store as ``[rows | halo]``
+    (:meth:`~..runtime.store.Store.gather_local`): its rows are handed to the group, and the whole, registered
+    with the chunk context as their extension, to a layer that propagates them.
+
+    With gradients the rows (a view of the gathered tensor) are a leaf of their own, and the whole the output of
+    :class:`_Whole` on them, whose backward hands the rows their part of the gradient as a view and keeps the
+    halo's part (:attr:`halo_grad`, ``None`` where no layer propagated the value: GCNII's ``x_0``); the store adds
+    the two (:meth:`~..runtime.store.Store.add_grad_local`). The gathered tensor as the leaf, read through its
+    rows' slice, would instead zero-fill and copy a gradient of its whole size for every slice read in the
+    backward (two per chunk and group of a GCNII; docs/benchmarks.md, "Device copies")."""
+
+    def __init__(self, ext: Tensor, rows: int, grad: bool):
+        self.grad = grad and ext.is_floating_point()
+        self.rows = ext[:rows].detach().requires_grad_() if self.grad else ext[:rows]
+        self.ext, self.halo, self._whole = ext, _HaloGrad(), None
+
+    @property
+    def halo_grad(self) -> Optional[Tensor]:
+        """The gradient of the halo rows (``None``: the whole was not propagated, or nothing reached it)."""
+        return self.halo.grad
+
+    def whole(self) -> Tensor:
+        """``[rows | halo]``, with its gradient's path to the rows (made at the first call)."""
+        if self._whole is None:
+            self._whole = _Whole.apply(self.rows, self.ext, self.halo) if self.grad else self.ext
+        return self._whole
+
+
+class _HaloGrad:
+    """Where :class:`_Whole`'s backward leaves the halo's gradient (not the input itself: the autograd node would
+    hold its own output through it, a reference cycle that keeps the chunk's activations until a collection)."""
+
+    def __init__(self):
+        self.grad: Optional[Tensor] = None
+
+
+class _Whole(torch.autograd.Function):
+    """A :class:`StreamInput`'s ``[rows | halo]`` (the gathered tensor, whose first rows the rows leaf shares): the
+    rows' gradient a view, the halo's kept aside."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, ext: Tensor, sink: _HaloGrad):
+        ctx.sink, ctx.rows = sink, rows.size(0)
+        return ext.view_as(ext)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        sink = ctx.sink
+        halo = grad[ctx.rows:]
+        sink.grad = halo if sink.grad is None else sink.grad + halo
+        return grad[:ctx.rows], None, None
 
 
 class _Join(torch.autograd.Function):
@@ -63,7 +119,7 @@ class StreamHalo:
         self.constant: set = set()   # sites whose sources need no gradient
 
     def join(self, key: str, cg: ChunkedGraph, lg: LocalGraph, t: Tensor, vdim: int) -> Tensor:
-        rows = t.narrow(vdim, 0, lg.rows)
+        rows = leading_rows(t, vdim, lg.rows)
         if vdim:
             rows = rows.movedim(vdim, 0)
         if key not in self.complete:

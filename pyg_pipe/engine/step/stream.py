@@ -52,7 +52,7 @@ from ..runtime.sites import same_as_first_chunk, site_keys
 from ..runtime.statistics import Statistics
 from ..runtime.store import Store
 from ..tree import flatten, pack_rows, unflatten
-from .barriers import StreamHalo, _Barrier
+from .barriers import StreamHalo, StreamInput, _Barrier
 from .checks import check_output, row_check
 from .chunk import SavedBytes, rng_state, same_rng
 from .direct import DirectCalls
@@ -225,7 +225,7 @@ class _Ran:
     ctx: ChunkContext
     sent: Dict[str, Any]
     out: Any
-    leaves: List[Tuple[str, Tensor, Tensor]]   # (value name, leaf, vertex ids of its rows)
+    leaves: List[Tuple[str, Tensor, Any]]      # (value name, leaf, its StreamInput or vertex ids of its rows)
     chunk_leaves: Dict[str, Any]
     structure: Any = None                      # the last group's output is packed (tree.pack_rows)
 
@@ -241,7 +241,7 @@ def _run(rt: Runtime, record: StreamRecord, g: int, c: int, halo: StreamHalo, gr
     cache = CacheView(rt.layer_cache, record.caches.get(c, {}), c)
     ctx = ChunkContext(cg, lg, halo, record.localizer.resolver(c, rt.derive), stats, cache, check, replay=False)
     ctx.direct = rt.direct
-    leaves: List[Tuple[str, Tensor, Tensor]] = []
+    leaves: List[Tuple[str, Tensor, Any]] = []
     chunk_leaves: Dict[str, Any] = {}
     received: Dict[str, Any] = {}
     state = record.rng.get((g, c))
@@ -251,13 +251,11 @@ def _run(rt: Runtime, record: StreamRecord, g: int, c: int, halo: StreamHalo, gr
         args, kwargs = record.localizer.localize(c, ctx)
         for name in record.received[g]:
             if name in store.rows:
-                ext = store.gather_local(name, lg)
-                if grad and ext.is_floating_point():
-                    ext.requires_grad_()
-                    leaves.append((name, ext, lg.nodes))
-                rows = ext[:lg.rows]
-                ctx.add_clean(rows, _extender(store, name, ext, lg, leaves, grad), ext)
-                received[name] = rows
+                inp = StreamInput(store.gather_local(name, lg), lg.rows, grad)
+                if inp.grad:
+                    leaves.append((name, inp.rows, inp))
+                ctx.add_clean(inp.rows, _extender(store, name, inp, lg, leaves, grad), inp.whole)
+                received[name] = inp.rows
             else:
                 value = store.chunks[name][lg.index]
                 if grad:
@@ -280,11 +278,11 @@ def _run(rt: Runtime, record: StreamRecord, g: int, c: int, halo: StreamHalo, gr
     return _Ran(ctx, sent, out, leaves, chunk_leaves, structure)
 
 
-def _extender(store: Store, name: str, ext: Tensor, lg: LocalGraph, leaves: list, grad: bool):
+def _extender(store: Store, name: str, inp: StreamInput, lg: LocalGraph, leaves: list, grad: bool):
     """The halo rows of a received node value, for the primary graph's chunk or another graph's."""
     def extend(cg2: ChunkedGraph, lg2: LocalGraph) -> Tensor:
         if lg2 is lg:
-            return ext[lg.rows:]
+            return inp.whole()[lg.rows:]
         rows = store.gather(name, lg2.halo)
         if grad and rows.is_floating_point():
             rows.requires_grad_()
@@ -320,11 +318,12 @@ def _collect(record: StreamRecord, g: int, rec: _Ran, lg: LocalGraph) -> None:
     """After a chunk's full backward: the gradients of its inputs into the store."""
     store = record.store
     for name, leaf, ids in rec.leaves:
-        if leaf.grad is not None:
-            if ids is lg.nodes:  # (the chunk's [rows | halo]; else another graph's halo)
-                store.add_grad_local(name, lg, leaf.grad)
-            else:
-                store.add_grad(name, ids, leaf.grad)
+        if isinstance(ids, StreamInput):  # the chunk's rows, and its halo's gradient where it was propagated
+            if leaf.grad is not None or ids.halo_grad is not None:
+                rows = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                store.add_grad_local(name, lg, rows, ids.halo_grad)
+        elif leaf.grad is not None:  # another graph's halo
+            store.add_grad(name, ids, leaf.grad)
     for name, value in rec.chunk_leaves.items():
         ls, spec = flatten(value)
         gs = [t.grad if isinstance(t, Tensor) and t.requires_grad else None for t in ls]

@@ -399,3 +399,47 @@ def test_calls_that_propagate_their_inputs_compute_rows_only_after_their_first_c
         assert sizes[0] == rows | {chunks[0].num_local} and sizes[1] == sizes[2] == rows
     else:
         assert sizes[0] == sizes[1] == sizes[2] == local
+
+
+@pytest.mark.parametrize("guess", ["seen", "rows alone"])
+def test_values_no_layer_propagates_are_read_without_their_halo(guess, monkeypatch):
+    """A chunk reads a value's halo rows only where a layer of the group propagated that value on the chunks before
+    (GCN2Conv propagates ``x`` but reads ``x_0`` at its own rows): from the second step on, ``x_0`` comes as the
+    chunk's rows alone. A guess that turns out wrong costs a second read, never a value: with every value read
+    as rows alone at first (``rows alone``), each layer asking for the halo afterwards, three Adam steps still
+    equal one device (float64, a graph of three components, 4 chunks, every one with a halo; streaming with
+    replays and with kept activations)."""
+    from pyg_pipe.engine.step.direct import DirectCalls
+    if guess == "rows alone":
+        monkeypatch.setattr(DirectCalls, "wants_halo", lambda self, g, name: False)
+    torch.set_default_dtype(torch.float64)
+    try:
+        x, g, y, mask = zoo_graph(sizes=(16, 40, 40))
+        torch.manual_seed(0)
+        model = gcnii(8, 12, 3, 4)
+        ref = copy.deepcopy(model)
+
+        def train(m):
+            opt, outs = torch.optim.Adam(m.parameters(), lr=0.02), []
+            for _ in range(3):
+                out = m(x, g["edge_index"])
+                F.cross_entropy(out[mask], y[mask]).backward()
+                opt.step()
+                opt.zero_grad()
+                outs.append(out.detach())
+            return outs
+        for keep in (False, True):  # kept activations, replays
+            model = copy.deepcopy(ref)
+            engine = _engine(model, recompute=keep)
+            engine.install()
+            try:
+                streamed = train(model)
+            finally:
+                engine.uninstall()
+            for a, b in zip(streamed, train(copy.deepcopy(ref))):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+            halos = engine.runtime.direct.halos
+            if guess == "seen":  # per group after the first: x propagated, x_0 read at its rows only
+                assert sorted(halos.values()).count(False) == sorted(halos.values()).count(True) == 3, halos
+    finally:
+        torch.set_default_dtype(torch.float32)

@@ -119,6 +119,16 @@ class Store:
             return self.tiers.arrive(self._fetch(buf, lg))
         return self._gather(buf, lg)
 
+    def gather_rows(self, name: str, lg: LocalGraph) -> Optional[Tensor]:
+        """Chunk ``lg``'s rows of node value ``name`` alone, copied on the device (for a value the group reads only
+        at its own rows, as GCN2Conv reads ``x_0``); ``None`` where they sit in the offload tier, from which rows and
+        halo come in one copy (:meth:`gather_local`)."""
+        if (name, lg.index) in self.ahead:
+            return None
+        self._land(("rows", name))
+        buf = self.rows[name]
+        return None if self.tiers.in_tier(buf) else buf[lg.start:lg.end].clone()
+
     def prefetch(self, names, lg: LocalGraph) -> None:
         """Starts reading ``[rows | halo]`` of those node values among ``names`` that sit in the offload tier (host
         memory, disk) for chunk ``lg``, while the device still runs the chunk before it (NGra's overlap of a

@@ -5,7 +5,7 @@ the phase."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -24,31 +24,40 @@ class _Barrier(Exception):
 
 
 class StreamInput:
-    """One node value a streamed chunk receives, gathered from the store as ``[rows | halo]``
-    (:meth:`~..runtime.store.Store.gather_local`): its rows are handed to the group, and the whole, registered
-    with the chunk context as their extension, to a layer that propagates them.
+    """One node value a streamed chunk receives: its rows, handed to the group, and its ``[rows | halo]``, handed to
+    a layer that propagates it (registered with the chunk context as the rows' extension). Gathered as one tensor
+    from the store (:meth:`~..runtime.store.Store.gather_local`, the rows a view of it), or, where no layer of the
+    group propagated the value on the chunks before (:class:`~.direct.DirectCalls`), the rows alone, the whole
+    gathered only if a layer asks for it after all (``make``): the same values either way.
 
-    With gradients the rows (a view of the gathered tensor) are a leaf of their own, and the whole the output of
-    :class:`_Whole` on them, whose backward hands the rows their part of the gradient as a view and keeps the
-    halo's part (:attr:`halo_grad`, ``None`` where no layer propagated the value: GCNII's ``x_0``); the store adds
-    the two (:meth:`~..runtime.store.Store.add_grad_local`). The gathered tensor as the leaf, read through its
-    rows' slice, would instead zero-fill and copy a gradient of its whole size for every slice read in the
-    backward (two per chunk and group of a GCNII; docs/benchmarks.md, "Device copies")."""
+    With gradients the rows are a leaf of their own and the whole the output of :class:`_Whole` on them, whose
+    backward hands the rows their part of the gradient as a view and keeps the halo's part (:attr:`halo_grad`,
+    ``None`` where nothing propagated the value: GCNII's ``x_0``); the store adds the two
+    (:meth:`~..runtime.store.Store.add_grad_local`). The gathered tensor as the leaf, read through its rows' slice,
+    would instead zero-fill and copy a gradient of its whole size for every slice read in the backward (two per
+    chunk and group of a GCNII; docs/benchmarks.md, "Row copies per (chunk, layer)")."""
 
-    def __init__(self, ext: Tensor, rows: int, grad: bool):
-        self.grad = grad and ext.is_floating_point()
-        self.rows = ext[:rows].detach().requires_grad_() if self.grad else ext[:rows]
-        self.ext, self.halo, self._whole = ext, _HaloGrad(), None
+    def __init__(self, t: Tensor, rows: int, grad: bool, make: Optional[Callable[[], Tensor]] = None):
+        self.grad = grad and t.is_floating_point()
+        self.ext, self.make = (t, None) if make is None else (None, make)
+        self.rows = t[:rows].detach().requires_grad_() if self.grad else t[:rows]
+        self.halo, self._whole = _HaloGrad(), None
 
     @property
     def halo_grad(self) -> Optional[Tensor]:
         """The gradient of the halo rows (``None``: the whole was not propagated, or nothing reached it)."""
         return self.halo.grad
 
+    @property
+    def used(self) -> bool:
+        """Whether a layer asked for the whole."""
+        return self._whole is not None
+
     def whole(self) -> Tensor:
         """``[rows | halo]``, with its gradient's path to the rows (made at the first call)."""
         if self._whole is None:
-            self._whole = _Whole.apply(self.rows, self.ext, self.halo) if self.grad else self.ext
+            ext = self.ext if self.ext is not None else self.make()
+            self._whole = _Whole.apply(self.rows, ext, self.halo) if self.grad else ext
         return self._whole
 
 

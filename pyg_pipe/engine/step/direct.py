@@ -40,6 +40,17 @@ class DirectCalls:
         self.first: Dict[Tuple[str, int], int] = {}   # (layer, call) -> the chunk that ran it first (and marked it)
         self.decided: Dict[Tuple[str, int, int], bool] = {}  # the first step's answers, kept for its passes, replays
         self.settled = False
+        self.halos: Dict[Tuple[int, str], bool] = {}  # (group, value) -> some layer propagated it on some chunk
+
+    def wants_halo(self, group: int, name: str) -> bool:
+        """Whether a chunk of layer group ``group`` gets the halo rows of the value ``name`` with its rows (else its
+        rows alone, the halo read only if a layer asks: :class:`~.barriers.StreamInput`): until a chunk of the group
+        ran without propagating it, and unless any did. Seen, not assumed, as the marks of the calls are."""
+        return self.halos.get((group, name), True)
+
+    def saw(self, group: int, name: str, propagated: bool) -> None:
+        """A chunk of group ``group`` ran, propagating the value ``name`` or not."""
+        self.halos[(group, name)] = self.halos.get((group, name), False) or propagated
 
     def rows_only(self, name: str, index: int, chunk: int) -> bool:
         """Whether call ``index`` of layer ``name`` runs rows only on ``chunk`` although its inputs are clean. In the
@@ -78,6 +89,7 @@ class DirectCalls:
             return False
         self.settled = True
         self.decided.clear()
+        self.halos.clear()  # (the first chunks' whole local graphs extended every node argument)
         if not any(self.seen.values()):
             return False
         from ...ops.aggregate import forget

@@ -244,6 +244,7 @@ def _run(rt: Runtime, record: StreamRecord, g: int, c: int, halo: StreamHalo, gr
     leaves: List[Tuple[str, Tensor, Any]] = []
     chunk_leaves: Dict[str, Any] = {}
     received: Dict[str, Any] = {}
+    inputs: List[Tuple[str, StreamInput]] = []
     state = record.rng.get((g, c))
     if state is None:  # the first run of this chunk of this group: its random numbers, for every later pass
         record.rng[(g, c)] = rng_state(rt.comm.device)
@@ -251,7 +252,10 @@ def _run(rt: Runtime, record: StreamRecord, g: int, c: int, halo: StreamHalo, gr
         args, kwargs = record.localizer.localize(c, ctx)
         for name in record.received[g]:
             if name in store.rows:
-                inp = StreamInput(store.gather_local(name, lg), lg.rows, grad)
+                rows = None if rt.direct.wants_halo(g, name) else store.gather_rows(name, lg)
+                inp = StreamInput(store.gather_local(name, lg), lg.rows, grad) if rows is None else \
+                    StreamInput(rows, lg.rows, grad, lambda name=name: store.gather_local(name, lg))
+                inputs.append((name, inp))
                 if inp.grad:
                     leaves.append((name, inp.rows, inp))
                 ctx.add_clean(inp.rows, _extender(store, name, inp, lg, leaves, grad), inp.whole)
@@ -272,6 +276,8 @@ def _run(rt: Runtime, record: StreamRecord, g: int, c: int, halo: StreamHalo, gr
             check.returned(list(received.values()))
             with check:
                 sent, out = runner.run(args, kwargs, received)
+    for name, inp in inputs:
+        rt.direct.saw(g, name, inp.used)
     structure = None
     if g == len(record.runners) - 1:
         out, structure = pack_rows(out, lg.rows)

@@ -35,7 +35,7 @@ class StreamInput:
     ``None`` where nothing propagated the value: GCNII's ``x_0``); the store adds the two
     (:meth:`~..runtime.store.Store.add_grad_local`). The gathered tensor as the leaf, read through its rows' slice,
     would instead zero-fill and copy a gradient of its whole size for every slice read in the backward (two per
-    chunk and group of a GCNII; docs/benchmarks.md, "Row copies per (chunk, layer)")."""
+    chunk and group of a GCNII; docs/benchmarks.md, "Gradient slices, and halo reads no layer needs")."""
 
     def __init__(self, t: Tensor, rows: int, grad: bool, make: Optional[Callable[[], Tensor]] = None):
         self.grad = grad and t.is_floating_point()

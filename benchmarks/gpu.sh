@@ -12,13 +12,15 @@
 #   3. benchmarks/gpu/gpu_summary.py: the GPU issue's figures in one summary.json (streamed epoch against plain
 #      PyG at 20k and 200k vertices, host time per chunk and layer, GPU busy share and copies per step,
 #      the largest graph plain PyG and streaming train under a memory cap, 2 processes on one GPU);
+#   4. benchmarks/speed/copies.py on the GPU: the row copies of one uncaptured streamed step and one with history, by
+#      the line that made them (seconds; the profile counts the captured step's copies, not where they come from);
 #   the default steps took 387 s on an H100 in the eighth run (the build about 110 s, the tests 106 s in 4
 #   processes, the summary 163 s with GPU_SWEEP_SECONDS=60); with GPU_FULL=1 also (not yet timed together):
-#   4. benchmarks/gpu/host_tier.py: streaming with every value in pinned host memory at 200k vertices against
+#   5. benchmarks/gpu/host_tier.py: streaming with every value in pinned host memory at 200k vertices against
 #      plain PyG, profiled (where the host's time goes: the halo gathers and gradient adds, the waits);
-#   5. the fused kernels against cuSPARSE (torch.sparse.mm) and PyG's scatter path, with the kernel's
+#   6. the fused kernels against cuSPARSE (torch.sparse.mm) and PyG's scatter path, with the kernel's
 #      achieved bandwidth (benchmarks/kernels/aggregate.py --device cuda);
-#   6. one engine epoch on CUDA (benchmarks/speed/gnnpipe_epoch.py) and a profile of one GPU's step
+#   7. one engine epoch on CUDA (benchmarks/speed/gnnpipe_epoch.py) and a profile of one GPU's step
 #      (benchmarks/gpu/gpu_profile.py: wall time against GPU busy time, host synchronisations and copies).
 # A failing step does not stop the later ones (the script exits non-zero at the end if one failed).
 # Results go to $OUT (default docs/results/gpu). Without a CUDA device it says so and exits 0.
@@ -48,6 +50,8 @@ step bash -c "set -o pipefail; RAISED_LOG='$out/raised_in_capture.txt' python -m
 step bash -c "set -o pipefail; python benchmarks/gpu/diagnose_capture.py 2>&1 | tee '$out/diagnose_capture.txt'"
 step bash -c "set -o pipefail; PYTHONUNBUFFERED=1 python benchmarks/gpu/gpu_summary.py --out '$out/summary.json' \
     --sweep-seconds ${GPU_SWEEP_SECONDS:-90} 2>&1 | tee '$out/summary.txt'"
+step bash -c "set -o pipefail; python benchmarks/speed/copies.py --adj-t --device cuda --out '$out/copies_cuda.json' \
+    2>&1 | tee '$out/copies_cuda.txt'"
 if [ "${GPU_FULL:-0}" = "1" ]; then
     step bash -c "set -o pipefail; PYTHONUNBUFFERED=1 python benchmarks/gpu/host_tier.py --nodes 200000 --chunks 4 \
         --out '$out/host_tier_200k.json' 2>&1 | tee '$out/host_tier_200k.txt'"

@@ -12,6 +12,7 @@ GPU"), measured on the CPU; the plain block copies among them (``memcpys_per_ste
     python benchmarks/speed/copies.py                      # streaming (NGra) and history, 4 chunks
     python benchmarks/speed/copies.py --nodes 20000 --chunks 8 --out copies.json
     python benchmarks/speed/copies.py --adj-t                 # adj_t and the fused kernels, as on the GPU
+    python benchmarks/speed/copies.py --adj-t --device cuda   # the same operations counted on a GPU
 """
 import argparse
 import collections
@@ -37,7 +38,7 @@ def _memcpy(name: str, args) -> bool:
     return name in ("clone", "slice_backward", "select_backward")
 
 
-def count(streaming: bool, nodes: int, chunks: int, layers: int, adj_t: bool = False) -> dict:
+def count(streaming: bool, nodes: int, chunks: int, layers: int, adj_t: bool = False, device: str = "cpu") -> dict:
     import torch
     import torch.nn.functional as F
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -58,7 +59,10 @@ def count(streaming: bool, nodes: int, chunks: int, layers: int, adj_t: bool = F
         graph = to_torch_csr_tensor(data.edge_index.flip(0), size=(nodes, nodes))
         kernels = ops.fused_kernels()
     kernels.__enter__()
-    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, streaming=streaming), Comm(torch.device("cpu")),
+    dev = torch.device(device)
+    data, model, graph = data.to(dev), model.to(dev), graph.to(dev)
+    # (on a GPU uncaptured: a replayed CUDA graph dispatches no operation to count; the capture holds the same ones)
+    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, streaming=streaming, cuda_graphs=False), Comm(dev),
                            num_stages=1)
     engine.install()
 
@@ -93,7 +97,8 @@ def count(streaming: bool, nodes: int, chunks: int, layers: int, adj_t: bool = F
     engine.uninstall()
     kernels.__exit__(None, None, None)
     total = sum(where.values())
-    return {"mode": "streaming" if streaming else "history", "input": "adj_t" if adj_t else "edge_index", "nodes": nodes, "chunks": chunks, "layers": layers,
+    return {"mode": "streaming" if streaming else "history", "input": "adj_t" if adj_t else "edge_index",
+            "device": device, "nodes": nodes, "chunks": chunks, "layers": layers,
             "copies_per_step": total, "per_chunk_layer": total / (chunks * layers), "memcpys_per_step": memcpys[0],
             "sites": dict(where.most_common())}
 
@@ -104,11 +109,12 @@ def main():
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--adj-t", action="store_true", help="a CSR adjacency through the fused kernels (as gpu_summary.py)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (on a GPU the step runs uncaptured)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     import torch
     torch.set_num_threads(1)
-    results = [count(s, args.nodes, args.chunks, args.layers, args.adj_t) for s in (True, False)]
+    results = [count(s, args.nodes, args.chunks, args.layers, args.adj_t, args.device) for s in (True, False)]
     for r in results:
         print(f"{r['mode']}: {r['copies_per_step']} row copies per step, {r['per_chunk_layer']:.2f} per (chunk, layer); "
               f"{r['memcpys_per_step']} of them plain memory copies")

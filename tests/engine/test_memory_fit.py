@@ -262,8 +262,13 @@ def test_the_pass_tells_each_group_what_it_saved_its_sites_and_what_crosses_each
 def _widest(rank, world):
     """Under a budget the first step's estimate is the widest stage's: within 7 % of the memory model's counted peak
     of the process that holds the most after the step (the other one holds less than half of it), where the mean
-    stage's was 12 % short."""
+    stage's was 12 % short. The budget fits any count, so the plan keeps the time model's, which is timed and so
+    differs from run to run on a loaded machine (1 - 16 chunks seen): it is set to 4 here (at 2 the estimate is
+    1.10 of the counted peak: on the safe side, but outside this bound)."""
+    from pyg_pipe.engine.plan import plan as plan_module
     from pyg_pipe.engine.plan.memory_cost import predict
+    timed = plan_module.choose_chunks
+    plan_module.choose_chunks = lambda *args, **kwargs: (4, timed(*args, **kwargs)[1])
     x, edge_index, y, mask = small_graph(num_nodes=3000, num_edges=12000)
     comm = Comm(torch.device("cpu"))
     torch.manual_seed(0)
@@ -283,8 +288,10 @@ def _widest(rank, world):
             assert counted[0] > 2 * counted[1], counted
             assert 0.93 < est / counted[0] < 1.07, (est, counted)  # (measured 1.00; the mean stage: 0.88)
             assert "(stage 0, the widest)" in widest[0], widest
+            assert engine.plan.chunks_per_way == 4
     finally:
         engine.uninstall()
+        plan_module.choose_chunks = timed
 
 
 def test_under_a_budget_the_first_step_is_estimated_for_the_widest_stage():

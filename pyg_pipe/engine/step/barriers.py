@@ -70,8 +70,8 @@ class _HaloGrad:
 
 
 class _Whole(torch.autograd.Function):
-    """A :class:`StreamInput`'s ``[rows | halo]`` (the gathered tensor, whose first rows the rows leaf shares): the
-    rows' gradient a view, the halo's kept aside."""
+    """A :class:`StreamInput`'s ``[rows | halo]`` (the gathered tensor: its first rows hold the rows leaf's values, in
+    the leaf's own storage or, gathered late, in a copy): the rows' gradient a view, the halo's kept aside."""
 
     @staticmethod
     def forward(ctx, rows: Tensor, ext: Tensor, sink: _HaloGrad):

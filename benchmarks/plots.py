@@ -13,6 +13,7 @@ does not depend on). One function per figure; from the command line, the figure'
     python benchmarks/plots.py gpu docs/results/gpu/summary.json
     python benchmarks/plots.py auto_chunks docs/img/auto_chunks.png GRID.json[:CHECK.json] ...
     python benchmarks/plots.py zoo docs/img/zoo_accuracy.png docs/results/zoo_accuracy_2.json docs/results/zoo_accuracy_8.json
+    python benchmarks/plots.py copies docs/results/copies_adj_t_a126eda.json docs/results/copies_adj_t.json
 """
 import json
 import os
@@ -612,11 +613,53 @@ def grid_choice(path, out="docs/img/grid_choice.png"):
     print(out)
 
 
+def copies(before, after, out="docs/img/copies.png"):
+    """Draws the row copies of one training step by the line that made them, before and after, from two JSON files
+    of ``copies.py --out`` (streaming and history side by side; needs matplotlib).
+
+    python benchmarks/plots.py copies docs/results/copies_adj_t_a126eda.json docs/results/copies_adj_t.json
+    """
+    runs = [(os.path.basename(path).replace(".json", ""), {r["mode"]: r for r in json.load(open(path))})
+            for path in (before, after)]
+    modes = list(runs[0][1])
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.2 * len(modes), 3.6))
+    for ax, mode in zip(axes, modes):
+        def by_function(counts):  # (line numbers move between commits; the function a copy is made in stays)
+            out = {}
+            for site, n in counts.items():
+                op, where = site.split(" ", 1)
+                key = f"{op} {where.split(':')[0]} {where.split(' ', 1)[-1] if '(' in where else ''}".strip()
+                out[key] = out.get(key, 0) + n
+            return out
+        runs_mode = [(label, by_function(by_mode[mode]["sites"]), by_mode[mode]) for label, by_mode in runs]
+        sites = {}
+        for _, got, _ in runs_mode:
+            for site, n in got.items():
+                sites[site] = max(sites.get(site, 0), n)
+        top = [site for site, _ in sorted(sites.items(), key=lambda kv: -kv[1])[:7]]
+        for i, (label, got, res) in enumerate(runs_mode):
+            left = 0
+            for j, site in enumerate(top + ["other"]):
+                n = got.get(site, 0) if site != "other" else sum(v for k, v in got.items() if k not in top)
+                ax.barh(i, n, left=left, color=f"C{j}", label=site if i == 0 else None)
+                left += n
+            ax.text(left + 4, i, f"{left} ({res['memcpys_per_step']} block)", va="center", fontsize=7)
+        ax.set_yticks(range(len(runs)), [label for label, _ in runs], fontsize=7)
+        ax.set_xlabel("row copies per training step", fontsize=8)
+        ax.set_title(f"{mode}: 16-layer GCNII, {runs[0][1][mode]['chunks']} chunks, one process", fontsize=8)
+        ax.set_xlim(0, max(sum(r[mode]["sites"].values()) for _, r in runs) * 1.25)
+        ax.legend(fontsize=5.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
+        ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(out)
+
+
 #: figure name -> (function, whether it takes a list of inputs)
 FIGURES = {"epoch": (epoch, True), "comm": (comm, False), "convergence": (convergence, False), "memory": (memory, False),
            "memory_ab": (memory_ab, False), "memory_prediction": (memory_prediction, False), "speed": (speed, True), "sweep": (sweep, False), "timeline": (timeline, False),
            "gpu": (gpu, False), "auto_chunks": (auto_chunks, True), "zoo": (zoo, True),
-           "zoo_causes": (zoo_causes, True), "grid_choice": (grid_choice, False)}
+           "zoo_causes": (zoo_causes, True), "grid_choice": (grid_choice, False), "copies": (copies, False)}
 
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] not in FIGURES:

@@ -88,7 +88,7 @@ def count(streaming: bool, nodes: int, chunks: int, layers: int, adj_t: bool = F
                 if frames:
                     f = frames[-1].filename
                     at = f"{f[f.rindex('pyg_pipe/') if 'pyg_pipe/' in f else f.rindex('torch_geometric/'):]}:" \
-                         f"{frames[-1].lineno}"
+                         f"{frames[-1].lineno} ({frames[-1].name})"
                 where[f"{name} {at}"] += 1
             return func(*args, **(kwargs or {}))
 

@@ -324,11 +324,11 @@ def _collect(record: StreamRecord, g: int, rec: _Ran, lg: LocalGraph) -> None:
     """After a chunk's full backward: the gradients of its inputs into the store."""
     store = record.store
     for name, leaf, ids in rec.leaves:
+        if leaf.grad is None:  # (a halo gradient comes with the rows': _Whole's backward gives both)
+            continue
         if isinstance(ids, StreamInput):  # the chunk's rows, and its halo's gradient where it was propagated
-            if leaf.grad is not None or ids.halo_grad is not None:
-                rows = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                store.add_grad_local(name, lg, rows, ids.halo_grad)
-        elif leaf.grad is not None:  # another graph's halo
+            store.add_grad_local(name, lg, leaf.grad, ids.halo_grad)
+        else:  # another graph's halo
             store.add_grad(name, ids, leaf.grad)
     for name, value in rec.chunk_leaves.items():
         ls, spec = flatten(value)

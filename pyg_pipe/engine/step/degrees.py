@@ -27,6 +27,10 @@ A layer that computes the chunk's rows only (:mod:`.layers`) normalises the row 
 ``num_nodes`` = the chunk's rows: self loops go to those rows, and the sources' degrees (rows and halo)
 are completed the same way.
 
+A layer that counts degrees itself (``degree(col, x.size(0))`` in its ``forward``, PyG's tutorial GCN) runs on its
+whole local graph (:func:`counts_degrees`); :func:`degree` then exchanges the halo vertices' counts at a
+call site ``module#invocation.sumK``, as for weights computed in the model.
+
 ``add_self_loops`` / ``add_remaining_self_loops`` called without ``num_nodes`` inside a layer give the loops
 the whole graph's call gives the chunk's vertices (:func:`_with_loops`).
 
@@ -36,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -50,9 +54,10 @@ _installs = 0
 
 def _originals():
     from torch_geometric.nn.conv import gcn_conv
-    from torch_geometric.utils import laplacian, loop
+    from torch_geometric.utils import _degree, laplacian, loop
     return {"gcn_norm": gcn_conv.gcn_norm, "get_laplacian": laplacian.get_laplacian,
-            "add_self_loops": loop.add_self_loops, "add_remaining_self_loops": loop.add_remaining_self_loops}
+            "add_self_loops": loop.add_self_loops, "add_remaining_self_loops": loop.add_remaining_self_loops,
+            "degree": _degree.degree}
 
 
 _ORIGINAL = _originals()  # PyG's own, taken before anything is swapped
@@ -66,7 +71,7 @@ def install() -> None:
     if _installs > 1:
         return
     replacement = {"gcn_norm": gcn_norm, "get_laplacian": get_laplacian, "add_self_loops": add_self_loops,
-                   "add_remaining_self_loops": add_remaining_self_loops}
+                   "add_remaining_self_loops": add_remaining_self_loops, "degree": degree}
     for module in list(sys.modules.values()):
         for name, original in _ORIGINAL.items():
             if getattr(module, name, None) is original:
@@ -271,6 +276,59 @@ def get_laplacian(edge_index: Tensor, edge_weight: Optional[Tensor] = None, norm
         edge_index, edge_weight = add_self_loops(edge_index, -edge_weight, fill_value=1., num_nodes=num_nodes)
     inv.derive(edge_index, source)
     return edge_index, edge_weight
+
+
+def degree(index: Tensor, num_nodes: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """PyG's ``degree``; inside a layer given its whole local graph, a count at the end of the layer's edges it
+    aggregates at (``degree(col, x.size(0))``, PyG's tutorial GCN) has its halo vertices' entries exchanged, computed
+    by the chunks that own them, as :func:`gcn_norm`'s degrees of weights computed in the model are. A chunk's rows
+    count all their edges; the halo's would count the local ones only. Any other count is PyG's own (the row check
+    of :mod:`.rows` judges how it is used)."""
+    original = _ORIGINAL["degree"]
+    ctx = current()
+    if ctx is None or not ctx.stack or ctx.stack[-1].rows_only or num_nodes != ctx.stack[-1].lg.num_local:
+        return original(index, num_nodes, dtype)
+    inv = ctx.stack[-1]
+    graph = _graph_of(inv, index)
+    if graph is None:
+        return original(index, num_nodes, dtype)
+    _, _, site = _site("sum")
+    cg, lg = inv.chunking(graph, "degree")
+    with ctx.engine_work():
+        deg = original(index, num_nodes, dtype)
+        exact = deg if deg.is_floating_point() else deg.to(torch.get_default_dtype())
+        return _complete(ctx, inv, site, exact, cg, lg).to(deg.dtype)
+
+
+def counts_degrees(module: torch.nn.Module) -> bool:
+    """Whether the layer's ``forward`` counts degrees itself (calls a function named ``degree``, as PyG's tutorial
+    GCN does: ``deg = degree(col, x.size(0))``, read at both ends of the edges). Such a layer runs on its whole local
+    graph, where :func:`degree` completes the halo vertices' counts (computed on the chunk's rows only, the
+    count would have no entries for the sources it reads). Decided from the layer's code, once per class."""
+    cls = type(module)
+    hit = _COUNTS_DEGREES.get(cls)
+    if hit is None:
+        code = getattr(cls.forward, "__code__", None)
+        hit = _COUNTS_DEGREES[cls] = code is not None and "degree" in code.co_names
+    return hit
+
+
+_COUNTS_DEGREES: Dict[type, bool] = {}
+
+
+def _graph_of(inv, index: Tensor) -> Optional[Tensor]:
+    """The graph (a ``[2, E]`` edge list of the layer's) whose aggregating end ``index`` is (``edge_index[1]``, or
+    ``[0]`` for ``flow="target_to_source"``; a row of the graph handed to the layer, or of one built from it in the
+    layer, self loops added), else ``None``. Decided from the tensors' memory, never from their values."""
+    if not isinstance(index, Tensor) or index.dim() != 1 or index.is_floating_point():
+        return None
+    end = 0 if inv.reverse else 1
+    for g in (index._base, *(h[0] for h in inv.graphs.values())):
+        if isinstance(g, Tensor) and g.layout == torch.strided and g.dim() == 2 and g.size(0) == 2 \
+                and g.size(1) == index.numel() and g.dtype == index.dtype and g.device == index.device \
+                and g[end].data_ptr() == index.data_ptr() and (index.numel() < 2 or g.stride(1) == index.stride(0)):
+            return g
+    return None
 
 
 def add_self_loops(edge_index, edge_attr=None, fill_value=None, num_nodes=None):

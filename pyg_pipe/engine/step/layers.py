@@ -17,9 +17,9 @@ these hooks adapt each call to the chunk's local graph (:mod:`pyg_pipe.graph.chu
      (the local edges into the chunk's rows, a ``[rows, num_local]`` adjacency), and edge tensors are cut to those
      edges. Nothing is computed for halo vertices.
 
-   Degrees the layer computes are completed by :mod:`.degrees`. A layer with ``flow="target_to_source"``
-   (aggregating at ``edge_index[0]``) is the transposed graph's layer: it gets the transpose's chunk, in its own
-   orientation, and always the whole local graph (:func:`~.arguments.reversed_graphs`).
+   Degrees the layer computes are completed by :mod:`.degrees` (whole local graph if it counts them itself). A layer
+   with ``flow="target_to_source"`` (aggregating at ``edge_index[0]``) is the transposed graph's layer: it gets the
+   transpose's chunk, in its own orientation, and always the whole local graph (:func:`~.arguments.reversed_graphs`).
 2. **each propagate / edge_updater call** (pre-hook): the arguments the layer reads at edge sources (``x`` for
    ``x_j``; the matrix of ``message_and_aggregate`` for sparse adjacencies) get their true halo rows
    (:mod:`..runtime.halo`): ``[rows | halo]``. In a rows-only call a source read at both ends (``x_i`` and ``x_j``)
@@ -203,11 +203,11 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
         raise UnsupportedModelError(
             f"Layer '{name}' ({type(module).__name__}) uses flow='target_to_source' and is given several graphs; "
             f"pyg_pipe runs such a layer on one graph only. Give it one graph, or use the default flow.")
-    # several graphs: each propagate joins its own graph's halo to the chunk's rows. A layer with
-    # flow="target_to_source" takes the whole local graph (PyG reads its pairs differently in its two propagates).
-    # direct: a streamed clean call marked as propagating its inputs (.direct)
+    # several graphs: each propagate joins its own graph's halo to the chunk's rows; flow="target_to_source": the whole
+    # local graph (PyG reads its pairs differently in its two propagates); direct: a streamed clean call (.direct)
     direct = clean and not several and ctx.direct is not None and ctx.direct.rows_only(name, index, lg.index)
-    rows_only = (not clean or several or direct) and not _whole_local_graph(module) and not reverse
+    whole = _whole_local_graph(module) or reverse or (degrees.counts_degrees(module) and not several)
+    rows_only = (not clean or several or direct) and not whole
     if not rows_only:  # the whole local graph: true halo rows (clean), or fillers the propagate replaces
         swap = {id(t): extend(ctx, cg, lg, t, vdim, clean) for t, vdim in node_args}
         used = {i: local for i, (_, _, local) in graphs.items()}

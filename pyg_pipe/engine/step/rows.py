@@ -28,8 +28,9 @@ rank's view. The engine's own operations and those inside graph-wide modules are
 computes its chunk's rows only, the forward is followed too, and a read of rows at its edges' sources outside
 ``propagate`` (``x[edge_index[0]]``) is refused (:meth:`RowCheck._in_layer`); a read at their destinations
 (``x[edge_index[1]]``), the chunk's own rows, runs. In every layer call, per-vertex sums over the layer's edges
-computed by hand (``degree(col)``) are followed too: used beyond the chunk's rows, where they are partial
-(``deg[row]``, PyG's tutorial GCN), or summed at the sources, they are refused.
+computed by hand (``scatter(w, col)``) are followed too: used beyond the chunk's rows, where they are partial
+(``deg[row]``), or summed at the sources, they are refused. (A count at the destinations made with ``degree``, as
+PyG's tutorial GCN makes it, is completed instead, by :func:`.degrees.degree`, and not judged.)
 
 Not followed (so not checked): rows that pass through an operation not listed here that changes
 their layout, Python loops over rows, and values taken to Python (``.tolist()``).
@@ -220,8 +221,8 @@ class RowCheck(TorchFunctionMode):
         numbered from 0 in its row graph) run as they are; ids whose end is not known count as sources.
 
         In every call, rows-only or given its whole local graph: a sum over the layer's edges at their
-        destinations (``degree(col)``, ``scatter(.., col)``) is complete for the chunk's rows only (a chunk holds
-        the edges into its rows), so reading it at the sources (``deg[row]``: PyG's tutorial GCN), or handing
+        destinations (``scatter(w, col)``; ``degree(col)`` is completed by :mod:`.degrees`) is complete for the
+        chunk's rows only (a chunk holds the edges into its rows), so reading it at the sources (``w[row]``), or handing
         what is computed from it to ``propagate`` where its halo rows are read, would use the halo's partial
         sums; and a sum at the sources (out-degrees) is partial everywhere.
 

@@ -49,11 +49,12 @@ class PipelineConfig:
         seed: seed of the partitioner and of the chunk order.
         per_chunk_statistics: how graph-wide statistics (BatchNorm, GraphNorm, ...) run when a way has
             several chunks: ``False`` refuses them, ``True`` takes each chunk's own rows (approximate, as
-            GPipe does for micro-batches), ``"history"`` (BatchNorm, GraphNorm) the whole graph's, other
+            GPipe does for micro-batches), ``"history"`` (norms computed from sums: BatchNorm, GraphNorm,
+            graph-mode LayerNorm, PairNorm, MeanSubtractionNorm, GraphSizeNorm) the whole graph's, other
             chunks' sums from their latest run (approximate, exact at lr = 0 after the first step; not with
             streaming; :mod:`.runtime.statistics`); ``"auto"`` (default): ``"history"`` when every such module
-            is a BatchNorm or GraphNorm and the pipeline runs (one log line), else ``False``. With one chunk
-            per way they are exact.
+            is one of those and the pipeline runs (one log line), else ``False``. With one chunk per way they
+            are exact.
         split_points: ``{"module.name": SplitPoint.BEGINNING | SplitPoint.END}``: cut the pipeline before /
             after that module (the convention of ``torch.distributed.pipelining``; calling
             ``pyg_pipe.pipe_split()`` in the forward does the same).
@@ -179,9 +180,9 @@ class PipelineConfig:
                              f"turn periodic snapshots off.")
         if self.per_chunk_statistics not in (True, False, "history", "auto"):
             raise ValueError(f"per_chunk_statistics={self.per_chunk_statistics!r} must be 'auto' ('history' for "
-                             f"BatchNorm and GraphNorm in the pipeline, else refused), False (refuse graph-wide "
-                             f"statistics with several chunks per way), True (each chunk's own rows) or 'history' "
-                             f"(the whole graph's: other chunks' sums from their latest run).")
+                             f"norms computed from sums, such as BatchNorm, in the pipeline, else refused), False "
+                             f"(refuse graph-wide statistics with several chunks per way), True (each chunk's own "
+                             f"rows) or 'history' (the whole graph's: other chunks' sums from their latest run).")
         if self.recompute not in (True, False, "auto"):
             raise ValueError(f"recompute={self.recompute!r} must be True, False or 'auto' (recompute when the "
                              f"predicted peak of keeping every chunk's activations would not fit memory_budget).")

@@ -31,3 +31,14 @@ def needs_statistics(module: torch.nn.Module) -> bool:
     if isinstance(module, PygLayerNorm):
         return module.mode != "node"
     return isinstance(module, graph_wide_modules())
+
+
+def takes_historical_statistics(module: torch.nn.Module) -> bool:
+    """Whether ``per_chunk_statistics="history"`` covers the module: its output is a function of its rows and of
+    the whole graph's per-feature sums ``Σ x``, ``Σ x²`` and row count (BatchNorm, PyG's BatchNorm, GraphNorm,
+    graph-mode LayerNorm, PairNorm, MeanSubtractionNorm, GraphSizeNorm; on one graph, no batch vector)."""
+    from torch_geometric.nn import BatchNorm as PygBatchNorm
+    from torch_geometric.nn import GraphNorm, GraphSizeNorm, LayerNorm, MeanSubtractionNorm, PairNorm
+    if isinstance(module, LayerNorm):
+        return module.mode == "graph"
+    return isinstance(module, (BATCH_NORM, PygBatchNorm, GraphNorm, PairNorm, MeanSubtractionNorm, GraphSizeNorm))

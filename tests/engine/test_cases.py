@@ -264,7 +264,7 @@ def _per_chunk_statistics(rank, world):
     F.cross_entropy(default(x, ei)[mask], y[mask]).backward()
     engine.uninstall()
     assert engine.plan.statistics == "history"
-    assert any("BatchNorm/GraphNorm ('norms.0.module', 'norms.1.module')" in n and "per_chunk_statistics='history'" in n
+    assert any("graph-wide norms ('norms.0.module', 'norms.1.module')" in n and "per_chunk_statistics='history'" in n
                for n in engine.notes), engine.notes
     torch.manual_seed(0)
     model = GCN(8, 12, 3, 3, norm="batch_norm")

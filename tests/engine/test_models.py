@@ -38,20 +38,19 @@ ENDPOINTS = ["calls `__getitem__`", "at the ends of the graph's edges", "outside
 CUT = {"degree-in-forward": DEGREE, "gcn_norm-in-forward": DEGREE, "edge-features-in-forward": ENDPOINTS}
 SHALLOW = {"RECT_L": TOO_SHALLOW, "LINKX": TOO_SHALLOW}
 
-# mode -> case -> words of the expected refusal (every other case must be exact). BatchNorm and GraphNorm with
-# several chunks per way in the pipeline take historical statistics by default (per_chunk_statistics="auto"):
-# exact at lr = 0; streaming still refuses them
+# mode -> case -> words of the expected refusal (every other case must be exact). BatchNorm, GraphNorm and PyG's
+# graph-mode LayerNorm with several chunks per way in the pipeline take historical statistics by default
+# (per_chunk_statistics="auto"): exact at lr = 0; streaming still refuses them
 REFUSED = {
     "graph_parallel": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "GPSConv": ATTENTION, "FastRGCN-featureless": EDGE_IDS,
                        "SGFormer": GLOBAL, **CUT},
     "pipeline": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW,
                  "PMLP": NO_LAYER, **SHALLOW},
     "chunks": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW,
-               "FastRGCN-featureless": EDGE_IDS,
-               "GCN-pyg-layernorm-graph": STATS + ["LayerNorm"], "GPSConv": ATTENTION, "PMLP": NO_LAYER,
+               "FastRGCN-featureless": EDGE_IDS, "GPSConv": ATTENTION, "PMLP": NO_LAYER,
                "SGFormer": GLOBAL, **SHALLOW, **CUT},
     "graph_parallel_chunks": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "FastRGCN-featureless": EDGE_IDS,
-                              "GCN-pyg-layernorm-graph": STATS, "GPSConv": ATTENTION, "SGFormer": GLOBAL, **CUT},
+                              "GPSConv": ATTENTION, "SGFormer": GLOBAL, **CUT},
     "streaming": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "GCN-batchnorm": STATS, "GCN-graphnorm": STATS,
                   "FastRGCN-featureless": EDGE_IDS,
                   "GCN-pyg-layernorm-graph": STATS, "GPSConv": ATTENTION, "PMLP": STATS,

@@ -1,4 +1,5 @@
-"""BatchNorm and GraphNorm with several chunks per way and ``per_chunk_statistics="history"``: the whole
+"""BatchNorm, GraphNorm and the other norms computed from per-feature sums (graph-mode LayerNorm, PairNorm,
+MeanSubtractionNorm, GraphSizeNorm) with several chunks per way and ``per_chunk_statistics="history"``: the whole
 graph's statistics, other chunks' sums from their latest run (:mod:`pyg_pipe.engine.runtime.statistics`).
 
 At lr = 0 every sum is of exact values: the exact pass that fills history fills the sums too, so from the
@@ -16,7 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch_geometric.nn import BatchNorm, EdgeConv, GraphNorm, InstanceNorm
+from torch_geometric.nn import (BatchNorm, EdgeConv, GCNConv, GraphNorm, GraphSizeNorm, InstanceNorm, LayerNorm,
+                                MeanSubtractionNorm, PairNorm)
 from torch_geometric.nn.models import GCN, GIN
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
@@ -39,10 +41,26 @@ class BNNet(nn.Module):
         return self.out(self.norm(self.gcn(x, edge_index)).relu())
 
 
+class SumNorms(nn.Module):
+    """PyG's other norms computed from per-feature sums, one between each pair of GCN layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList([GCNConv(8, 16)] + [GCNConv(16, 16) for _ in range(4)] + [GCNConv(16, 3)])
+        self.norms = nn.ModuleList([LayerNorm(16, mode="graph"), PairNorm(), PairNorm(scale_individually=True),
+                                    MeanSubtractionNorm(), GraphSizeNorm()])
+
+    def forward(self, x, edge_index):
+        for conv, norm in zip(self.convs, self.norms):
+            x = norm(conv(x, edge_index)).relu()
+        return self.convs[-1](x, edge_index)
+
+
 MODELS = {"GCN-batch_norm": lambda: GCN(8, 16, 3, 3, norm="batch_norm"),
           "GCN-graph_norm": lambda: GCN(8, 16, 3, 3, norm="graph_norm"),  # PyG's GraphNorm, one graph
+          "GCN-layer_norm-graph": lambda: GCN(8, 16, 3, 3, norm="layer_norm", norm_kwargs={"mode": "graph"}),
           "GIN": lambda: GIN(8, 16, 3, 3),  # its MLPs hold BatchNorm1d
-          "BNNet": BNNet}
+          "BNNet": BNNet, "SumNorms": SumNorms}
 
 
 def _check(rank, world, name, stages, ways, chunks, recompute, setting=("history",), steps=3):
@@ -88,8 +106,9 @@ def test_one_process_equals_pyg_at_lr0(recompute):
 def test_per_chunk_statistics_differ():
     """The same check fails with each chunk's own statistics (so the tests above can fail)."""
     try:
-        with pytest.raises(AssertionError, match="training forward"):
-            _check(0, 1, "GCN-batch_norm", 1, 1, 4, False, setting=(True,))
+        for name in ("GCN-batch_norm", "GCN-layer_norm-graph", "SumNorms"):
+            with pytest.raises(AssertionError, match="training forward"):
+                _check(0, 1, name, 1, 1, 4, False, setting=(True,))
     finally:
         torch.set_default_dtype(torch.float32)
 
@@ -118,7 +137,7 @@ class ConvThenMLP(nn.Module):
         return self.mlp(self.conv(x, edge_index))
 
 
-def _gradients(rank, world, ways, norm):
+def _gradients(rank, world, ways, norm, exact_from=1):
     torch.set_default_dtype(torch.float64)
     x, g, y, mask = zoo_graph()
     ei = g["edge_index"]
@@ -129,12 +148,13 @@ def _gradients(rank, world, ways, norm):
                                                  per_chunk_statistics="history"),
                            Comm(torch.device("cpu"), timeout=60), num_stages=1, ways=ways)
     engine.install()
-    for step in range(3):
+    for step in range(exact_from + 2):
         for m in (model, ref):
             m.zero_grad()
             F.cross_entropy(m(x, ei)[mask], y[mask]).backward()
-        if step == 0:
-            continue  # the first backward has no sums yet for the chunks drained after it
+        if step < exact_from:
+            continue  # the first backward has no sums yet for the chunks drained after it (a chain of k norms:
+            #           each needs the next one's exact sums first, so the gradient is exact from step k)
         want = dict(ref.named_parameters())
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad, want[name].grad, atol=1e-9, rtol=1e-7,
@@ -142,10 +162,15 @@ def _gradients(rank, world, ways, norm):
     engine.uninstall()
 
 
-@pytest.mark.parametrize("ways,norm", [(1, nn.BatchNorm1d), (2, nn.BatchNorm1d), (1, GraphNorm)],
-                         ids=["BatchNorm1d", "BatchNorm1d-2-ways", "GraphNorm"])
-def test_gradient_through_the_statistics_equals_pyg_at_lr0(ways, norm):
-    run_distributed(_gradients, ways, ways, norm, timeout=240)
+def _sum_norms(d):
+    return nn.Sequential(LayerNorm(d, mode="graph"), PairNorm(), MeanSubtractionNorm(), GraphSizeNorm())
+
+
+@pytest.mark.parametrize("ways,norm,exact_from", [(1, nn.BatchNorm1d, 1), (2, nn.BatchNorm1d, 1), (1, GraphNorm, 1),
+                                                  (2, _sum_norms, 3)],
+                         ids=["BatchNorm1d", "BatchNorm1d-2-ways", "GraphNorm", "LayerNorm-PairNorm-2-ways"])
+def test_gradient_through_the_statistics_equals_pyg_at_lr0(ways, norm, exact_from):
+    run_distributed(_gradients, ways, ways, norm, exact_from, timeout=240)
 
 
 def _engine(model, **cfg):
@@ -167,7 +192,7 @@ def test_refusals_name_the_module_and_the_fix():
 
     for model, cfg, match in [
         (WithInstanceNorm(), dict(streaming=False),
-         r"'norm' \(InstanceNorm\).*BatchNorm and GraphNorm.*per_chunk_statistics=True"),
+         r"'norm' \(InstanceNorm\).*BatchNorm, GraphNorm.*per_chunk_statistics=True"),
         (GCN(8, 16, 2, 3, norm="batch_norm"), dict(streaming=True), "streaming=False"),
     ]:
         engine = _engine(model, per_chunk_statistics="history", **cfg)

@@ -9,7 +9,7 @@ from typing import List, Optional, Union
 import torch
 
 from ...model.errors import UnsupportedModelError
-from ...model.norms import BATCH_NORM, needs_statistics
+from ...model.norms import needs_statistics, takes_historical_statistics
 
 log = logging.getLogger("pyg_pipe")
 
@@ -27,14 +27,12 @@ def resolve_statistics(setting: Union[bool, str], module: torch.nn.Module, chunk
         return setting
     if chunks_per_way == 1 or streaming:
         return False
-    from torch_geometric.nn import BatchNorm as PygBatchNorm
-    from torch_geometric.nn import GraphNorm
     norms = [name for name, m in module.named_modules() if needs_statistics(m)]
-    covered = [name for name, m in module.named_modules() if isinstance(m, (BATCH_NORM, PygBatchNorm, GraphNorm))]
+    covered = [name for name, m in module.named_modules() if takes_historical_statistics(m)]
     if not norms or not set(norms) <= set(covered):
         return False
     named = ", ".join(f"'{n}'" for n in norms[:3]) + (", ..." if len(norms) > 3 else "")
-    note = (f"pyg_pipe: BatchNorm/GraphNorm ({named}) with {chunks_per_way} chunks per way: the whole graph's "
+    note = (f"pyg_pipe: graph-wide norms ({named}) with {chunks_per_way} chunks per way: the whole graph's "
             f"statistics with other chunks' sums from their latest run "
             f"(per_chunk_statistics='history'; pass num_chunks equal to the ways for exact statistics, or "
             f"per_chunk_statistics=False to refuse).")
@@ -48,14 +46,13 @@ def refuse_statistics(module: torch.nn.Module, chunks_per_way: int, ways: int, h
                       streaming: bool = False) -> None:
     """Refuses graph-wide statistics when a way runs several chunks (the pipeline never holds all rows).
 
-    ``history`` (``per_chunk_statistics="history"``): BatchNorm and GraphNorm run with historical sums
+    ``history`` (``per_chunk_statistics="history"``): the norms computed from per-feature sums
+    (:func:`~pyg_pipe.model.norms.takes_historical_statistics`) run with historical sums
     (:mod:`..runtime.statistics`), except when streaming; every other graph-wide module is still refused."""
-    from torch_geometric.nn import BatchNorm as PygBatchNorm
-    from torch_geometric.nn import GraphNorm
     for name, m in module.named_modules():
         if not needs_statistics(m):
             continue
-        if history and isinstance(m, (BATCH_NORM, PygBatchNorm, GraphNorm)):
+        if history and takes_historical_statistics(m):
             if streaming:
                 raise UnsupportedModelError(
                     f"Module '{name}' ({type(m).__name__}): per_chunk_statistics='history' runs in the pipeline "
@@ -65,13 +62,14 @@ def refuse_statistics(module: torch.nn.Module, chunks_per_way: int, ways: int, h
         if history:
             raise UnsupportedModelError(
                 f"Module '{name}' ({type(m).__name__}) normalises with statistics over all vertices; "
-                f"per_chunk_statistics='history' covers BatchNorm and GraphNorm. Use per_chunk_statistics=True "
+                f"per_chunk_statistics='history' covers BatchNorm, GraphNorm, graph-mode LayerNorm, PairNorm, "
+                f"MeanSubtractionNorm and GraphSizeNorm. Use per_chunk_statistics=True "
                 f"(each chunk's own rows, approximate), num_chunks={ways} (exact; one chunk per way) or a per-vertex "
                 f"norm (torch.nn.LayerNorm, torch_geometric.nn.LayerNorm(mode='node')).")
         raise UnsupportedModelError(
             f"Module '{name}' ({type(m).__name__}) normalises with statistics over all vertices, but with "
             f"{chunks_per_way} chunks per way the pipeline never holds all vertices at once. Use "
             f"num_chunks={ways} (exact; one chunk per way), opt into per-chunk statistics "
-            f"(per_chunk_statistics=True, approximate, as GPipe does for micro-batches; for BatchNorm and "
-            f"GraphNorm per_chunk_statistics='history', the whole graph's with other chunks' sums from their latest "
-            f"run), or a per-vertex norm (torch.nn.LayerNorm, torch_geometric.nn.LayerNorm(mode='node')).")
+            f"(per_chunk_statistics=True, approximate, as GPipe does for micro-batches; for norms computed from "
+            f"sums, such as BatchNorm, per_chunk_statistics='history', the whole graph's with other chunks' sums from "
+            f"their latest run), or a per-vertex norm (torch.nn.LayerNorm, torch_geometric.nn.LayerNorm(mode='node')).")

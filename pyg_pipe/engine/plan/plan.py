@@ -53,7 +53,7 @@ class Plan:
         streaming: one device runs every layer group over all chunks in turn (:mod:`..step.stream`); ``sizes``
             then has one group per (virtual) stage.
         statistics: how graph-wide statistics run with several chunks per way (``per_chunk_statistics``
-            resolved: ``"auto"`` becomes ``"history"`` for BatchNorm / GraphNorm in the pipeline, else ``False``).
+            resolved: ``"auto"`` becomes ``"history"`` for norms computed from sums in the pipeline, else ``False``).
         predicted_step: with ``num_chunks="auto"``, the step the cost model predicted for the chosen count
             (seconds; checked against the measured steps: :class:`~pyg_pipe.strategies.callbacks.TimelineLogger`);
             ``None`` otherwise, and on a resume (the count was not chosen again).

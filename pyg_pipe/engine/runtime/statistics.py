@@ -3,15 +3,17 @@
 The hooks that run graph-wide modules on a chunk are :mod:`..step.norms`; this module holds
 the state they read.
 
-**Historical statistics** (``per_chunk_statistics="history"``; BatchNorm on vertex rows, PyG's GraphNorm
-on one graph): statistics are sums, so the whole graph's can be assembled the way history assembles a
-layer's input. For a norm's call site and chunk ``c`` of a way running several chunks::
+**Historical statistics** (``per_chunk_statistics="history"``; BatchNorm on vertex rows, and on one graph PyG's
+GraphNorm, graph-mode LayerNorm, PairNorm, MeanSubtractionNorm and GraphSizeNorm): statistics are sums, so the
+whole graph's can be assembled the way history assembles a layer's input. For a norm's call site and chunk ``c``
+of a way running several chunks::
 
     s_c = Σ_{v in c} x_v,   q_c = Σ_{v in c} x_v²           (this run)
     S   = s_c + Σ_{c' ≠ c, seen} s_{c'}^{hist}               (the other chunks' latest sums, constants)
     Q   = q_c + Σ_{c' ≠ c, seen} q_{c'}^{hist},   n = rows of c and of the seen chunks
     mean = S / n,   var = Q / n − mean²                      (S, Q, n all-reduced over the ways, if several)
     GraphNorm: out = x − α·mean,   var = Q / n − (2α − α²)·mean²
+    (the other norms: their formulas over S, Q, n in :func:`..step.norms._historical_norm`)
 
 then ``s_c, q_c`` replace chunk ``c``'s entry. Chunks earlier in the step's order contribute this step's
 sums, later ones the previous step's, and the exact pass that fills history fills these sums too: at
@@ -21,12 +23,14 @@ first step. The backward goes through the whole graph's sums too: the loss's gra
 latest backward (:class:`_Shared`; without them training drifts apart, measured in
 docs/convergence.md). A replay (recompute in the drain) reads what its fill read. The running
 statistics move once per step, in the chunk that runs last in the way's order, whose sums are all from
-this step (one process's update whenever the model's inputs to the norm are exact, as at lr = 0). The
+this step (one process's update whenever the model's inputs to the norm are exact, as at lr = 0). A chain
+of k such norms with nothing between them has one process's gradient from step k (each needs the next one's
+exact backward sums first). The
 variance is taken as ``E[x²] − mean²``: fine for normalised activations, less accurate than the
 two-pass form where a feature's mean is far larger than its spread. Not covered: BatchNorm inside a
-layer's ``message`` (statistics over edges), GraphNorm with a batch vector and the other graph-wide
-norms (refused), NGra streaming (refused); the sums are not checkpointed (after a resume the exact pass
-assembles the forward's again; the backward's start over).
+layer's ``message`` (statistics over edges), norms given a batch vector and the other graph-wide norms
+(InstanceNorm, DiffGroupNorm: refused), NGra streaming (refused); the sums are not checkpointed (after a resume
+the exact pass assembles the forward's again; the backward's start over).
 """
 from __future__ import annotations
 

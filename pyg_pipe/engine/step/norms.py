@@ -21,7 +21,8 @@ every edge exactly once, as on one device (the local graph's extra self loops of
 count). With more than one chunk per way the statistics of a step would need every chunk at once,
 which the pipeline never has: such modules are refused before training unless
 ``per_chunk_statistics=True``, which computes them per chunk (GPipe's choice for micro-batches;
-approximate), or, for BatchNorm, ``per_chunk_statistics="history"``. In exact passes (inference, the
+approximate), or, for the norms computed from sums (BatchNorm, GraphNorm, graph-mode LayerNorm, PairNorm,
+MeanSubtractionNorm, GraphSizeNorm), ``per_chunk_statistics="history"``. In exact passes (inference, the
 history pass) nothing is approximate.
 
 The state these hooks read — how one run computes statistics, and the historical sums of
@@ -36,7 +37,7 @@ from torch import Tensor
 from torch_geometric.nn import GraphNorm
 
 from ...model.errors import UnsupportedModelError
-from ...model.norms import BATCH_NORM, needs_statistics
+from ...model.norms import BATCH_NORM, needs_statistics, takes_historical_statistics
 from ..context import current
 from ..reroute import Rerouted
 from ..runtime.statistics import Statistics
@@ -78,15 +79,15 @@ def _patched(module: torch.nn.Module, original: Callable):
         with ctx.engine_work():  # its statistics are the engine's business, not a row-mixing operation
             if isinstance(module, BATCH_NORM):
                 out = _batch_norm(module, original, stats, inv, *args, **kwargs)
-            elif stats.history is not None and inv is None and isinstance(module, GraphNorm):
-                out = _historical_graph_norm(module, stats, *args, **kwargs)
+            elif stats.history is not None and inv is None and takes_historical_statistics(module):
+                out = _historical_norm(module, stats, *args, **kwargs)
             elif inv is not None:
                 _refuse(ctx, f"{type(module).__name__} runs inside the message function of layer '{inv.name}' "
                              f"with statistics over the edges; pyg_pipe completes BatchNorm there, not this norm. "
                              f"Use a BatchNorm or a per-row norm (torch.nn.LayerNorm) in the message MLP.")
                 out = original(module, *args, **kwargs)  # (the pass goes on to its end; every rank then raises)
             else:
-                if stats.prime is not None and isinstance(module, GraphNorm):  # exact pass: its sums, per chunk
+                if stats.prime is not None and takes_historical_statistics(module):  # exact pass: its sums
                     x = args[0]
                     stats.prime.record(stats.site(module), x.narrow(0, 0, min(stats.rows, x.size(0))), [0])
                 out = _gathered(module, original, stats, *args, **kwargs)
@@ -199,18 +200,41 @@ def _historical_batch_norm(module, stats: Statistics, x: Tensor, dims, shape, pe
     return y
 
 
-def _historical_graph_norm(module, stats: Statistics, x: Tensor, batch=None, batch_size=None) -> Tensor:
-    """PyG's GraphNorm on one graph from the whole graph's sums: with ``μ = S/n`` and ``α`` its mean scale,
-    ``out = x − α·μ`` and ``var = mean(out²) = Q/n − (2α − α²)·μ²``."""
+def _historical_norm(module, stats: Statistics, x: Tensor, batch=None, *args, **kwargs) -> Tensor:
+    """A norm computed from the whole graph's per-feature sums ``S = Σ x``, ``Q = Σ x²`` over ``n`` rows, on one
+    graph (PyG's own formulas, with ``μ = S/n`` and ``q = Σ_f Q_f / n``):
+
+    * GraphNorm (``α`` its mean scale): ``out = w·(x − α·μ) / √(Q/n − (2α − α²)·μ² + ε) + b``;
+    * LayerNorm, graph mode (one mean and spread over all entries, ``m = Σ_f S_f / (n·d)``):
+      ``out = w·(x − m) / (√(q/d − m²) + ε) + b``;
+    * PairNorm: ``out = s·(x − μ) / √(ε + q − ‖μ‖²)`` (or divided by each row's own norm);
+    * MeanSubtractionNorm: ``out = x − μ``;  GraphSizeNorm: ``out = x / √n``."""
+    from torch_geometric.nn import GraphSizeNorm, LayerNorm, PairNorm
     if batch is not None:
         raise UnsupportedModelError(
-            "GraphNorm was given a batch vector; per_chunk_statistics='history' covers one graph (batch=None). "
-            "Use per_chunk_statistics=True or one chunk per way.")
+            f"{type(module).__name__} was given a batch vector; per_chunk_statistics='history' covers one graph "
+            f"(batch=None). Use per_chunk_statistics=True or one chunk per way.")
     total, n = _historical_sums(module, stats, x, [0], 1)
     mean = total[0] / n
-    alpha = module.mean_scale
-    var = (total[1] / n - (2 * alpha - alpha * alpha) * mean * mean).clamp(min=0)
-    return module.weight * (x - alpha * mean) / (var + module.eps).sqrt() + module.bias
+    if isinstance(module, GraphNorm):
+        alpha = module.mean_scale
+        var = (total[1] / n - (2 * alpha - alpha * alpha) * mean * mean).clamp(min=0)
+        return module.weight * (x - alpha * mean) / (var + module.eps).sqrt() + module.bias
+    if isinstance(module, LayerNorm):
+        d = x.size(-1)
+        m = total[0].sum() / (n * d)
+        var = (total[1].sum() / (n * d) - m * m).clamp(min=0)
+        out = (x - m) / (var.sqrt() + module.eps)
+        return out * module.weight + module.bias if module.weight is not None and module.bias is not None else out
+    if isinstance(module, PairNorm):
+        x = x - mean
+        if module.scale_individually:
+            return module.scale * x / (module.eps + x.norm(2, -1, keepdim=True))
+        spread = (total[1].sum() / n - (mean * mean).sum()).clamp(min=0)
+        return module.scale * x / (module.eps + spread).sqrt()
+    if isinstance(module, GraphSizeNorm):
+        return x * (n ** -0.5 if isinstance(n, float) else n.rsqrt())
+    return x - mean  # MeanSubtractionNorm
 
 
 class _Shared(torch.autograd.Function):

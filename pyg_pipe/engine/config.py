@@ -50,7 +50,7 @@ class PipelineConfig:
         per_chunk_statistics: how graph-wide statistics (BatchNorm, GraphNorm, ...) run when a way has
             several chunks: ``False`` refuses them, ``True`` takes each chunk's own rows (approximate, as
             GPipe does for micro-batches), ``"history"`` (norms computed from sums: BatchNorm, GraphNorm,
-            graph-mode LayerNorm, PairNorm, MeanSubtractionNorm, GraphSizeNorm) the whole graph's, other
+            InstanceNorm, graph-mode LayerNorm, PairNorm, MeanSubtractionNorm, GraphSizeNorm) the whole graph's, other
             chunks' sums from their latest run (approximate, exact at lr = 0 after the first step; not with
             streaming; :mod:`.runtime.statistics`); ``"auto"`` (default): ``"history"`` when every such module
             is one of those and the pipeline runs (one log line), else ``False``. With one chunk per way they

@@ -36,9 +36,12 @@ def needs_statistics(module: torch.nn.Module) -> bool:
 def takes_historical_statistics(module: torch.nn.Module) -> bool:
     """Whether ``per_chunk_statistics="history"`` covers the module: its output is a function of its rows and of
     the whole graph's per-feature sums ``Σ x``, ``Σ x²`` and row count (BatchNorm, PyG's BatchNorm, GraphNorm,
-    graph-mode LayerNorm, PairNorm, MeanSubtractionNorm, GraphSizeNorm; on one graph, no batch vector)."""
+    InstanceNorm, graph-mode LayerNorm, PairNorm, MeanSubtractionNorm, GraphSizeNorm; on one graph, no batch
+    vector)."""
     from torch_geometric.nn import BatchNorm as PygBatchNorm
-    from torch_geometric.nn import GraphNorm, GraphSizeNorm, LayerNorm, MeanSubtractionNorm, PairNorm
+    from torch_geometric.nn import (GraphNorm, GraphSizeNorm, InstanceNorm, LayerNorm, MeanSubtractionNorm,
+                                    PairNorm)
     if isinstance(module, LayerNorm):
         return module.mode == "graph"
-    return isinstance(module, (BATCH_NORM, PygBatchNorm, GraphNorm, PairNorm, MeanSubtractionNorm, GraphSizeNorm))
+    return isinstance(module, (BATCH_NORM, PygBatchNorm, GraphNorm, InstanceNorm, PairNorm, MeanSubtractionNorm,
+                               GraphSizeNorm))

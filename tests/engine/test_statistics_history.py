@@ -1,6 +1,6 @@
-"""BatchNorm, GraphNorm and the other norms computed from per-feature sums (graph-mode LayerNorm, PairNorm,
-MeanSubtractionNorm, GraphSizeNorm) with several chunks per way and ``per_chunk_statistics="history"``: the whole
-graph's statistics, other chunks' sums from their latest run (:mod:`pyg_pipe.engine.runtime.statistics`).
+"""BatchNorm, GraphNorm and the other norms computed from per-feature sums (InstanceNorm, graph-mode LayerNorm,
+PairNorm, MeanSubtractionNorm, GraphSizeNorm) with several chunks per way and ``per_chunk_statistics="history"``:
+the whole graph's statistics, other chunks' sums from their latest run (:mod:`pyg_pipe.engine.runtime.statistics`).
 
 At lr = 0 every sum is of exact values: the exact pass that fills history fills the sums too, so from the
 first step every chunk normalises with the whole graph's mean and variance, as one process does. The
@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch_geometric.nn import (BatchNorm, EdgeConv, GCNConv, GraphNorm, GraphSizeNorm, InstanceNorm, LayerNorm,
-                                MeanSubtractionNorm, PairNorm)
+from torch_geometric.nn import (BatchNorm, DiffGroupNorm, EdgeConv, GCNConv, GraphNorm, GraphSizeNorm, InstanceNorm,
+                                LayerNorm, MeanSubtractionNorm, PairNorm)
 from torch_geometric.nn.models import GCN, GIN
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
@@ -42,13 +42,15 @@ class BNNet(nn.Module):
 
 
 class SumNorms(nn.Module):
-    """PyG's other norms computed from per-feature sums, one between each pair of GCN layers."""
+    """PyG's other norms computed from per-feature sums, one between each pair of GCN layers (an InstanceNorm
+    with running statistics: they must move as one process's)."""
 
     def __init__(self):
         super().__init__()
-        self.convs = nn.ModuleList([GCNConv(8, 16)] + [GCNConv(16, 16) for _ in range(4)] + [GCNConv(16, 3)])
+        self.convs = nn.ModuleList([GCNConv(8, 16)] + [GCNConv(16, 16) for _ in range(6)] + [GCNConv(16, 3)])
         self.norms = nn.ModuleList([LayerNorm(16, mode="graph"), PairNorm(), PairNorm(scale_individually=True),
-                                    MeanSubtractionNorm(), GraphSizeNorm()])
+                                    MeanSubtractionNorm(), GraphSizeNorm(), InstanceNorm(16),
+                                    InstanceNorm(16, affine=True, track_running_stats=True)])
 
     def forward(self, x, edge_index):
         for conv, norm in zip(self.convs, self.norms):
@@ -182,17 +184,17 @@ def test_refusals_name_the_module_and_the_fix():
     x, g, y, mask = zoo_graph()
     ei = g["edge_index"]
 
-    class WithInstanceNorm(nn.Module):
+    class WithDiffGroupNorm(nn.Module):
         def __init__(self):
             super().__init__()
-            self.gcn, self.norm = GCN(8, 16, 2, 3), InstanceNorm(3)
+            self.gcn, self.norm = GCN(8, 16, 2, 3), DiffGroupNorm(3, 2)
 
         def forward(self, x, edge_index):
             return self.norm(self.gcn(x, edge_index))
 
     for model, cfg, match in [
-        (WithInstanceNorm(), dict(streaming=False),
-         r"'norm' \(InstanceNorm\).*BatchNorm, GraphNorm.*per_chunk_statistics=True"),
+        (WithDiffGroupNorm(), dict(streaming=False),
+         r"'norm' \(DiffGroupNorm\).*BatchNorm, GraphNorm.*per_chunk_statistics=True"),
         (GCN(8, 16, 2, 3, norm="batch_norm"), dict(streaming=True), "streaming=False"),
     ]:
         engine = _engine(model, per_chunk_statistics="history", **cfg)

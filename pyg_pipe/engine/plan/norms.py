@@ -62,8 +62,8 @@ def refuse_statistics(module: torch.nn.Module, chunks_per_way: int, ways: int, h
         if history:
             raise UnsupportedModelError(
                 f"Module '{name}' ({type(m).__name__}) normalises with statistics over all vertices; "
-                f"per_chunk_statistics='history' covers BatchNorm, GraphNorm, graph-mode LayerNorm, PairNorm, "
-                f"MeanSubtractionNorm and GraphSizeNorm. Use per_chunk_statistics=True "
+                f"per_chunk_statistics='history' covers BatchNorm, GraphNorm, InstanceNorm, graph-mode LayerNorm, "
+                f"PairNorm, MeanSubtractionNorm and GraphSizeNorm. Use per_chunk_statistics=True "
                 f"(each chunk's own rows, approximate), num_chunks={ways} (exact; one chunk per way) or a per-vertex "
                 f"norm (torch.nn.LayerNorm, torch_geometric.nn.LayerNorm(mode='node')).")
         raise UnsupportedModelError(

@@ -4,9 +4,9 @@ The hooks that run graph-wide modules on a chunk are :mod:`..step.norms`; this m
 the state they read.
 
 **Historical statistics** (``per_chunk_statistics="history"``; BatchNorm on vertex rows, and on one graph PyG's
-GraphNorm, graph-mode LayerNorm, PairNorm, MeanSubtractionNorm and GraphSizeNorm): statistics are sums, so the
-whole graph's can be assembled the way history assembles a layer's input. For a norm's call site and chunk ``c``
-of a way running several chunks::
+GraphNorm, InstanceNorm, graph-mode LayerNorm, PairNorm, MeanSubtractionNorm, GraphSizeNorm): statistics are
+sums, so the whole graph's can be assembled the way history assembles a layer's input. For a norm's call site
+and chunk ``c`` of a way running several chunks::
 
     s_c = Σ_{v in c} x_v,   q_c = Σ_{v in c} x_v²           (this run)
     S   = s_c + Σ_{c' ≠ c, seen} s_{c'}^{hist}               (the other chunks' latest sums, constants)
@@ -29,7 +29,7 @@ exact backward sums first). The
 variance is taken as ``E[x²] − mean²``: fine for normalised activations, less accurate than the
 two-pass form where a feature's mean is far larger than its spread. Not covered: BatchNorm inside a
 layer's ``message`` (statistics over edges), norms given a batch vector and the other graph-wide norms
-(InstanceNorm, DiffGroupNorm: refused), NGra streaming (refused); the sums are not checkpointed (after a resume
+(DiffGroupNorm: refused), NGra streaming (refused); the sums are not checkpointed (after a resume
 the exact pass assembles the forward's again; the backward's start over).
 """
 from __future__ import annotations

@@ -21,8 +21,8 @@ every edge exactly once, as on one device (the local graph's extra self loops of
 count). With more than one chunk per way the statistics of a step would need every chunk at once,
 which the pipeline never has: such modules are refused before training unless
 ``per_chunk_statistics=True``, which computes them per chunk (GPipe's choice for micro-batches;
-approximate), or, for the norms computed from sums (BatchNorm, GraphNorm, graph-mode LayerNorm, PairNorm,
-MeanSubtractionNorm, GraphSizeNorm), ``per_chunk_statistics="history"``. In exact passes (inference, the
+approximate), or, for the norms computed from sums (BatchNorm, GraphNorm, InstanceNorm, graph-mode LayerNorm,
+PairNorm, MeanSubtractionNorm, GraphSizeNorm), ``per_chunk_statistics="history"``. In exact passes (inference, the
 history pass) nothing is approximate.
 
 The state these hooks read — how one run computes statistics, and the historical sums of
@@ -180,8 +180,11 @@ def _historical_sums(module, stats: Statistics, x: Tensor, dims, per_row: int):
     return total, n
 
 
-def _historical_batch_norm(module, stats: Statistics, x: Tensor, dims, shape, per_row: int) -> Tensor:
-    """BatchNorm of a chunk with the whole graph's statistics, other chunks' sums historical (module docstring)."""
+def _historical_batch_norm(module, stats: Statistics, x: Tensor, dims, shape, per_row: int,
+                           counts: bool = True) -> Tensor:
+    """BatchNorm of a chunk with the whole graph's statistics, other chunks' sums historical (module docstring);
+    also PyG's InstanceNorm on one graph (the same statistics over the vertices; ``counts=False``: it moves its
+    running statistics as ``F.instance_norm`` does, without counting batches)."""
     total, n = _historical_sums(module, stats, x, dims, per_row)
     mean = total[0] / n
     var = (total[1] / n - mean * mean).clamp(min=0)
@@ -190,7 +193,8 @@ def _historical_batch_norm(module, stats: Statistics, x: Tensor, dims, shape, pe
         y = y * module.weight.view(shape) + module.bias.view(shape)
     if module.training and module.track_running_stats and stats.last and stats.moves_running():
         with torch.no_grad():  # once per step: in the last chunk of the order, whose sums are all this step's
-            module.num_batches_tracked.add_(1)
+            if counts:
+                module.num_batches_tracked.add_(1)
             momentum = module.momentum
             if momentum is None:
                 momentum = 1.0 / float(module.num_batches_tracked)
@@ -208,12 +212,15 @@ def _historical_norm(module, stats: Statistics, x: Tensor, batch=None, *args, **
     * LayerNorm, graph mode (one mean and spread over all entries, ``m = Σ_f S_f / (n·d)``):
       ``out = w·(x − m) / (√(q/d − m²) + ε) + b``;
     * PairNorm: ``out = s·(x − μ) / √(ε + q − ‖μ‖²)`` (or divided by each row's own norm);
-    * MeanSubtractionNorm: ``out = x − μ``;  GraphSizeNorm: ``out = x / √n``."""
-    from torch_geometric.nn import GraphSizeNorm, LayerNorm, PairNorm
+    * MeanSubtractionNorm: ``out = x − μ``;  GraphSizeNorm: ``out = x / √n``;
+    * InstanceNorm: BatchNorm's (:func:`_historical_batch_norm`)."""
+    from torch_geometric.nn import GraphSizeNorm, InstanceNorm, LayerNorm, PairNorm
     if batch is not None:
         raise UnsupportedModelError(
             f"{type(module).__name__} was given a batch vector; per_chunk_statistics='history' covers one graph "
             f"(batch=None). Use per_chunk_statistics=True or one chunk per way.")
+    if isinstance(module, InstanceNorm):  # (in training; with running statistics in eval it runs per row)
+        return _historical_batch_norm(module, stats, x, [0], [1, -1], 1, counts=False)
     total, n = _historical_sums(module, stats, x, [0], 1)
     mean = total[0] / n
     if isinstance(module, GraphNorm):
@@ -274,11 +281,17 @@ def _gathered(module, original, stats: Statistics, x: Tensor, *args, **kwargs):
 
     args = tuple(same_rows(a) for a in args)
     kwargs = {k: same_rows(v) for k, v in kwargs.items()}
+    # running statistics the module moves itself (InstanceNorm) stay put in a pass that must not move them
+    kept = [] if stats.moves_running() else [(b, b.clone()) for n, b in module.named_buffers(recurse=False)
+                                             if n.startswith("running_")]
     stats.inside_gather = True
     try:
         out = original(module, full, *args, **kwargs)
     finally:
         stats.inside_gather = False
+        with torch.no_grad():
+            for b, v in kept:
+                b.copy_(v)
     if stats.group is not None:
         me = stats.comm.rank_in(stats.group)
         start = sum(stats.way_rows[:me])

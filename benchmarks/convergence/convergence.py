@@ -31,8 +31,9 @@ gradient scaling)::
     smooth-none    smoothing=0.5 without T1-T3 (PipeGCN's setting)
     bn-chunk  the defaults and per_chunk_statistics=True (each chunk's own statistics)
     bn-history     the defaults and per_chunk_statistics="history" (the whole graph's, other chunks'
-              sums from their latest run); the bn-* modes are for the models gcn-bn and gcn-gn (PyG's
-              GCN with norm="batch_norm" / "graph_norm"), which the other modes refuse
+              sums from their latest run); the bn-* modes are for the models gcn-bn, gcn-gn, gcn-ln, gcn-pn,
+              gcn-in (PyG's GCN with norm="batch_norm" / "graph_norm" / graph-mode "layer_norm" / "pairnorm" /
+              "instance_norm"), which the other modes refuse
 
 All gnnpipe cases of one invocation run in the same 2 (``--procs``) processes, one after the other;
 the one-process references run first, in this process with 2 threads.
@@ -100,6 +101,11 @@ def graph(name: str, nodes: int):
     return data
 
 
+#: PyG's GCN with a graph-wide norm after every layer: the norm and its arguments (PyG's normalization resolver)
+NORMS = {"gcn-bn": ("batch_norm", None), "gcn-gn": ("graph_norm", None), "gcn-ln": ("layer_norm", {"mode": "graph"}),
+         "gcn-pn": ("pairnorm", None), "gcn-in": ("instance_norm", None)}
+
+
 def model(name: str, layers: int, seed: int):
     from torch_geometric.nn import GAT, GCN
 
@@ -109,8 +115,12 @@ def model(name: str, layers: int, seed: int):
         return gcnii(32, 64, 8, num_layers=layers, dropout=DROPOUT)
     if name == "resgcn":
         return ResGCNPlus(32, 64, 8, num_layers=layers, dropout=DROPOUT)
-    if name in ("gcn-bn", "gcn-gn"):  # a graph-wide norm after every layer (modes bn-chunk, bn-history)
-        return GCN(32, 64, layers, 8, norm="batch_norm" if name == "gcn-bn" else "graph_norm", dropout=DROPOUT)
+    if name in NORMS:  # a graph-wide norm after every layer (modes bn-chunk, bn-history)
+        norm, kwargs = NORMS[name]
+        if norm == "pairnorm":  # (by name, PyG's resolver would pass the width as PairNorm's scale)
+            from torch_geometric.nn import PairNorm
+            norm = PairNorm()
+        return GCN(32, 64, layers, 8, norm=norm, norm_kwargs=kwargs, dropout=DROPOUT)
     return GAT(32, 16, min(layers, 8), 8, heads=4, dropout=DROPOUT)  # attention over (stale) neighbours
 
 
@@ -184,7 +194,8 @@ def summary(curve):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["gcnii", "gat"], choices=["gcnii", "resgcn", "gat", "gcn-bn", "gcn-gn"])
+    p.add_argument("--models", nargs="+", default=["gcnii", "gat"],
+                   choices=["gcnii", "resgcn", "gat", "gcn-bn", "gcn-gn", "gcn-ln", "gcn-pn", "gcn-in"])
     p.add_argument("--graphs", nargs="+", default=["community", "heterophilous"])
     p.add_argument("--chunks", nargs="+", type=lambda v: v if v == "auto" else int(v), default=[32],
                    help="chunk counts, or auto (num_chunks='auto': the plan's choice, recorded as 'chose')")

@@ -16,7 +16,8 @@ def graph_wide_modules() -> tuple:
     """Module classes other than BatchNorm whose output at a vertex depends on all vertices' rows."""
     from torch_geometric.nn import norm as pyg_norm
     classes = [torch.nn.modules.instancenorm._InstanceNorm]
-    for name in ("InstanceNorm", "GraphNorm", "PairNorm", "MeanSubtractionNorm", "DiffGroupNorm", "GraphSizeNorm"):
+    # (not DiffGroupNorm: per row but for the BatchNorm inside it, which is one of these modules itself)
+    for name in ("InstanceNorm", "GraphNorm", "PairNorm", "MeanSubtractionNorm", "GraphSizeNorm"):
         cls = getattr(pyg_norm, name, None)
         if cls is not None:
             classes.append(cls)

@@ -144,7 +144,7 @@ def test_structural_refusals():
 def test_graph_wide_statistics_by_default():
     """per_chunk_statistics='auto': BatchNorm, GraphNorm, InstanceNorm, graph-mode LayerNorm take historical statistics
     with several chunks per way in the pipeline; one chunk per way needs nothing; streaming, or another graph-wide
-    norm (DiffGroupNorm), is as False."""
+    norm (torch's InstanceNorm1d), is as False."""
     notes = []
     assert resolve_statistics("auto", GCN(8, 12, 2, 3, norm="batch_norm"), 4, False, notes) == "history"
     assert len(notes) == 1 and "graph-wide norms ('norms.0.module') with 4 chunks per way" in notes[0]
@@ -154,6 +154,8 @@ def test_graph_wide_statistics_by_default():
     assert resolve_statistics("auto", GCN(8, 12, 2, 3, norm="layer_norm"), 4, False) == "history"  # graph mode
     assert resolve_statistics("auto", GCN(8, 12, 2, 3, norm="instance_norm"), 4, False) == "history"
     assert resolve_statistics("auto", GCN(8, 12, 2, 3, norm="diffgroup_norm", norm_kwargs={"groups": 2}), 4,
+                              False) == "history"  # (per row around a BatchNorm)
+    assert resolve_statistics("auto", torch.nn.Sequential(GCN(8, 12, 2, 3), torch.nn.InstanceNorm1d(3)), 4,
                               False) is False
     from torch_geometric.nn import GIN  # a BatchNorm in each GINConv's MLP: inside a layer, on vertex rows (one in a
     assert resolve_statistics("auto", GIN(8, 12, 2, 3, norm="batch_norm"), 4, False) == "history"  # message: refused

@@ -28,8 +28,8 @@ of k such norms with nothing between them has one process's gradient from step k
 exact backward sums first). The
 variance is taken as ``E[x²] − mean²``: fine for normalised activations, less accurate than the
 two-pass form where a feature's mean is far larger than its spread. Not covered: BatchNorm inside a
-layer's ``message`` (statistics over edges), norms given a batch vector and the other graph-wide norms
-(DiffGroupNorm: refused), NGra streaming (refused); the sums are not checkpointed (after a resume
+layer's ``message`` (statistics over edges), norms given a batch vector (refused when they run), NGra
+streaming (refused); the sums are not checkpointed (after a resume
 the exact pass assembles the forward's again; the backward's start over).
 """
 from __future__ import annotations

@@ -73,8 +73,9 @@ def install() -> None:
     replacement = {"gcn_norm": gcn_norm, "get_laplacian": get_laplacian, "add_self_loops": add_self_loops,
                    "add_remaining_self_loops": add_remaining_self_loops, "degree": degree}
     for module in list(sys.modules.values()):
+        held = getattr(module, "__dict__", None) or {}  # (not getattr: a module's __getattr__ may warn or import)
         for name, original in _ORIGINAL.items():
-            if getattr(module, name, None) is original:
+            if held.get(name) is original:
                 setattr(module, name, replacement[name])
                 _swapped.append((module, name, original))
 

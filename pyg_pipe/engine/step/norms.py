@@ -80,7 +80,12 @@ def _patched(module: torch.nn.Module, original: Callable):
             if isinstance(module, BATCH_NORM):
                 out = _batch_norm(module, original, stats, inv, *args, **kwargs)
             elif stats.history is not None and inv is None and takes_historical_statistics(module):
-                out = _historical_norm(module, stats, *args, **kwargs)
+                if (args[1] if len(args) > 1 else kwargs.get("batch")) is None:
+                    out = _historical_norm(module, stats, args[0])
+                else:
+                    _refuse(ctx, f"{type(module).__name__} was given a batch vector; per_chunk_statistics='history' "
+                                 f"covers one graph (batch=None). Use per_chunk_statistics=True or one chunk per way.")
+                    out = original(module, *args, **kwargs)  # (the pass goes on to its end; every rank then raises)
             elif inv is not None:
                 _refuse(ctx, f"{type(module).__name__} runs inside the message function of layer '{inv.name}' "
                              f"with statistics over the edges; pyg_pipe completes BatchNorm there, not this norm. "
@@ -204,7 +209,7 @@ def _historical_batch_norm(module, stats: Statistics, x: Tensor, dims, shape, pe
     return y
 
 
-def _historical_norm(module, stats: Statistics, x: Tensor, batch=None, *args, **kwargs) -> Tensor:
+def _historical_norm(module, stats: Statistics, x: Tensor) -> Tensor:
     """A norm computed from the whole graph's per-feature sums ``S = Σ x``, ``Q = Σ x²`` over ``n`` rows, on one
     graph (PyG's own formulas, with ``μ = S/n`` and ``q = Σ_f Q_f / n``):
 
@@ -215,10 +220,6 @@ def _historical_norm(module, stats: Statistics, x: Tensor, batch=None, *args, **
     * MeanSubtractionNorm: ``out = x − μ``;  GraphSizeNorm: ``out = x / √n``;
     * InstanceNorm: BatchNorm's (:func:`_historical_batch_norm`)."""
     from torch_geometric.nn import GraphSizeNorm, InstanceNorm, LayerNorm, PairNorm
-    if batch is not None:
-        raise UnsupportedModelError(
-            f"{type(module).__name__} was given a batch vector; per_chunk_statistics='history' covers one graph "
-            f"(batch=None). Use per_chunk_statistics=True or one chunk per way.")
     if isinstance(module, InstanceNorm):  # (in training; with running statistics in eval it runs per row)
         return _historical_batch_norm(module, stats, x, [0], [1, -1], 1, counts=False)
     total, n = _historical_sums(module, stats, x, [0], 1)

@@ -25,12 +25,11 @@ docs/convergence.md). A replay (recompute in the drain) reads what its fill read
 statistics move once per step, in the chunk that runs last in the way's order, whose sums are all from
 this step (one process's update whenever the model's inputs to the norm are exact, as at lr = 0). A chain
 of k such norms with nothing between them has one process's gradient from step k (each needs the next one's
-exact backward sums first). The
-variance is taken as ``E[x²] − mean²``: fine for normalised activations, less accurate than the
-two-pass form where a feature's mean is far larger than its spread. Not covered: BatchNorm inside a
+exact backward sums first). The variance is taken as ``E[x²] − mean²``: fine for normalised activations, less
+accurate than the two-pass form where a feature's mean is far larger than its spread. Not covered: BatchNorm inside a
 layer's ``message`` (statistics over edges), norms given a batch vector (refused when they run), NGra
-streaming (refused); the sums are not checkpointed (after a resume
-the exact pass assembles the forward's again; the backward's start over).
+streaming (refused); the sums are not checkpointed (after a resume the exact pass assembles the forward's
+again; the backward's start over).
 """
 from __future__ import annotations
 

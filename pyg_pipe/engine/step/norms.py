@@ -81,7 +81,7 @@ def _patched(module: torch.nn.Module, original: Callable):
                 out = _batch_norm(module, original, stats, inv, *args, **kwargs)
             elif stats.history is not None and inv is None and takes_historical_statistics(module):
                 if (args[1] if len(args) > 1 else kwargs.get("batch")) is None:
-                    out = _historical_norm(module, stats, args[0])
+                    out = _historical_norm(module, stats, args[0] if args else kwargs["x"])
                 else:
                     _refuse(ctx, f"{type(module).__name__} was given a batch vector; per_chunk_statistics='history' "
                                  f"covers one graph (batch=None). Use per_chunk_statistics=True or one chunk per way.")

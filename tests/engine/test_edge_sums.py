@@ -76,6 +76,26 @@ class ScaledSources(_Linear):
         return self.propagate(edge_index, x=self.lin(x) / deg[:, None]) / deg[:, None]
 
 
+def _scoped_tutorial_gcn():
+    """The tutorial layer defined inside a function, taking ``degree`` from the enclosing scope (a closure), as
+    happens where a script's model is built in a function: pyg_pipe completes the counts there too."""
+    from torch_geometric.utils import degree as count
+
+    class ScopedTutorialGCN(TutorialGCN):
+        def forward(self, x, edge_index):
+            edge_index, _ = add_self_loops(edge_index, num_nodes=x.size(0))
+            x = self.lin(x)
+            row, col = edge_index
+            deg_inv_sqrt = count(col, x.size(0), dtype=x.dtype).pow(-0.5)
+            deg_inv_sqrt[deg_inv_sqrt == float("inf")] = 0
+            return self.propagate(edge_index, x=x, norm=deg_inv_sqrt[row] * deg_inv_sqrt[col]) + self.bias
+
+    return ScopedTutorialGCN
+
+
+ScopedTutorialGCN = _scoped_tutorial_gcn()
+
+
 class WeightedDegree(_Linear):
     """The tutorial's normalisation with a weighted degree summed by hand (``scatter``, not ``degree``): read at
     the sources, it is partial for the halo vertices (refused)."""
@@ -119,7 +139,7 @@ class EdgeSoftmax(_Linear):
 
 
 REFUSED = [OutDegree, WeightedDegree]
-EXACT = [TutorialGCN, ScaledSources, InDegree, EdgeSoftmax]
+EXACT = [TutorialGCN, ScopedTutorialGCN, ScaledSources, InDegree, EdgeSoftmax]
 
 
 def _model(cls, first: bool):

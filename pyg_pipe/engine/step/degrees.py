@@ -8,17 +8,18 @@ MixHopConv, DNAConv, PDNConv, ...) scales each edge by the in-degrees of its sou
 in-degree is complete, since all its in-edges are local, but a halo vertex's is not; out-degrees are
 incomplete for every vertex.
 
-While the engine runs, both functions (wherever a loaded module holds them) are replaced by
-versions that compute exactly what PyG's compute, with the degrees completed:
+While the engine runs, both functions (wherever a loaded module holds them, and where each layer's ``forward``
+looks them up: its globals and closure) are replaced by versions that compute exactly what PyG's compute, with
+the degrees completed:
 
 * **in-degree** (``gcn_norm``): the chunk's rows' degrees are computed locally, with self loops added
   as PyG adds them. The halo vertices' degrees are the whole graph's, taken from the inputs when the
   layer normalises the local graph it was handed with weights given to the model's forward (under any
-  name) or none, or the local sparse ``adj_t`` it was handed (its values are the input's): computed
-  once per weight tensor and version. Otherwise (weights the model computes,
-  such as PDNConv's, or an edge list the layer changed first) they are exchanged like source rows
-  (:mod:`..runtime.halo`) at a call site ``module#invocation.degK``: fresh from other ways, from history for
-  other chunks of a way, and gradients reach the owners of the weights.
+  name) or none, or the local sparse ``adj_t`` it was handed (its values are the input's): computed once per
+  weight tensor and version. Otherwise (weights the model computes, such as PDNConv's, or an edge list the layer
+  changed first) they are exchanged like source rows (:mod:`..runtime.halo`) at a call site
+  ``module#invocation.degK``: fresh from other ways, from history for other chunks of a way, and gradients
+  reach the owners of the weights.
 * **out-degree** (``get_laplacian``): from the whole graph's weights, which must be a forward
   argument (or none), cached per weight tensor and version; weights computed inside the model are
   refused there.
@@ -28,8 +29,7 @@ A layer that computes the chunk's rows only (:mod:`.layers`) normalises the row 
 are completed the same way.
 
 A layer that counts degrees itself (``degree(col, x.size(0))`` in its ``forward``, PyG's tutorial GCN) runs on its
-whole local graph (:func:`counts_degrees`); :func:`degree` then exchanges the halo vertices' counts at a
-call site ``module#invocation.sumK``, as for weights computed in the model.
+whole local graph (:func:`counts_degrees`), where :func:`degree` exchanges the halo's counts (site ``...sumK``).
 
 ``add_self_loops`` / ``add_remaining_self_loops`` called without ``num_nodes`` inside a layer give the loops
 the whole graph's call gives the chunk's vertices (:func:`_with_loops`).
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -48,7 +48,7 @@ from torch import Tensor
 from ...model.errors import UnsupportedModelError
 from ..context import current
 
-_swapped: list = []
+_swapped: list = []  # what puts each replaced name back (callables, last first)
 _installs = 0
 
 
@@ -63,21 +63,36 @@ def _originals():
 _ORIGINAL = _originals()  # PyG's own, taken before anything is swapped
 
 
-def install() -> None:
-    """Replaces ``gcn_norm``, ``get_laplacian`` and the self-loop helpers in every loaded module (reference
-    counted)."""
+def install(forwards: Iterable = ()) -> None:
+    """Replaces ``gcn_norm``, ``get_laplacian``, the self-loop helpers and ``degree`` in every loaded module
+    (reference counted), and where each of ``forwards`` (the layers' ``forward`` functions) looks them up."""
     global _installs
     _installs += 1
-    if _installs > 1:
-        return
-    replacement = {"gcn_norm": gcn_norm, "get_laplacian": get_laplacian, "add_self_loops": add_self_loops,
-                   "add_remaining_self_loops": add_remaining_self_loops, "degree": degree}
-    for module in list(sys.modules.values()):
-        held = getattr(module, "__dict__", None) or {}  # (not getattr: a module's __getattr__ may warn or import)
+    if _installs == 1:
+        for module in list(sys.modules.values()):
+            _swap(getattr(module, "__dict__", None) or {})  # (not getattr: a module's __getattr__ may warn or import)
+    for fn in forwards:
+        _cover(fn)
+
+
+def _cover(fn) -> None:
+    """Replaces them where the function ``fn`` looks them up: its globals and its closure. A script started by a
+    spawning launcher runs as a copy of its module whose dictionary is not the one its functions read (``runpy``),
+    and a function may take them from an enclosing function's scope."""
+    _swap(getattr(fn, "__globals__", None) or {})
+    for cell in getattr(fn, "__closure__", None) or ():
+        held = cell.cell_contents if _filled(cell) else None
         for name, original in _ORIGINAL.items():
-            if held.get(name) is original:
-                setattr(module, name, replacement[name])
-                _swapped.append((module, name, original))
+            if held is original:
+                cell.cell_contents = _REPLACEMENT[name]
+                _swapped.append(functools.partial(setattr, cell, "cell_contents", original))
+
+
+def _swap(held: dict) -> None:
+    for name, original in _ORIGINAL.items():
+        if held.get(name) is original:
+            held[name] = _REPLACEMENT[name]
+            _swapped.append(functools.partial(held.__setitem__, name, original))
 
 
 def uninstall() -> None:
@@ -86,8 +101,7 @@ def uninstall() -> None:
     if _installs:
         return
     while _swapped:
-        module, attr, original = _swapped.pop()
-        setattr(module, attr, original)
+        _swapped.pop()()  # puts one back
 
 
 def _width(inv) -> int:
@@ -302,16 +316,28 @@ def degree(index: Tensor, num_nodes: Optional[int] = None, dtype: Optional[torch
 
 
 def counts_degrees(module: torch.nn.Module) -> bool:
-    """Whether the layer's ``forward`` counts degrees itself (calls a function named ``degree``, as PyG's tutorial
+    """Whether the layer's ``forward`` counts degrees itself (calls PyG's ``degree``, under any name, as PyG's tutorial
     GCN does: ``deg = degree(col, x.size(0))``, read at both ends of the edges). Such a layer runs on its whole local
     graph, where :func:`degree` completes the halo vertices' counts (computed on the chunk's rows only, the
     count would have no entries for the sources it reads). Decided from the layer's code, once per class."""
     cls = type(module)
     hit = _COUNTS_DEGREES.get(cls)
     if hit is None:
-        code = getattr(cls.forward, "__code__", None)
-        hit = _COUNTS_DEGREES[cls] = code is not None and "degree" in code.co_names
+        fn = cls.forward
+        code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+        cells = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if _filled(c)]
+        found = [names.get(n) for n in code.co_names] + cells if code is not None else []
+        hit = _COUNTS_DEGREES[cls] = code is not None and ("degree" in code.co_names or any(
+            f is _ORIGINAL["degree"] or f is degree for f in found))
     return hit
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
 
 
 _COUNTS_DEGREES: Dict[type, bool] = {}
@@ -367,3 +393,7 @@ def _with_loops(name: str, edge_index, edge_attr, fill_value, num_nodes):
         out_index, out_attr = out_index[:, keep], None if out_attr is None else out_attr[keep]
     inv.derive(out_index, edge_index)
     return out_index, out_attr
+
+
+_REPLACEMENT = {"gcn_norm": gcn_norm, "get_laplacian": get_laplacian, "add_self_loops": add_self_loops,
+                "add_remaining_self_loops": add_remaining_self_loops, "degree": degree}

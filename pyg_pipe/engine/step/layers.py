@@ -78,7 +78,7 @@ class LayerHooks:
     def install(self) -> None:
         if self.handles:
             return
-        degrees.install()
+        degrees.install(type(m).forward for m in self.model.modules() if isinstance(m, MessagePassing))
         self.handles.append(_DegreesInstalled())
         for name, m in self.model.named_modules():
             if not isinstance(m, MessagePassing):

@@ -35,6 +35,10 @@ gradient scaling)::
               gcn-in (PyG's GCN with norm="batch_norm" / "graph_norm" / graph-mode "layer_norm" / "pairnorm" /
               "instance_norm"), which the other modes refuse
 
+Models: gcnii, resgcn, gat (the study's), gcn-* (a graph-wide norm after every layer, above), gcn (PyG's GCN)
+and tutorial-gcn (the same network with the same initial weights, built from PyG's tutorial GCN layer, its
+degrees counted by hand).
+
 All gnnpipe cases of one invocation run in the same 2 (``--procs``) processes, one after the other;
 the one-process references run first, in this process with 2 threads.
 
@@ -53,6 +57,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch_geometric.nn import MessagePassing
+from torch_geometric.utils import add_self_loops, degree
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -106,6 +112,43 @@ NORMS = {"gcn-bn": ("batch_norm", None), "gcn-gn": ("graph_norm", None), "gcn-ln
          "gcn-pn": ("pairnorm", None), "gcn-in": ("instance_norm", None)}
 
 
+class TutorialGCNConv(MessagePassing):
+    """PyG's tutorial GCN layer ("Creating message passing networks"), the normalisation by hand in its forward, as
+    users copy it (``degree`` imported at the top of the module: pyg_pipe completes the counts through that name)."""
+
+    def __init__(self, i, o):
+        super().__init__(aggr="add")
+        self.lin = torch.nn.Linear(i, o, bias=False)
+        self.bias = torch.nn.Parameter(torch.zeros(o))
+
+    def forward(self, x, edge_index):
+        edge_index, _ = add_self_loops(edge_index, num_nodes=x.size(0))
+        x = self.lin(x)
+        row, col = edge_index
+        deg = degree(col, x.size(0), dtype=x.dtype)
+        deg_inv_sqrt = deg.pow(-0.5)
+        deg_inv_sqrt[deg_inv_sqrt == float("inf")] = 0
+        norm = deg_inv_sqrt[row] * deg_inv_sqrt[col]
+        return self.propagate(edge_index, x=x, norm=norm) + self.bias
+
+    def message(self, x_j, norm):
+        return norm.view(-1, 1) * x_j
+
+
+class TutorialGCN(torch.nn.Module):
+    """A stack of :class:`TutorialGCNConv`, ReLU and dropout between layers (as PyG's GCN)."""
+
+    def __init__(self, layers: int):
+        super().__init__()
+        widths = [32] + [64] * (layers - 1) + [8]
+        self.convs = torch.nn.ModuleList([TutorialGCNConv(i, o) for i, o in zip(widths, widths[1:])])
+
+    def forward(self, x, edge_index):
+        for conv in self.convs[:-1]:
+            x = F.dropout(conv(x, edge_index).relu(), DROPOUT, self.training)
+        return self.convs[-1](x, edge_index)
+
+
 def model(name: str, layers: int, seed: int):
     from torch_geometric.nn import GAT, GCN
 
@@ -115,6 +158,13 @@ def model(name: str, layers: int, seed: int):
         return gcnii(32, 64, 8, num_layers=layers, dropout=DROPOUT)
     if name == "resgcn":
         return ResGCNPlus(32, 64, 8, num_layers=layers, dropout=DROPOUT)
+    if name in ("gcn", "tutorial-gcn"):  # the same network and weights, with PyG's GCNConv or the tutorial's layer
+        net = GCN(32, 64, layers, 8, dropout=DROPOUT)
+        if name == "gcn":
+            return net
+        tutorial = TutorialGCN(layers)
+        tutorial.load_state_dict(net.state_dict())
+        return tutorial
     if name in NORMS:  # a graph-wide norm after every layer (modes bn-chunk, bn-history)
         norm, kwargs = NORMS[name]
         if norm == "pairnorm":  # (by name, PyG's resolver would pass the width as PairNorm's scale)
@@ -195,7 +245,8 @@ def summary(curve):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["gcnii", "gat"],
-                   choices=["gcnii", "resgcn", "gat", "gcn-bn", "gcn-gn", "gcn-ln", "gcn-pn", "gcn-in"])
+                   choices=["gcnii", "resgcn", "gat", "gcn-bn", "gcn-gn", "gcn-ln", "gcn-pn", "gcn-in", "gcn",
+                            "tutorial-gcn"])
     p.add_argument("--graphs", nargs="+", default=["community", "heterophilous"])
     p.add_argument("--chunks", nargs="+", type=lambda v: v if v == "auto" else int(v), default=[32],
                    help="chunk counts, or auto (num_chunks='auto': the plan's choice, recorded as 'chose')")

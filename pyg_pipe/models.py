@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch_geometric.nn import GCN2Conv, DeepGCNLayer, GCNConv, Sequential
+from torch_geometric.nn import GCN2Conv, DeepGCNLayer, GCNConv, MessagePassing, Sequential
+from torch_geometric.utils import add_self_loops, degree
 
 
 def _with_x0(x):
@@ -50,3 +51,26 @@ class ResGCNPlus(nn.Module):
         for layer in self.layers:
             x = layer(x, edge_index)
         return self.out(torch.relu(self.norm(x)))
+
+
+class TutorialGCNConv(MessagePassing):
+    """PyG's tutorial GCN layer ("Creating message passing networks"), as written there: the symmetric
+    normalisation by hand in ``forward``, its degrees counted with ``degree`` (pyg_pipe completes them)."""
+
+    def __init__(self, in_channels: int, out_channels: int):
+        super().__init__(aggr="add")
+        self.lin = nn.Linear(in_channels, out_channels, bias=False)
+        self.bias = nn.Parameter(torch.zeros(out_channels))
+
+    def forward(self, x, edge_index):
+        edge_index, _ = add_self_loops(edge_index, num_nodes=x.size(0))
+        x = self.lin(x)
+        row, col = edge_index
+        deg = degree(col, x.size(0), dtype=x.dtype)
+        deg_inv_sqrt = deg.pow(-0.5)
+        deg_inv_sqrt[deg_inv_sqrt == float("inf")] = 0
+        norm = deg_inv_sqrt[row] * deg_inv_sqrt[col]
+        return self.propagate(edge_index, x=x, norm=norm) + self.bias
+
+    def message(self, x_j, norm):
+        return norm.view(-1, 1) * x_j

@@ -57,8 +57,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch_geometric.nn import MessagePassing
-from torch_geometric.utils import add_self_loops, degree
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -112,33 +110,12 @@ NORMS = {"gcn-bn": ("batch_norm", None), "gcn-gn": ("graph_norm", None), "gcn-ln
          "gcn-pn": ("pairnorm", None), "gcn-in": ("instance_norm", None)}
 
 
-class TutorialGCNConv(MessagePassing):
-    """PyG's tutorial GCN layer ("Creating message passing networks"), the normalisation by hand in its forward, as
-    users copy it (``degree`` imported at the top of the module: pyg_pipe completes the counts through that name)."""
-
-    def __init__(self, i, o):
-        super().__init__(aggr="add")
-        self.lin = torch.nn.Linear(i, o, bias=False)
-        self.bias = torch.nn.Parameter(torch.zeros(o))
-
-    def forward(self, x, edge_index):
-        edge_index, _ = add_self_loops(edge_index, num_nodes=x.size(0))
-        x = self.lin(x)
-        row, col = edge_index
-        deg = degree(col, x.size(0), dtype=x.dtype)
-        deg_inv_sqrt = deg.pow(-0.5)
-        deg_inv_sqrt[deg_inv_sqrt == float("inf")] = 0
-        norm = deg_inv_sqrt[row] * deg_inv_sqrt[col]
-        return self.propagate(edge_index, x=x, norm=norm) + self.bias
-
-    def message(self, x_j, norm):
-        return norm.view(-1, 1) * x_j
-
-
 class TutorialGCN(torch.nn.Module):
-    """A stack of :class:`TutorialGCNConv`, ReLU and dropout between layers (as PyG's GCN)."""
+    """A stack of PyG's tutorial GCN layer (:class:`pyg_pipe.models.TutorialGCNConv`), ReLU and dropout between
+    layers (as PyG's GCN)."""
 
     def __init__(self, layers: int):
+        from pyg_pipe.models import TutorialGCNConv
         super().__init__()
         widths = [32] + [64] * (layers - 1) + [8]
         self.convs = torch.nn.ModuleList([TutorialGCNConv(i, o) for i, o in zip(widths, widths[1:])])

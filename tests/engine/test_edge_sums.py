@@ -20,6 +20,7 @@ from torch import nn
 from torch_geometric.nn import GCNConv, MessagePassing
 from torch_geometric.utils import add_self_loops, degree, scatter, softmax
 
+from pyg_pipe.models import TutorialGCNConv
 from tests.dist import run_distributed
 from tests.harness import check_mode, three_layers
 from tests.zoo import zoo_graph
@@ -27,26 +28,8 @@ from tests.zoo import zoo_graph
 H = 12
 
 
-class TutorialGCN(MessagePassing):
+class TutorialGCN(TutorialGCNConv):
     """PyG's tutorial GCN layer, as written there: the symmetric normalisation by hand."""
-
-    def __init__(self, i, o):
-        super().__init__(aggr="add")
-        self.lin = nn.Linear(i, o, bias=False)
-        self.bias = nn.Parameter(torch.zeros(o))
-
-    def forward(self, x, edge_index):
-        edge_index, _ = add_self_loops(edge_index, num_nodes=x.size(0))
-        x = self.lin(x)
-        row, col = edge_index
-        deg = degree(col, x.size(0), dtype=x.dtype)
-        deg_inv_sqrt = deg.pow(-0.5)
-        deg_inv_sqrt[deg_inv_sqrt == float("inf")] = 0
-        norm = deg_inv_sqrt[row] * deg_inv_sqrt[col]
-        return self.propagate(edge_index, x=x, norm=norm) + self.bias
-
-    def message(self, x_j, norm):
-        return norm.view(-1, 1) * x_j
 
 
 class _Linear(MessagePassing):

@@ -34,7 +34,7 @@ from typing import Callable, Dict
 
 import torch
 from torch import Tensor
-from torch_geometric.nn import GraphNorm
+from torch_geometric.nn import GraphNorm, GraphSizeNorm, InstanceNorm, LayerNorm, PairNorm
 
 from ...model.errors import UnsupportedModelError
 from ...model.norms import BATCH_NORM, needs_statistics, takes_historical_statistics
@@ -219,7 +219,6 @@ def _historical_norm(module, stats: Statistics, x: Tensor) -> Tensor:
     * PairNorm: ``out = s·(x − μ) / √(ε + q − ‖μ‖²)`` (or divided by each row's own norm);
     * MeanSubtractionNorm: ``out = x − μ``;  GraphSizeNorm: ``out = x / √n``;
     * InstanceNorm: BatchNorm's (:func:`_historical_batch_norm`)."""
-    from torch_geometric.nn import GraphSizeNorm, InstanceNorm, LayerNorm, PairNorm
     if isinstance(module, InstanceNorm):  # (in training; with running statistics in eval it runs per row)
         return _historical_batch_norm(module, stats, x, [0], [1, -1], 1, counts=False)
     total, n = _historical_sums(module, stats, x, [0], 1)

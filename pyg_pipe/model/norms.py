@@ -13,9 +13,11 @@ BATCH_NORM = torch.nn.modules.batchnorm._BatchNorm
 
 
 def graph_wide_modules() -> tuple:
-    """Module classes other than BatchNorm whose output at a vertex depends on all vertices' rows."""
+    """Module classes other than BatchNorm whose output at a vertex depends on all vertices' rows. (Not torch's
+    ``InstanceNorm1d`` / ``2d`` / ``3d``: on vertex rows, ``(N, C, L)`` or ``(N, F)``, each vertex is normalised
+    over its own values, so the row check judges each call (:func:`needs_statistics`).)"""
     from torch_geometric.nn import norm as pyg_norm
-    classes = [torch.nn.modules.instancenorm._InstanceNorm]
+    classes = []
     # (not DiffGroupNorm: per row but for the BatchNorm inside it, which is one of these modules itself)
     for name in ("InstanceNorm", "GraphNorm", "PairNorm", "MeanSubtractionNorm", "GraphSizeNorm"):
         cls = getattr(pyg_norm, name, None)
@@ -31,6 +33,9 @@ def needs_statistics(module: torch.nn.Module) -> bool:
         return True
     if isinstance(module, PygLayerNorm):
         return module.mode != "node"
+    if isinstance(module, torch.nn.modules.instancenorm._InstanceNorm) and \
+            not isinstance(module, graph_wide_modules()):  # torch's: its running statistics average the instances
+        return module.track_running_stats
     return isinstance(module, graph_wide_modules())
 
 

@@ -18,11 +18,36 @@ _REDUCE: Dict[str, Tuple[int, Optional[int]]] = {
     **{n: (1, -1) for n in ("softmax", "log_softmax", "softmin", "cumsum", "cumprod", "cummax", "cummin",
                             "logcumsumexp", "sort", "argsort", "mode", "msort")},
     **{n: (2, -1) for n in ("topk", "kthvalue")},
-    **{n: (2, None) for n in ("norm", "quantile", "nanquantile")},
-    "normalize": (2, 1),
+    **{n: (2, None) for n in ("norm", "quantile", "nanquantile", "linalg_norm", "linalg_vector_norm")},
+    **{n: (1, None) for n in ("all", "any")},
+    **{n: (9, None) for n in ("dist", "histc", "histogram", "bincount", "masked_select", "cov",
+                              "corrcoef", "kron")},  # (9: no positional dim; cov, corrcoef, kron: any layout)
+    **{n: (9, -1) for n in ("trapezoid", "trapz", "cumulative_trapezoid")},
+    **{n: (2, -1) for n in ("diff", "fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", "fft_hfft", "fft_ihfft")},
+    **{n: (2, (-2, -1)) for n in ("fft_fft2", "fft_ifft2", "fft_rfft2", "fft_irfft2")},
+    **{n: (2, None) for n in ("fft_fftn", "fft_ifftn", "fft_rfftn", "fft_irfftn")},
+    "normalize": (2, 1), "unfold": (1, 0), "unbind": (1, 0), "vsplit": (9, 0), "hsplit": (9, 1), "dsplit": (9, 2),
+    **{n: (2, 0) for n in ("split", "chunk", "tensor_split", "split_with_sizes")},
 }
+#: reductions over a dimension of both operands: name -> (position of ``dim``, default)
+_PAIR_REDUCE = {"cosine_similarity": (2, 1), "linalg_vecdot": (9, -1), "pdist": (9, 0)}
+#: functions of the matrices in the last two dimensions (decompositions, inverses, determinants, triangles, diagonals)
+_MATRIX = {"linalg_svd", "svd", "linalg_svdvals", "linalg_qr", "qr", "linalg_eig", "linalg_eigh", "linalg_eigvals",
+           "linalg_eigvalsh", "linalg_inv", "inverse", "linalg_pinv", "pinverse", "linalg_solve", "linalg_lstsq",
+           "lstsq", "linalg_cholesky", "cholesky", "linalg_det", "det", "linalg_slogdet", "slogdet", "logdet",
+           "linalg_matrix_rank", "matrix_rank", "linalg_matrix_exp", "matrix_exp", "linalg_matrix_power",
+           "matrix_power", "linalg_lu", "linalg_lu_factor", "lu", "svd_lowrank", "pca_lowrank", "lobpcg",
+           "linalg_cond", "linalg_matrix_norm", "matrix_norm", "trace", "tril", "triu", "diagonal", "diag",
+           "diag_embed", "cholesky_solve", "cholesky_inverse", "triangular_solve", "linalg_solve_triangular",
+           "linalg_householder_product", "geqrf", "orgqr", "linalg_multi_dot", "chain_matmul"}
+#: losses: over every entry unless ``reduction="none"``
+_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "cross_entropy", "nll_loss", "binary_cross_entropy",
+           "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss", "gaussian_nll_loss", "margin_ranking_loss",
+           "hinge_embedding_loss", "soft_margin_loss", "multilabel_soft_margin_loss", "multilabel_margin_loss",
+           "multi_margin_loss", "cosine_embedding_loss", "triplet_margin_loss", "triplet_margin_with_distance_loss"}
 _CONTRACT = {"mm", "matmul", "bmm", "__matmul__", "__rmatmul__", "addmm", "baddbmm", "addbmm", "einsum",
-             "scaled_dot_product_attention", "multi_head_attention_forward", "_native_multi_head_attention"}
+             "scaled_dot_product_attention", "multi_head_attention_forward", "_native_multi_head_attention",
+             "tensordot", "cdist", "outer", "ger", "inner", "dot", "vdot", "mv", "addmv"}
 _SCATTER = {"scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "index_add",
             "index_add_", "index_reduce", "index_reduce_", "index_copy", "index_copy_", "index_fill", "index_fill_",
             "index_put", "index_put_", "index_select", "gather", "take_along_dim", "narrow", "roll", "flip"}
@@ -85,10 +110,35 @@ def mixes(name: str, args, kwargs, aligned) -> Optional[str]:
                     continue  # elementwise maximum of two tensors
                 dim = default  # std(x, unbiased) and friends
             dims = range(t.dim()) if dim is None else [dim] if isinstance(dim, int) else list(dim)
+            if name == "hsplit" and t.dim() == 1:
+                dims = [0]
             if v in [_norm(d, t.dim()) for d in dims]:
                 return "orders or accumulates {rows}" if name in ("sort", "argsort", "msort", "cumsum", "cumprod",
                                                                  "cummax", "cummin", "logcumsumexp") \
+                    else "splits {rows} by position" if name in ("unfold", "unbind", "vsplit", "hsplit", "dsplit",
+                                                                 "split", "chunk", "tensor_split",
+                                                                 "split_with_sizes") \
+                    else "selects entries of {rows} by value" if name == "masked_select" \
+                    else "combines neighbouring {rows}" if name == "diff" or name.startswith("fft_") \
                     else "reduces over {rows}"
+        elif name in _PAIR_REDUCE:
+            pos, default = _PAIR_REDUCE[name]
+            dim = _arg(args, kwargs, pos, "dim", default=default)
+            if isinstance(dim, int) and _norm(dim, t.dim()) == v:
+                return "reduces over {rows}"
+        elif name in _MATRIX:  # (a chain of products keeps the rows of its first factor)
+            chain = args[0] if name in ("linalg_multi_dot", "chain_matmul") and args and \
+                isinstance(args[0], (list, tuple)) else args if name == "chain_matmul" else None
+            if chain is not None and len(chain) and chain[0] is t and v == 0 and t.dim() == 2:
+                continue
+            if v >= t.dim() - 2:
+                return "combines {rows} as a matrix"
+        elif name in _LOSSES:
+            if _arg(args, kwargs, 99, "reduction", default="mean") != "none":
+                return "reduces over {rows}"
+        elif name == "renorm":  # each slice along dim rescaled by its norm over the other dimensions
+            if t is first and _norm(_arg(args, kwargs, 2, "dim"), t.dim()) != v:
+                return "reduces over {rows}"
         elif name in _CONTRACT:
             if _contracts(name, args, kwargs, t, v):
                 return "multiplies {rows} together"
@@ -119,6 +169,8 @@ def mixes(name: str, args, kwargs, aligned) -> Optional[str]:
             return "lists the positions of {rows}"
         elif name == "batch_norm" and bool(_arg(args, kwargs, 5, "training", default=False)) and v == 0:
             return "normalises with statistics over {rows}"
+        elif name == "instance_norm" and t is first and v >= 2:  # (N, C, L...): statistics per (n, c) over L...
+            return "normalises with statistics over {rows}"
         elif name in ("layer_norm", "group_norm") and t is first:
             shape = _arg(args, kwargs, 1, "normalized_shape", "num_groups")
             if name == "group_norm" and v > 0:
@@ -132,12 +184,20 @@ def _contracts(name: str, args, kwargs, t: Tensor, v: int) -> bool:
     if name == "einsum":
         eq = args[0] if args and isinstance(args[0], str) else None
         ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
-        if eq is None or "..." in eq:
+        if eq is None:
             return False
         lhs, _, rhs = eq.replace(" ", "").partition("->")
         terms = lhs.split(",")
-        if not rhs and "->" not in eq:
-            rhs = "".join(sorted(c for c in set(lhs) if c.isalpha() and lhs.count(c) == 1))
+        if "->" not in eq:  # implicit output: the broadcast dimensions, then the letters used once, in order
+            rhs = ("..." if "..." in lhs else "") + "".join(sorted(c for c in set(lhs) if c.isalpha() and
+                                                                   lhs.count(c) == 1))
+        if "..." in lhs:  # the broadcast dimensions as letters of their own, aligned from the right
+            spans = [op.dim() - len(term) + 3 if "..." in term and isinstance(op, Tensor) else 0
+                     for term, op in zip(terms, ops)]
+            letters = "".join(c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq)[:max(spans, default=0)]
+            terms = [term.replace("...", letters[len(letters) - k:] if k else "") for term, k in zip(terms, spans)]
+            rhs = rhs.replace("...", letters)
+            lhs = ",".join(terms)
         for term, op in zip(terms, ops):
             if op is t and v < len(term) and term[v] not in rhs:
                 return True
@@ -147,6 +207,8 @@ def _contracts(name: str, args, kwargs, t: Tensor, v: int) -> bool:
     if name in ("multi_head_attention_forward", "_native_multi_head_attention"):
         seq = 0 if name == "multi_head_attention_forward" else 1  # (L, B, E) / (B, L, E)
         return any(_arg(args, kwargs, i, n) is t for i, n in ((1, "key"), (2, "value"))) and v == seq
+    if name in ("tensordot", "cdist", "outer", "ger", "inner", "dot", "vdot", "mv", "addmv"):
+        return _pairs(name, args, kwargs, t, v)
     ops = list(args)
     if name in ("addmm", "baddbmm", "addbmm"):
         ops = ops[1:3]
@@ -160,6 +222,27 @@ def _contracts(name: str, args, kwargs, t: Tensor, v: int) -> bool:
     if a is t and v == a.dim() - 1:
         return True
     return b is t and v == (b.dim() - 2 if b.dim() >= 2 else 0)
+
+
+def _pairs(name: str, args, kwargs, t: Tensor, v: int) -> bool:
+    """:func:`_contracts` for the products of two operands other than matrix products: whether the vertex dimension
+    ``v`` of ``t`` is summed over, or ``t`` is the second operand, whose every row meets each row of the first."""
+    a, b = (args[1], args[2]) if name == "addmv" else (args[0], args[1] if len(args) > 1 else kwargs.get("other"))
+    if name == "tensordot":
+        dims = _arg(args, kwargs, 2, "dims", default=2)
+        if isinstance(dims, int):
+            summed = list(range(a.dim() - dims, a.dim())) if t is a else list(range(dims))
+        else:
+            summed = [_norm(d, t.dim()) for d in ([dims[0]] if t is a else [dims[1]])[0]] \
+                if isinstance(dims[0], (list, tuple)) else [_norm(dims[0 if t is a else 1], t.dim())]
+        return v in summed
+    if name in ("cdist", "outer", "ger"):
+        return t is b and (name != "cdist" or v == t.dim() - 2)
+    if name == "inner":
+        return t is b or v == t.dim() - 1
+    if name in ("mv", "addmv"):  # matrix @ vector: the matrix keeps its rows
+        return t is b or v == 1
+    return True  # dot, vdot: a vertex operand is summed over
 
 
 def _positional_index(index, v: int, n: int) -> bool:
@@ -237,113 +320,4 @@ def moved(name: str, args, kwargs, t: Tensor, v: int, o: Tensor) -> Optional[int
         return v
     if v == 0 and o.dim() > 0 and o.size(0) == t.size(0):
         return 0  # reshapes that keep the leading dimension
-    return None
-
-
-#: operations whose output holds entries of their input (so vertex ids at edge ends stay vertex ids):
-#: selections, joins and layout changes
-_KEEPS_IDS = {"__getitem__", "select", "unbind", "narrow", "flip", "index_select", "masked_select", "cat", "concat",
-              "stack", "view", "reshape", "contiguous", "clone", "to", "long", "int", "t", "T", "expand",
-              "expand_as", "repeat", "repeat_interleave", "unsqueeze", "squeeze", "flatten", "view_as", "reshape_as",
-              "chunk", "split", "detach", "sort", "unique", "broadcast_to", "take", "gather"}
-
-
-#: which end of its edges a tensor of vertex ids holds: ``"src"`` (sources: the neighbours, outside the chunk's
-#: rows), ``"dst"`` (destinations: the chunk's own rows), ``"any"`` (either, or not known); a graph's
-#: ``[2, E]`` entries, one per row: ``("src", "dst")``
-#: operations that keep a ``[2, E]`` graph's rows as they are
-_KEEPS_ROWS = {"clone", "to", "long", "int", "contiguous", "detach"}
-
-
-def ids_kinds(name: str, args, kwargs, kind_of, n_out: int):
-    """The ends of edges each output of the operation holds (a list, one kind per output; ``None``: it holds
-    no vertex ids at edge ends). It selects, joins or reshapes such ids (``edge_index[0]``, ``row, col =
-    edge_index``, ``torch.cat([edge_index, loops], 1)``); ``kind_of(t)`` is an input's kind (``None``: no ids)."""
-    if name not in _KEEPS_IDS or not args:
-        return None
-    first = args[0]
-    if isinstance(first, (tuple, list)):  # cat / stack
-        kinds = [kind_of(t) if isinstance(t, Tensor) else None for t in first]
-        if all(k is None for k in kinds):
-            return None
-        dim = _arg(args, kwargs, 1, "dim", default=0)
-        if name == "stack" and dim == 0 and all(isinstance(k, str) for k in kinds):
-            return [tuple(kinds)]  # torch.stack([row, col])
-        kinds = [k for k in kinds if k is not None]  # (others joined: self loops, within the chunk's rows)
-        return [kinds[0] if all(k == kinds[0] for k in kinds) else "any"] * n_out
-    k = kind_of(first) if isinstance(first, Tensor) else None
-    if k is None:
-        return None
-    if isinstance(k, str):
-        return [k] * n_out
-    return _graph_rows(name, args, kwargs, k, n_out)
-
-
-def _graph_rows(name: str, args, kwargs, k: tuple, n_out: int) -> list:
-    """:func:`ids_kinds` of an operation on a ``[2, E]`` graph whose rows hold the ends ``k``."""
-    if name == "__getitem__" and len(args) > 1:
-        e0 = args[1][0] if isinstance(args[1], tuple) and args[1] else args[1]
-        if isinstance(e0, int) and -len(k) <= e0 < len(k):
-            return [k[e0]]
-        return [k] if isinstance(e0, slice) and e0 == slice(None) else ["any"]
-    dim = _arg(args, kwargs, 1, "dim", "dims", default=0)
-    if name == "select" and dim == 0:
-        i = _arg(args, kwargs, 2, "index")
-        return [k[i]] if isinstance(i, int) and -len(k) <= i < len(k) else ["any"]
-    if name in ("unbind", "chunk", "split") and dim == 0 and n_out == len(k):
-        return list(k)
-    if name == "flip":
-        dims = [dim] if isinstance(dim, int) else list(dim)
-        return [tuple(reversed(k)) if 0 in [_norm(d, 2) for d in dims] else k]
-    if name in _KEEPS_ROWS or (name in ("narrow", "index_select") and _norm(dim, 2) == 1):
-        return [k] * n_out
-    return ["any"] * n_out
-
-
-#: operations that sum (or write) values into per-vertex positions given by an index: ``(name, where the index is)``
-_SCATTERS = {**{n: 2 for n in ("scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
-                               "scatter_reduce_", "index_add", "index_add_", "index_reduce", "index_reduce_",
-                               "index_copy", "index_copy_")}, "bincount": 0, "index_put": 1, "index_put_": 1}
-
-
-def scatter_index(name: str, args, kwargs) -> Optional[Tensor]:
-    """The index of a scatter (``x.scatter_add_(0, index, src)``, ``x.index_add_(0, index, src)``,
-    ``torch.bincount(index)``, ``x.index_put_((index,), v, accumulate=True)``), else ``None``."""
-    pos = _SCATTERS.get(name)
-    if pos is None:
-        return None
-    index = _arg(args, kwargs, pos, "index", "indices", "input")
-    if pos == 1 and isinstance(index, (tuple, list)):
-        index = index[0] if index else None
-    return index if isinstance(index, Tensor) else None
-
-
-def in_bounds(name: str, args, kwargs) -> tuple:
-    """``args`` of a scatter with its index clamped to the rows it writes (the pass of a refused scatter runs on)."""
-    pos = _SCATTERS.get(name)
-    if pos != 2 or len(args) < 3 or not isinstance(args[0], Tensor) or not isinstance(args[1], int):
-        return args
-    return (*args[:2], args[2].clamp(0, args[0].size(args[1]) - 1), *args[3:])
-
-
-def reads_at_ids(name: str, args, kwargs, rows, is_ids) -> Optional[Tuple[Tensor, int, Tensor]]:
-    """``(t, v, index)`` when the operation reads the rows of ``t`` (vertex dimension ``v``) at positions
-    given by vertex ids at edge ends: ``x[edge_index[0]]``, ``x.index_select(0, row)``,
-    ``x.gather(0, row.view(-1, 1).expand(-1, d))`` (which end: the kind of ``index``)."""
-    if not args:
-        return None
-    for t, v in rows:
-        if t is not args[0]:
-            continue
-        if name == "__getitem__" and len(args) > 1:
-            entries = list(args[1]) if isinstance(args[1], tuple) else [args[1]]
-            if v < len(entries) and all(isinstance(e, slice) and e == slice(None) for e in entries[:v]):
-                e = entries[v]
-                if isinstance(e, Tensor) and e.dtype != torch.bool and is_ids(e):
-                    return t, v, e
-        elif name in ("index_select", "gather", "take_along_dim"):
-            dim = _arg(args, kwargs, 2 if name == "take_along_dim" else 1, "dim")
-            index = _arg(args, kwargs, 1 if name == "take_along_dim" else 2, "index", "indices")
-            if isinstance(dim, int) and _norm(dim, t.dim()) == v and isinstance(index, Tensor) and is_ids(index):
-                return t, v, index
     return None

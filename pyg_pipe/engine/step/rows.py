@@ -50,8 +50,13 @@ from torch_geometric.nn import MessagePassing
 
 from ...model.errors import UnsupportedModelError
 from ..context import current
-from .row_rules import (caller, ids_kinds, in_bounds, mixes, moved, op_name, reads_at_ids,
-                        scatter_index, tensors)
+from .id_rules import ids_kinds, in_bounds, reads_at_ids, scatter_index
+from .row_rules import caller, mixes, moved, op_name, tensors
+
+#: the fix named first when the operation found is a normalisation over the vertices written by hand
+_NORM_FIX = ("For a normalisation over the vertices, use PyG's module for it (torch_geometric.nn's BatchNorm, "
+             "InstanceNorm, GraphNorm, PairNorm, LayerNorm(mode='graph')), whose statistics pyg_pipe takes over "
+             "the whole graph. ")
 
 #: the sources named for a layer aggregating at edge_index[0] (``Invocation.reverse``)
 _ENDS = {False: "", True: " (with flow='target_to_source' the sources are edge_index[1], the end the layer reads its "
@@ -79,7 +84,7 @@ class RowCheck(TorchFunctionMode):
         self.refusal: Optional[str] = None   # a refusal the engine found while the pass ran (:meth:`refuse`)
         self._paused = 0
         self._ids: Dict[int, Any] = {}   # tensors holding vertex ids at edge ends, in the layers being run: which
-        #                                   ends (:func:`~.row_rules.ids_kinds`)
+        #                                   ends (:func:`~.id_rules.ids_kinds`)
         self._graphs_of: Any = None       # the run whose handed graphs were marked as ids
         self._sums: Dict[int, Any] = {}  # per-vertex sums over a layer's edges at their destinations (and what
         #                                   is computed from them): complete for the chunk's rows only
@@ -349,7 +354,8 @@ class RowCheck(TorchFunctionMode):
     def message(self, found: str) -> str:
         """The refusal for a finding (the same text on every rank)."""
         return (f"{found[0].upper()}{found[1:]}. With {self.cut}, each process runs the forward on part of the "
-                f"vertices at a time, so this would see only those rows and differ from one device. Combine vertex "
+                f"vertices at a time, so this would see only those rows and differ from one device. "
+                f"{_NORM_FIX if 'normalises with statistics' in found else ''}Combine vertex "
                 f"rows inside a MessagePassing layer (propagate), compute the graph-wide value outside the model and "
                 f"pass it in, or train with one chunk and no graph-parallel ways (strategy='gnnpipe', num_chunks=1), "
                 f"which is exact. If it pools each graph to one row (a readout such as global_add_pool: a "

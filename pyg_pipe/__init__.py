@@ -11,6 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from .data import FullGraphDataModule
 from .engine import GNNPipeEngine, PipelineConfig
+from .engine.step.rowwise import declare_row_wise
 from .model import SplitPoint, UnsupportedModelError, pipe_split
 from .strategies import GNNPipeStrategy, GraphParallelStrategy, HybridStrategy
 
@@ -44,5 +45,5 @@ if not logging.getLogger().hasHandlers() and _logger.level == logging.NOTSET:
     _logger.propagate = False
 
 __version__ = "0.1.0"
-__all__ = ["FullGraphDataModule", "GNNPipeEngine", "GNNPipeStrategy", "GraphParallelStrategy", "HybridStrategy",
+__all__ = ["declare_row_wise", "FullGraphDataModule", "GNNPipeEngine", "GNNPipeStrategy", "GraphParallelStrategy", "HybridStrategy",
            "PipelineConfig", "SplitPoint", "UnsupportedModelError", "pipe_split"]

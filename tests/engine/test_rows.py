@@ -15,6 +15,7 @@ from torch import nn
 from torch_geometric import nn as gnn
 from torch_geometric.nn import global_add_pool, global_mean_pool
 
+import pyg_pipe
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
 from pyg_pipe.model import UnsupportedModelError
 from tests import shapes
@@ -128,6 +129,15 @@ MORE_REFUSED = {
     "masked_select": (lambda s, x: x + torch.masked_select(x, x > 0).mean(), "masked_select"),
     "loss_in_forward": (lambda s, x: x + F.mse_loss(x, torch.zeros_like(x)), "mse_loss"),
     "fft_over_vertices": (lambda s, x: torch.fft.fft(x, dim=0).real, "fft_fft"),
+    "conv1d_over_vertices": (lambda s, x: F.conv1d(x.t().unsqueeze(0), s.kernel, padding=1).squeeze(0).t(), "conv1d"),
+    "pool_over_vertices": (lambda s, x: F.avg_pool1d(x.t().unsqueeze(0), 3, 1, 1).squeeze(0).t(), "avg_pool1d"),
+    "lstm_over_vertices": (lambda s, x: s.rnn(x.unsqueeze(1))[0].squeeze(1), "lstm"),
+    "embedding_by_position": (lambda s, x: F.embedding(torch.arange(x.size(0)).flip(0), x), "embedding"),
+    "take": (lambda s, x: x + torch.take(x, torch.arange(x.size(0))).unsqueeze(1), "take"),
+    "pad_shifting_vertices": (lambda s, x: F.pad(x, (0, 0, 1, 0))[:-1], "pad"),
+    "flatten_then_sum": (lambda s, x: x * x.flatten().sum(), "sum"),
+    "view_then_softmax": (lambda s, x: torch.softmax(x.view(-1), 0).view_as(x) * x.numel(), "softmax"),
+    "unknown_operation": (lambda s, x: x + torch.bucketize(x, s.lin.bias.sort()[0]), "declare_row_wise"),
 }
 #: the same operations along the features, or with a weight as the second operand: per row, exact
 MORE_ACCEPTED = {
@@ -142,6 +152,12 @@ MORE_ACCEPTED = {
     "renorm_rows": lambda s, x: torch.renorm(x, 2, 0, 1.0),
     "loss_per_entry": lambda s, x: x + F.mse_loss(x, torch.zeros_like(x), reduction="none"),
     "any_per_row": lambda s, x: x * x.any(1, keepdim=True),
+    "conv1d_along_features": lambda s, x: F.conv1d(x.unsqueeze(1), s.kernel[:1, :1], padding=1).squeeze(1),
+    "lstm_over_features": lambda s, x: s.rnn(x.view(-1, 1, H).expand(-1, 2, H).transpose(0, 1))[0][-1],
+    "gru_cell": lambda s, x: s.cell(x, x),
+    "flatten_and_back": lambda s, x: x.flatten().relu().view(-1, H) + x.reshape(-1, 2, H // 2).flatten(1),
+    "pad_features": lambda s, x: F.pad(x, (0, 2))[:, 1:H + 1],
+    "declared_operation": lambda s, x: x + torch.bucketize(x, s.lin.bias.sort()[0]),
 }
 
 
@@ -149,7 +165,15 @@ def _between(fn):
     return lambda self, x, ei, batch: fn(self, x)
 
 
-REFUSED.update({k: ((lambda f=f: Two(_between(f))), op) for k, (f, op) in MORE_REFUSED.items()})
+def _two(fn):
+    """:class:`Two` computing ``fn(model, x)`` between its layers, with a kernel, a recurrence and a cell to use."""
+    model = Two(_between(fn))
+    model.kernel = nn.Parameter(torch.randn(H, H, 3) * 0.1)
+    model.rnn, model.cell = nn.LSTM(H, H), nn.GRUCell(H, H)
+    return model
+
+
+REFUSED.update({k: ((lambda f=f: _two(f)), op) for k, (f, op) in MORE_REFUSED.items()})
 
 
 def _row_local(self, x, ei, batch):
@@ -177,7 +201,7 @@ def _with_instance_norm():
 
 
 ACCEPTED = {"row_local": lambda: Two(_row_local), "jk_lstm": JK, "torch_instance_norm": _with_instance_norm,
-            **{k: (lambda f=f: Two(_between(f))) for k, f in MORE_ACCEPTED.items()}}
+            **{k: (lambda f=f: _two(f)) for k, f in MORE_ACCEPTED.items()}}
 
 
 def _worker(rank, world, mode):
@@ -187,6 +211,8 @@ def _worker(rank, world, mode):
     cfg = dict(num_chunks=m["chunks"], balance="layers", partition=ranges, shuffle_chunks=False)
     for name, make in list(REFUSED.items()) + list(ACCEPTED.items()):
         make, op = make if isinstance(make, tuple) else (make, None)
+        if name == "declared_operation":  # (after the refused cases, which include the same operation undeclared)
+            pyg_pipe.declare_row_wise("bucketize")
         torch.manual_seed(0)
         model = make()
         plain = copy.deepcopy(model)

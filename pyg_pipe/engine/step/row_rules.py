@@ -20,7 +20,7 @@ _REDUCE: Dict[str, Tuple[int, Optional[int]]] = {
     **{n: (2, -1) for n in ("topk", "kthvalue")},
     **{n: (2, None) for n in ("norm", "quantile", "nanquantile", "linalg_norm", "linalg_vector_norm")},
     **{n: (1, None) for n in ("all", "any")},
-    **{n: (9, None) for n in ("dist", "histc", "histogram", "bincount", "masked_select", "cov",
+    **{n: (9, None) for n in ("allclose", "equal", "dist", "histc", "histogram", "bincount", "masked_select", "cov",
                               "corrcoef", "kron")},  # (9: no positional dim; cov, corrcoef, kron: any layout)
     **{n: (9, -1) for n in ("trapezoid", "trapz", "cumulative_trapezoid")},
     **{n: (2, -1) for n in ("diff", "fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", "fft_hfft", "fft_ihfft")},
@@ -28,9 +28,22 @@ _REDUCE: Dict[str, Tuple[int, Optional[int]]] = {
     **{n: (2, None) for n in ("fft_fftn", "fft_ifftn", "fft_rfftn", "fft_irfftn")},
     "normalize": (2, 1), "unfold": (1, 0), "unbind": (1, 0), "vsplit": (9, 0), "hsplit": (9, 1), "dsplit": (9, 2),
     **{n: (2, 0) for n in ("split", "chunk", "tensor_split", "split_with_sizes")},
+    "gumbel_softmax": (4, -1), "glu": (1, -1), "cross": (2, -1), "linalg_cross": (2, -1), "select": (1, None),
 }
 #: reductions over a dimension of both operands: name -> (position of ``dim``, default)
-_PAIR_REDUCE = {"cosine_similarity": (2, 1), "linalg_vecdot": (9, -1), "pdist": (9, 0)}
+_PAIR_REDUCE = {"cosine_similarity": (2, 1), "linalg_vecdot": (9, -1), "pdist": (9, 0), "pairwise_distance": (9, -1),
+                "linear": (9, -1), "bilinear": (9, -1)}
+#: operations over the trailing (spatial) dimensions of ``(N, C, L...)``: name -> the first dimension they mix
+_SPATIAL = {**{n: 2 for n in ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+                              "avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d",
+                              "max_pool1d_with_indices", "max_pool2d_with_indices", "max_pool3d_with_indices",
+                              "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+                              "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d", "lp_pool1d",
+                              "lp_pool2d", "lp_pool3d", "interpolate", "upsample", "upsample_nearest",
+                              "upsample_bilinear", "grid_sample", "fold", "fractional_max_pool2d")},
+            **{n: 1 for n in ("local_response_norm", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle")}}
+#: recurrences over a sequence dimension (``batch_first``: the argument's position)
+_RECURRENT = {"lstm": 8, "gru": 8, "rnn_tanh": 8, "rnn_relu": 8}
 #: functions of the matrices in the last two dimensions (decompositions, inverses, determinants, triangles, diagonals)
 _MATRIX = {"linalg_svd", "svd", "linalg_svdvals", "linalg_qr", "qr", "linalg_eig", "linalg_eigh", "linalg_eigvals",
            "linalg_eigvalsh", "linalg_inv", "inverse", "linalg_pinv", "pinverse", "linalg_solve", "linalg_lstsq",
@@ -51,6 +64,10 @@ _CONTRACT = {"mm", "matmul", "bmm", "__matmul__", "__rmatmul__", "addmm", "baddb
 _SCATTER = {"scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "index_add",
             "index_add_", "index_reduce", "index_reduce_", "index_copy", "index_copy_", "index_fill", "index_fill_",
             "index_put", "index_put_", "index_select", "gather", "take_along_dim", "narrow", "roll", "flip"}
+#: the fix named first when the operation found is a normalisation over the vertices written by hand
+NORM_FIX = ("For a normalisation over the vertices, use PyG's module for it (torch_geometric.nn's BatchNorm, "
+            "InstanceNorm, GraphNorm, PairNorm, LayerNorm(mode='graph')), whose statistics pyg_pipe takes over "
+            "the whole graph. ")
 #: torch's dispatch helpers between a caller and a function mode
 _HELPERS = ("torch.overrides", "torch._tensor", "torch.functional", "torch.nn.functional", "torch._jit_internal")
 
@@ -118,8 +135,10 @@ def mixes(name: str, args, kwargs, aligned) -> Optional[str]:
                     else "splits {rows} by position" if name in ("unfold", "unbind", "vsplit", "hsplit", "dsplit",
                                                                  "split", "chunk", "tensor_split",
                                                                  "split_with_sizes") \
+                    else "selects {rows} by position" if name == "select" \
                     else "selects entries of {rows} by value" if name == "masked_select" \
-                    else "combines neighbouring {rows}" if name == "diff" or name.startswith("fft_") \
+                    else "combines {rows} by position" if name in ("diff", "glu", "cross", "linalg_cross") or \
+                    name.startswith("fft_") \
                     else "reduces over {rows}"
         elif name in _PAIR_REDUCE:
             pos, default = _PAIR_REDUCE[name]
@@ -136,6 +155,32 @@ def mixes(name: str, args, kwargs, aligned) -> Optional[str]:
         elif name in _LOSSES:
             if _arg(args, kwargs, 99, "reduction", default="mean") != "none":
                 return "reduces over {rows}"
+        elif name in _SPATIAL:
+            if t is not first or v >= _SPATIAL[name]:
+                return "combines {rows} by position"
+        elif name in _RECURRENT:  # (L, B, F), or (B, L, F) with batch_first; an unbatched (L, F)
+            packed = len(args) > 1 and isinstance(args[1], Tensor) and args[1].dim() == 1
+            seq = 1 if t.dim() == 3 and _arg(args, kwargs, _RECURRENT[name], "batch_first", default=False) else 0
+            if t is first and (packed or v == seq):
+                return "runs a recurrence over {rows}"
+        elif name == "pad":  # pairs of amounts from the last dimension backwards
+            pad, k = _arg(args, kwargs, 1, "pad", default=()), t.dim() - 1 - v
+            if t is first and len(pad) > 2 * k + 1 and (pad[2 * k] or pad[2 * k + 1]):
+                return "shifts {rows} by position"
+        elif name in ("embedding", "embedding_bag", "take", "put", "put_", "__iter__"):
+            if (t is _arg(args, kwargs, 1, "weight")) if name.startswith("embedding") else \
+                    (t is first and (name != "__iter__" or v == 0)):
+                return "selects {rows} by position"
+        elif name in ("tolist", "numpy", "__array__"):
+            return "takes {rows} to Python"
+        elif name == "rot90":
+            k, dims = _arg(args, kwargs, 1, "k", default=1), _arg(args, kwargs, 2, "dims", default=(0, 1))
+            if t is first and k % 4 and v in [_norm(d, t.dim()) for d in dims]:
+                return "reorders {rows}"
+        elif name == "rms_norm" and t is first:
+            shape = _arg(args, kwargs, 1, "normalized_shape", default=())
+            if v >= t.dim() - len(shape):
+                return "normalises with statistics over {rows}"
         elif name == "renorm":  # each slice along dim rescaled by its norm over the other dimensions
             if t is first and _norm(_arg(args, kwargs, 2, "dim"), t.dim()) != v:
                 return "reduces over {rows}"
@@ -178,6 +223,13 @@ def mixes(name: str, args, kwargs, aligned) -> Optional[str]:
             if name == "layer_norm" and isinstance(shape, (tuple, list, torch.Size)) and v >= t.dim() - len(shape):
                 return "normalises with statistics over {rows}"
     return None
+
+
+#: every operation a rule above judges (one it finds not mixing rows is row-wise)
+JUDGED = frozenset({*_REDUCE, *_PAIR_REDUCE, *_MATRIX, *_LOSSES, *_CONTRACT, *_SCATTER, *_SPATIAL, *_RECURRENT,
+                    "__getitem__", "__setitem__", "nonzero", "argwhere", "where", "batch_norm", "layer_norm",
+                    "group_norm", "instance_norm", "renorm", "pad", "embedding", "embedding_bag", "take", "put",
+                    "put_", "__iter__", "tolist", "numpy", "__array__", "rot90", "rms_norm"})
 
 
 def _contracts(name: str, args, kwargs, t: Tensor, v: int) -> bool:
@@ -320,4 +372,24 @@ def moved(name: str, args, kwargs, t: Tensor, v: int, o: Tensor) -> Optional[int
         return v
     if v == 0 and o.dim() > 0 and o.size(0) == t.size(0):
         return 0  # reshapes that keep the leading dimension
+    if name in RESHAPES:  # the vertex dimension merged with the ones after it, or split again: where it leads
+        return merged(t, v, o)
+    return None
+
+
+#: reshapes: the entries keep their order, so a vertex's entries stay together
+RESHAPES = frozenset({"view", "reshape", "flatten", "ravel", "view_as", "reshape_as", "unflatten"})
+
+
+def merged(t: Tensor, v: int, o: Tensor) -> Optional[int]:
+    """After a reshape of ``t`` into ``o``: the dimension of ``o`` whose leading part indexes ``t``'s dimension ``v``
+    (the dimensions before it unchanged in size), e.g. 0 for ``x.view(-1)`` of an ``(N, F)`` ``x``: reducing over it
+    combines vertex rows, as over ``v`` itself. ``None`` when no dimension starts where ``v`` started."""
+    before, size = 1, 1
+    for d in range(v):
+        before *= t.size(d)
+    for k in range(o.dim()):
+        if size == before and o.size(k) > 1 and (o.size(k) % t.size(v) == 0 or t.size(v) % o.size(k) == 0):
+            return k
+        size *= o.size(k)
     return None

@@ -32,8 +32,10 @@ computed by hand (``scatter(w, col)``) are followed too: used beyond the chunk's
 (``deg[row]``), or summed at the sources, they are refused. (A count at the destinations made with ``degree``, as
 PyG's tutorial GCN makes it, is completed instead, by :func:`.degrees.degree`, and not judged.)
 
-Not followed (so not checked): rows that pass through an operation not listed here that changes
-their layout, Python loops over rows, and values taken to Python (``.tolist()``).
+An operation on vertex rows that no rule judges and that is not known to work row by row
+(:mod:`.rowwise`: ATen's pointwise operations, per-row functionals, layout changes) is refused by name: the check
+cannot tell whether it combines rows (``pyg_pipe.declare_row_wise`` vouches for one). Not followed: Python loops
+over rows and Python numbers read from them.
 """
 from __future__ import annotations
 
@@ -51,12 +53,8 @@ from torch_geometric.nn import MessagePassing
 from ...model.errors import UnsupportedModelError
 from ..context import current
 from .id_rules import ids_kinds, in_bounds, reads_at_ids, scatter_index
-from .row_rules import caller, mixes, moved, op_name, tensors
-
-#: the fix named first when the operation found is a normalisation over the vertices written by hand
-_NORM_FIX = ("For a normalisation over the vertices, use PyG's module for it (torch_geometric.nn's BatchNorm, "
-             "InstanceNorm, GraphNorm, PairNorm, LayerNorm(mode='graph')), whose statistics pyg_pipe takes over "
-             "the whole graph. ")
+from .row_rules import JUDGED, NORM_FIX, RESHAPES, caller, mixes, moved, op_name, tensors
+from .rowwise import UNKNOWN, row_wise, unknown_message
 
 #: the sources named for a layer aggregating at edge_index[0] (``Invocation.reverse``)
 _ENDS = {False: "", True: " (with flow='target_to_source' the sources are edge_index[1], the end the layer reads its "
@@ -157,6 +155,8 @@ class RowCheck(TorchFunctionMode):
             return func(*args, **kwargs)
         name = op_name(func)
         what = mixes(name, args, kwargs, aligned)
+        if what is None and name not in JUDGED and not row_wise(name):
+            what = UNKNOWN
         if what is not None:
             self.found = self._describe(caller(), name, what, aligned[0][1])
             try:
@@ -326,7 +326,7 @@ class RowCheck(TorchFunctionMode):
             if not isinstance(o, Tensor) or o.dim() == 0 or o.layout != torch.strided:
                 continue
             d = moved(name, args, kwargs, t, v, o)
-            if d is not None and 0 <= d < o.dim() and o.size(d) == t.size(v):
+            if d is not None and 0 <= d < o.dim() and (o.size(d) == t.size(v) or name in RESHAPES):
                 self.tracked[id(o)] = (weakref.ref(o), d)
 
     def _describe(self, frame, name: str, what: str, v: Optional[int]) -> str:
@@ -353,9 +353,11 @@ class RowCheck(TorchFunctionMode):
 
     def message(self, found: str) -> str:
         """The refusal for a finding (the same text on every rank)."""
+        if UNKNOWN.split(" (")[0] in found:
+            return unknown_message(found, self.cut)
         return (f"{found[0].upper()}{found[1:]}. With {self.cut}, each process runs the forward on part of the "
                 f"vertices at a time, so this would see only those rows and differ from one device. "
-                f"{_NORM_FIX if 'normalises with statistics' in found else ''}Combine vertex "
+                f"{NORM_FIX if 'normalises with statistics' in found else ''}Combine vertex "
                 f"rows inside a MessagePassing layer (propagate), compute the graph-wide value outside the model and "
                 f"pass it in, or train with one chunk and no graph-parallel ways (strategy='gnnpipe', num_chunks=1), "
                 f"which is exact. If it pools each graph to one row (a readout such as global_add_pool: a "

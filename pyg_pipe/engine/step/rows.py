@@ -1,10 +1,10 @@
 """Operations that combine the rows of different vertices outside message passing: found, then refused.
 
-A chunk (or a graph-parallel way) runs the user's forward on its own rows only. Inside
-``MessagePassing`` layers the engine completes what a layer reads (halo rows, degrees:
-:mod:`.layers`, :mod:`.degrees`), and graph-wide modules (BatchNorm, GraphNorm, ...) get the
-statistics of all rows (:mod:`.norms`). An operation written anywhere else that combines the
-rows of different vertices would see part of the graph and differ from one device, silently:
+A chunk (or a graph-parallel way) runs the user's forward on its own rows only. Inside ``propagate`` the engine
+completes what a layer reads (halo rows, degrees: :mod:`.layers`, :mod:`.degrees`), and graph-wide modules
+(BatchNorm, GraphNorm, ...) get the statistics of all rows (:mod:`.norms`). An operation anywhere else (in the
+model's forward or a layer's, outside ``propagate``) that combines the rows of different vertices would see part
+of the graph and differ from one device, silently:
 
 =================== ======================================================================
 reduces             ``x.mean(0)``, ``x.sum()``, ``global_mean_pool(x)``, ``x.abs().max()``, a
@@ -20,22 +20,18 @@ So the first pass of every mode (training, inference) of a plan that cuts the gr
 along which dimension, *by provenance*: the chunk's node inputs, what layers and graph-wide modules return,
 values arriving from the previous stage, and whatever is computed from them keeping that dimension (elementwise
 operations, linear maps, concatenation along other dimensions, reshapes that keep it, transposes and stacks that
-move it). The first operation that combines those rows is recorded with the line of the model that called it
-(which operations do, and how they move the vertex dimension: :mod:`.row_rules`); after the pass all ranks share
-what they found and raise the same error. The engine's own refusals found while a checked pass runs
-(:meth:`RowCheck.refuse`) are raised the same way. Nothing depends on values, on which chunk ran first or on one
-rank's view. The engine's own operations and those inside graph-wide modules are not judged. Inside a layer that
-computes its chunk's rows only, the forward is followed too, and a read of rows at its edges' sources outside
-``propagate`` (``x[edge_index[0]]``) is refused (:meth:`RowCheck._in_layer`); a read at their destinations
-(``x[edge_index[1]]``), the chunk's own rows, runs. In every layer call, per-vertex sums over the layer's edges
-computed by hand (``scatter(w, col)``) are followed too: used beyond the chunk's rows, where they are partial
-(``deg[row]``), or summed at the sources, they are refused. (A count at the destinations made with ``degree``, as
-PyG's tutorial GCN makes it, is completed instead, by :func:`.degrees.degree`, and not judged.)
+move it: :mod:`.row_layout`). The first operation that combines those rows (:mod:`.row_rules`) is recorded with
+the line of the model that called it; after the pass all ranks share what they found and raise the same error,
+as the engine's own refusals found in the pass (:meth:`RowCheck.refuse`). Nothing depends on values, on which chunk
+ran first or on one rank's view. The engine's own operations and those inside graph-wide modules are not judged.
+In a layer's forward, reads and writes at index tensors are not judged as positional; a read of rows at its edges'
+sources outside ``propagate`` (``x[edge_index[0]]``) by a layer computing its chunk's rows only is refused; one at
+their destinations (``x[edge_index[1]]``), the chunk's own rows, runs. Per-vertex sums over a layer's edges computed
+by hand (``scatter(w, col)``) are followed: used beyond the chunk's rows, where they are partial (``deg[row]``), or
+summed at the sources, they are refused (PyG's ``degree`` at the destinations is completed: :func:`.degrees.degree`).
 
-An operation on vertex rows that no rule judges and that is not known to work row by row
-(:mod:`.rowwise`: ATen's pointwise operations, per-row functionals, layout changes) is refused by name: the check
-cannot tell whether it combines rows (``pyg_pipe.declare_row_wise`` vouches for one). Not followed: Python loops
-over rows and Python numbers read from them.
+An operation on vertex rows no rule judges and not known to work row by row (:mod:`.rowwise`) is refused by name
+(``pyg_pipe.declare_row_wise`` vouches for one). Not followed: Python loops over rows, Python numbers read from them.
 """
 from __future__ import annotations
 
@@ -53,7 +49,8 @@ from torch_geometric.nn import MessagePassing
 from ...model.errors import UnsupportedModelError
 from ..context import current
 from .id_rules import ids_kinds, in_bounds, reads_at_ids, scatter_index
-from .row_rules import JUDGED, NORM_FIX, RESHAPES, caller, mixes, moved, op_name, tensors
+from .row_layout import RESHAPES, moved
+from .row_rules import JUDGED, NORM_FIX, by_index, caller, mixes, op_name, tensors
 from .rowwise import UNKNOWN, row_wise, unknown_message
 
 #: the sources named for a layer aggregating at edge_index[0] (``Invocation.reverse``)
@@ -81,8 +78,7 @@ class RowCheck(TorchFunctionMode):
         self.found: Optional[str] = None
         self.refusal: Optional[str] = None   # a refusal the engine found while the pass ran (:meth:`refuse`)
         self._paused = 0
-        self._ids: Dict[int, Any] = {}   # tensors holding vertex ids at edge ends, in the layers being run: which
-        #                                   ends (:func:`~.id_rules.ids_kinds`)
+        self._ids: Dict[int, Any] = {}   # tensors holding vertex ids at edge ends (:func:`~.id_rules.ids_kinds`)
         self._graphs_of: Any = None       # the run whose handed graphs were marked as ids
         self._sums: Dict[int, Any] = {}  # per-vertex sums over a layer's edges at their destinations (and what
         #                                   is computed from them): complete for the chunk's rows only
@@ -109,19 +105,19 @@ class RowCheck(TorchFunctionMode):
             self._paused -= 1
 
     # ------------------------------------------------------------------ sources
-    def returned(self, value: Any, vdim: Optional[int] = None) -> None:
+    def returned(self, value: Any, vdim: Optional[int] = None, local: bool = False) -> None:
         """``value`` (a tensor, or tuples / lists of them) has one row per vertex along ``vdim`` (by
-        default: its first dimension of the chunk's row count)."""
+        default: its first dimension of the chunk's row count; ``local``: a layer's input of all its local vertices)."""
         if isinstance(value, (tuple, list)):
             for v in value:
-                self.returned(v, vdim)
+                self.returned(v, vdim, local)
             return
         if not isinstance(value, Tensor) or value.dim() == 0 or value.layout != torch.strided:
             return
         d = vdim
         if d is None:
             d = next((i for i, n in enumerate(value.shape) if n == self.rows), None)
-        if d is not None and value.size(d) == self.rows:
+        if d is not None and (local or value.size(d) == self.rows):
             self.tracked[id(value)] = (weakref.ref(value), d)
 
     def vdim(self, t: Tensor) -> Optional[int]:
@@ -219,9 +215,8 @@ class RowCheck(TorchFunctionMode):
     def _in_layer(self, inv, func, args, kwargs):
         """An operation inside a message-passing layer, outside ``propagate`` (nothing inside it is judged).
 
-        A layer that computes its chunk's rows only (``rows_only``: its input was computed on this chunk) is
-        given the chunk's rows and its own edges, whose sources its neighbours' rows join only inside
-        ``propagate``: a read of vertex rows at positions taken from its graph's sources (``x[edge_index[0]]``)
+        A layer that computes its chunk's rows only (its input was computed on this chunk) is given them and its own
+        edges, whose sources' rows join only inside ``propagate``: a read at its graph's sources (``x[edge_index[0]]``)
         would miss those rows (or fail). Reads at its destinations (``x[edge_index[1]]``, the chunk's own rows,
         numbered from 0 in its row graph) run as they are; ids whose end is not known count as sources.
 
@@ -229,20 +224,25 @@ class RowCheck(TorchFunctionMode):
         destinations (``scatter(w, col)``; ``degree(col)`` is completed by :mod:`.degrees`) is complete for the
         chunk's rows only (a chunk holds the edges into its rows), so reading it at the sources (``w[row]``), or handing
         what is computed from it to ``propagate`` where its halo rows are read, would use the halo's partial
-        sums; and a sum at the sources (out-degrees) is partial everywhere.
-
-        Each is refused on every rank after the pass; meanwhile a read runs on rows padded with zeros, so that
-        the pass ends on every rank."""
+        sums; and a sum at the sources (out-degrees) is partial everywhere. Any other operation on the layer's vertex
+        rows is judged as in the model's forward (:meth:`__torch_function__`), but for reads and writes at an index
+        tensor. Each is refused on every rank after the pass; a read meanwhile runs on rows padded with zeros."""
         tens = tensors(args, kwargs)
         if not tens:
             return func(*args, **kwargs)
         for g in (h[0] for h in inv.graphs.values()):  # the layer's graphs: their entries are vertex ids
             self.edges(g, inv.reverse)
-        rows = [(t, d) for t in tens for d in [self.vdim(t)] if d is not None] if inv.rows_only else []
+        held = [(t, d) for t in tens for d in [self.vdim(t)] if d is not None]  # (all its rows in a whole-graph call)
+        rows = held if inv.rows_only else []
         sums = [(t, 0) for t in tens if self._partial(t)]
-        if (not rows and not sums and not any(self._is_ids(t) for t in tens)) or _in_propagate():
+        if (not held and not sums and not any(self._is_ids(t) for t in tens)) or _in_propagate():
             return func(*args, **kwargs)
         name = op_name(func)
+        if held and self.found is None and not any(self._is_ids(t) for t in tens) and not by_index(name, args):
+            what = mixes(name, args, kwargs, held)
+            what = UNKNOWN if what is None and name not in JUDGED and not row_wise(name) else what
+            if what is not None:
+                self.found = self._describe(caller(3), name, what, held[0][1])
         read = reads_at_ids(name, args, kwargs, rows + sums, self._is_ids) if rows or sums else None
         if read is not None and self._kind(read[2]) != "dst":  # (destinations are the chunk's own rows)
             if any(t is read[0] for t, _ in rows):
@@ -265,8 +265,8 @@ class RowCheck(TorchFunctionMode):
             for o in outs + into:
                 if isinstance(o, Tensor) and o.dim() > 0 and (n is None or o.size(0) == n):
                     self._sums[id(o)] = weakref.ref(o)
-        if rows:
-            self._follow(name, args, kwargs, rows, out)
+        if held:
+            self._follow(name, args, kwargs, held, out)
         return out
 
     def edges(self, g: Any, reverse: bool = False) -> None:

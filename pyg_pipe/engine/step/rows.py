@@ -50,8 +50,8 @@ from ...model.errors import UnsupportedModelError
 from ..context import current
 from .id_rules import ids_kinds, in_bounds, reads_at_ids, scatter_index
 from .row_layout import RESHAPES, moved
-from .row_rules import JUDGED, NORM_FIX, by_index, caller, mixes, op_name, tensors
-from .rowwise import UNKNOWN, row_wise, unknown_message
+from .row_rules import NORM_FIX, by_index, caller, op_name, tensors
+from .rowwise import UNKNOWN, judge, unknown_message
 
 #: the sources named for a layer aggregating at edge_index[0] (``Invocation.reverse``)
 _ENDS = {False: "", True: " (with flow='target_to_source' the sources are edge_index[1], the end the layer reads its "
@@ -150,9 +150,7 @@ class RowCheck(TorchFunctionMode):
         if not aligned:
             return func(*args, **kwargs)
         name = op_name(func)
-        what = mixes(name, args, kwargs, aligned)
-        if what is None and name not in JUDGED and not row_wise(name):
-            what = UNKNOWN
+        what = judge(name, args, kwargs, aligned)
         if what is not None:
             self.found = self._describe(caller(), name, what, aligned[0][1])
             try:
@@ -235,14 +233,14 @@ class RowCheck(TorchFunctionMode):
         held = [(t, d) for t in tens for d in [self.vdim(t)] if d is not None]  # (all its rows in a whole-graph call)
         rows = held if inv.rows_only else []
         sums = [(t, 0) for t in tens if self._partial(t)]
-        if (not held and not sums and not any(self._is_ids(t) for t in tens)) or _in_propagate():
+        ids = any(self._is_ids(t) for t in tens)
+        if (not held and not sums and not ids) or _in_propagate():
             return func(*args, **kwargs)
         name = op_name(func)
-        if held and self.found is None and not any(self._is_ids(t) for t in tens) and not by_index(name, args):
-            what = mixes(name, args, kwargs, held)
-            what = UNKNOWN if what is None and name not in JUDGED and not row_wise(name) else what
-            if what is not None:
-                self.found = self._describe(caller(3), name, what, held[0][1])
+        what = judge(name, args, kwargs, held) if held and self.found is None and not ids and \
+            not by_index(name, args) else None
+        if what is not None:
+            self.found = self._describe(caller(3), name, what, held[0][1])
         read = reads_at_ids(name, args, kwargs, rows + sums, self._is_ids) if rows or sums else None
         if read is not None and self._kind(read[2]) != "dst":  # (destinations are the chunk's own rows)
             if any(t is read[0] for t, _ in rows):
@@ -353,7 +351,7 @@ class RowCheck(TorchFunctionMode):
 
     def message(self, found: str) -> str:
         """The refusal for a finding (the same text on every rank)."""
-        if UNKNOWN.split(" (")[0] in found:
+        if UNKNOWN in found:
             return unknown_message(found, self.cut)
         return (f"{found[0].upper()}{found[1:]}. With {self.cut}, each process runs the forward on part of the "
                 f"vertices at a time, so this would see only those rows and differ from one device. "

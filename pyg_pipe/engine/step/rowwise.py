@@ -12,15 +12,18 @@ Known row-wise:
 * every ATen operation tagged ``pointwise`` (``add``, ``relu``, ``where``, ``masked_fill``, ...; the method,
   in-place and operator forms: ``x.add_``, ``x + y``, ``-x``);
 * the per-row functionals and activations ATen does not tag (``linear`` is a rule: it contracts the last
-  dimension), dropout, layout changes (followed by :func:`.row_rules.moved`), queries (``size``, ``dim``,
+  dimension), dropout, layout changes (followed by :func:`.row_layout.moved`), queries (``size``, ``dim``,
   ``shape``) and tensors made like another (``zeros_like``, ``x.new_zeros``);
 * operations a user declares row-wise (:func:`declare_row_wise`), on every process alike.
 """
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
+
+from .row_rules import JUDGED, mixes
 
 #: per-row functionals and activations without ATen's pointwise tag, dropout, layout changes, queries, factories
 _ROWWISE = frozenset({
@@ -82,7 +85,16 @@ def row_wise(name: str) -> bool:
 
 
 #: what the row check says of an operation neither known row-wise nor judged by a rule
-UNKNOWN = "the row check does not know (it cannot tell whether it combines {rows})"
+UNKNOWN = "the row check does not know"
+
+
+def judge(name: str, args, kwargs, aligned) -> Optional[str]:
+    """How the operation combines the vertex rows ``aligned`` (``[(tensor, vertex dim)]``): a rule's verdict
+    (:func:`.row_rules.mixes`), else ``None`` for an operation known row-wise, else that it is unknown."""
+    what = mixes(name, args, kwargs, aligned)
+    if what is None and name not in JUDGED and not row_wise(name):
+        return UNKNOWN + " (it cannot tell whether it combines {rows})"
+    return what
 
 
 def unknown_message(found: str, cut: str) -> str:

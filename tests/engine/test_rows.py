@@ -138,6 +138,15 @@ MORE_REFUSED = {
     "flatten_then_sum": (lambda s, x: x * x.flatten().sum(), "sum"),
     "view_then_softmax": (lambda s, x: torch.softmax(x.view(-1), 0).view_as(x) * x.numel(), "softmax"),
     "unknown_operation": (lambda s, x: x + torch.bucketize(x, s.lin.bias.sort()[0]), "declare_row_wise"),
+    # the number of vertices read from a size, and positions numbered from it (silently wrong until 2026-11-28)
+    "positional_embedding": (lambda s, x: x + s.pe(torch.arange(x.size(0))), "embedding"),
+    "table_at_positions": (lambda s, x: x + s.pe.weight[torch.arange(x.shape[0])], "getitem"),
+    "sinusoidal_positions": (lambda s, x: x + torch.sin(torch.arange(x.size(0)).unsqueeze(1) * s.lin.bias), "mul"),
+    "linspace_over_vertices": (lambda s, x: x * torch.linspace(0, 1, x.size(0)).unsqueeze(1), "mul"),
+    "eye_of_vertices": (lambda s, x: x + torch.eye(x.size(0))[:, :H], "add"),
+    "count_as_number": (lambda s, x: x / x.size(0), "div"),
+    "derived_count": (lambda s, x: x * (1 / (x.size()[0] - 1)), "mul"),
+    "len_of_rows": (lambda s, x: x + torch.arange(len(x)).unsqueeze(1), "__len__|torch.fx cannot trace"),
 }
 #: the same operations along the features, or with a weight as the second operand: per row, exact
 MORE_ACCEPTED = {
@@ -158,6 +167,9 @@ MORE_ACCEPTED = {
     "flatten_and_back": lambda s, x: x.flatten().relu().view(-1, H) + x.reshape(-1, 2, H // 2).flatten(1),
     "pad_features": lambda s, x: F.pad(x, (0, 2))[:, 1:H + 1],
     "declared_operation": lambda s, x: x + torch.bucketize(x, s.lin.bias.sort()[0]),
+    "count_as_size": lambda s, x: x.view(x.size(0), 2, -1).flatten(1) + x.new_zeros(x.shape[0], H)
+    + x.new_ones(x.size(0), 1) + x.new_zeros(x.size()),
+    "embedding_of_features": lambda s, x: x + s.pe(torch.arange(H)).sum(0),
 }
 
 
@@ -166,10 +178,12 @@ def _between(fn):
 
 
 def _two(fn):
-    """:class:`Two` computing ``fn(model, x)`` between its layers, with a kernel, a recurrence and a cell to use."""
+    """:class:`Two` computing ``fn(model, x)`` between its layers, with a kernel, a recurrence, a cell and a
+    positional embedding to use."""
     model = Two(_between(fn))
     model.kernel = nn.Parameter(torch.randn(H, H, 3) * 0.1)
     model.rnn, model.cell = nn.LSTM(H, H), nn.GRUCell(H, H)
+    model.pe = nn.Embedding(64, H)  # (a row per vertex of zoo_graph())
     return model
 
 
@@ -267,7 +281,13 @@ def _worker(rank, world, mode):
         try:
             if op is not None and m["chunks"] > 1:
                 with pytest.raises(UnsupportedModelError, match=op) as info:
-                    model(x, ei, batch).sum().backward()
+                    try:
+                        model(x, ei, batch).sum().backward()
+                    except UnsupportedModelError:
+                        raise
+                    except Exception as exc:  # (another error: say which case)
+                        raise AssertionError(f"{mode}/{name}: {exc!r}") from exc
+                    raise AssertionError(f"{mode}/{name} ran")
                 assert "num_chunks=1" in str(info.value) or "torch.fx" in str(info.value), info.value
                 if op == "instance_norm":  # a normalisation by hand: PyG's module named as the fix
                     assert "InstanceNorm" in str(info.value), info.value

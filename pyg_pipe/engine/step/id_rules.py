@@ -21,7 +21,8 @@ _KEEPS_IDS = {"__getitem__", "select", "unbind", "narrow", "flip", "index_select
 
 
 #: which end of its edges a tensor of vertex ids holds: ``"src"`` (sources: the neighbours, outside the chunk's
-#: rows), ``"dst"`` (destinations: the chunk's own rows), ``"any"`` (either, or not known); a graph's
+#: rows), ``"dst"`` (destinations: the chunk's own rows), ``"own"`` (positions numbered from a vertex count: the
+#: chunk's own rows, :mod:`.counts`), ``"any"`` (either, or not known); a graph's
 #: ``[2, E]`` entries, one per row: ``("src", "dst")``
 #: operations that keep a ``[2, E]`` graph's rows as they are
 _KEEPS_ROWS = {"clone", "to", "long", "int", "contiguous", "detach"}
@@ -41,7 +42,8 @@ def ids_kinds(name: str, args, kwargs, kind_of, n_out: int):
         dim = _arg(args, kwargs, 1, "dim", default=0)
         if name == "stack" and dim == 0 and all(isinstance(k, str) for k in kinds):
             return [tuple(kinds)]  # torch.stack([row, col])
-        kinds = [k for k in kinds if k is not None]  # (others joined: self loops, within the chunk's rows)
+        kinds = [k for k in kinds if k is not None and k != "own"] or ["own"]  # (others joined: self loops,
+        #                                                                         within the chunk's rows)
         return [kinds[0] if all(k == kinds[0] for k in kinds) else "any"] * n_out
     k = kind_of(first) if isinstance(first, Tensor) else None
     if k is None:

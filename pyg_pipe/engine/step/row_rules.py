@@ -64,10 +64,6 @@ _CONTRACT = {"mm", "matmul", "bmm", "__matmul__", "__rmatmul__", "addmm", "baddb
 _SCATTER = {"scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "index_add",
             "index_add_", "index_reduce", "index_reduce_", "index_copy", "index_copy_", "index_fill", "index_fill_",
             "index_put", "index_put_", "index_select", "gather", "take_along_dim", "narrow", "roll", "flip"}
-#: the fix named first when the operation found is a normalisation over the vertices written by hand
-NORM_FIX = ("For a normalisation over the vertices, use PyG's module for it (torch_geometric.nn's BatchNorm, "
-            "InstanceNorm, GraphNorm, PairNorm, LayerNorm(mode='graph')), whose statistics pyg_pipe takes over "
-            "the whole graph. ")
 #: torch's dispatch helpers between a caller and a function mode
 _HELPERS = ("torch.overrides", "torch._tensor", "torch.functional", "torch.nn.functional", "torch._jit_internal")
 

@@ -31,7 +31,9 @@ by hand (``scatter(w, col)``) are followed: used beyond the chunk's rows, where 
 summed at the sources, they are refused (PyG's ``degree`` at the destinations is completed: :func:`.degrees.degree`).
 
 An operation on vertex rows no rule judges and not known to work row by row (:mod:`.rowwise`) is refused by name
-(``pyg_pipe.declare_row_wise`` vouches for one). Not followed: Python loops over rows, Python numbers read from them.
+(``pyg_pipe.declare_row_wise`` vouches for one). The number of vertices read from a size (``x.size(0)``) and the
+positions numbered from it (``torch.arange(x.size(0))``) are followed too: used as values they are refused
+(:mod:`.counts`). Not followed: Python loops over rows, Python numbers read from their values.
 """
 from __future__ import annotations
 
@@ -48,10 +50,12 @@ from torch_geometric.nn import MessagePassing
 
 from ...model.errors import UnsupportedModelError
 from ..context import current
+from . import row_messages as texts
+from .counts import POSITIONAL, QUERIES, as_value, count_of, has_count, uses_positions
 from .id_rules import ids_kinds, in_bounds, reads_at_ids, scatter_index
 from .row_layout import RESHAPES, moved
-from .row_rules import NORM_FIX, by_index, caller, op_name, tensors
-from .rowwise import UNKNOWN, judge, unknown_message
+from .row_rules import by_index, caller, op_name, tensors
+from .rowwise import UNKNOWN, judge
 
 #: the sources named for a layer aggregating at edge_index[0] (``Invocation.reverse``)
 _ENDS = {False: "", True: " (with flow='target_to_source' the sources are edge_index[1], the end the layer reads its "
@@ -146,10 +150,22 @@ class RowCheck(TorchFunctionMode):
             return self._at_edges(func, args, kwargs)
         if self.found is not None:
             return func(*args, **kwargs)
+        name = op_name(func)
+        if has_count(args, kwargs):  # a vertex count read from a size (:mod:`.counts`)
+            if name in POSITIONAL:
+                out = func(*args, **kwargs)
+                self._ids[id(out)] = (weakref.ref(out), "own")
+                return out
+            if as_value(name):
+                self._refuse_count(name, "uses the number of rows of a vertex tensor (x.size(0)) as a number")
         aligned = [(t, d) for t in tensors(args, kwargs) for d in [self.vdim(t)] if d is not None]
         if not aligned:
             return func(*args, **kwargs)
-        name = op_name(func)
+        if name in QUERIES and aligned[0][0] is args[0]:
+            return count_of(name, args, func(*args, **kwargs), aligned[0][1])
+        if name == "__len__" and aligned[0][1] == 0:  # (an int Python makes plain: not followed)
+            self._refuse_count(name, "reads the number of vertex rows with len(), which the check cannot follow "
+                                     "(write x.size(0))")
         what = judge(name, args, kwargs, aligned)
         if what is not None:
             self.found = self._describe(caller(), name, what, aligned[0][1])
@@ -172,6 +188,8 @@ class RowCheck(TorchFunctionMode):
         name = op_name(func)
         at = scatter_index(name, args, kwargs)
         if at is not None and self._is_ids(at):
+            if self._kind(at) == "own":
+                self._refuse_count(name, "scatters values at positions numbered from x.size(0)")
             self._refuse_edges(name, "sums over the graph's edges per vertex (a degree, a count or sum at the edges' "
                                      "ends)")
             return func(*in_bounds(name, args, kwargs), **kwargs)
@@ -179,10 +197,14 @@ class RowCheck(TorchFunctionMode):
                 for d in [self.vdim(t)]]  # (a tensor indexed by vertex ids holds vertex rows, tracked or not)
         read = reads_at_ids(name, args, kwargs, rows, self._is_ids) if rows else None
         if read is not None:
+            if self._kind(read[2]) == "own":
+                self._refuse_count(name, "reads rows at positions numbered from x.size(0)")
             self._refuse_edges(name, "reads {rows} at the ends of the graph's edges", read[1])
             return func(*_padded(args, *read), **kwargs)
         out = func(*args, **kwargs)
-        self._mark_ids(name, args, kwargs, out)
+        if not self._mark_ids(name, args, kwargs, out) and uses_positions(name) and \
+                any(self._kind(t) == "own" for t in tensors(args, kwargs)):
+            self._refuse_count(name, "uses positions numbered from x.size(0) (torch.arange) as values")
         return out
 
     def _mark_ids(self, name: str, args, kwargs, out) -> bool:
@@ -197,17 +219,14 @@ class RowCheck(TorchFunctionMode):
                 self._ids[id(o)] = (weakref.ref(o), kind)
         return True
 
+    def _refuse_count(self, name: str, what: str) -> None:
+        if self.refusal is None:
+            self.refuse(texts.counted(self._describe(caller(), name, what, None), self.cut))
+
     def _refuse_edges(self, name: str, what: str, v: Optional[int] = None) -> None:
         if self.refusal is None:
             found = self._describe(caller(4), name, what, v)
-            self.refuse(
-                f"{found[0].upper()}{found[1:]}, outside the MessagePassing layers. With {self.cut}, each process "
-                f"holds the edges into part of the vertices at a time (its halo's vertices numbered after them), so "
-                f"this would count part of the edges or read rows it does not hold, and differ from one device. "
-                f"Compute per-vertex values of the graph in the data pipeline and pass them to forward (a transform, "
-                f"e.g. T.GCNNorm(), or data.deg = degree(data.edge_index[1], data.num_nodes)), compute per-edge "
-                f"values inside a layer (message() reads x_j / x_i), or train with one chunk and no graph-parallel "
-                f"ways (strategy='gnnpipe', num_chunks=1), which is exact.")
+            self.refuse(texts.at_edges(found, self.cut))
 
     # ------------------------------------------------------------------ inside a layer
     def _in_layer(self, inv, func, args, kwargs):
@@ -242,14 +261,14 @@ class RowCheck(TorchFunctionMode):
         if what is not None:
             self.found = self._describe(caller(3), name, what, held[0][1])
         read = reads_at_ids(name, args, kwargs, rows + sums, self._is_ids) if rows or sums else None
-        if read is not None and self._kind(read[2]) != "dst":  # (destinations are the chunk's own rows)
+        if read is not None and self._kind(read[2]) not in ("dst", "own"):  # (destinations are the chunk's own rows)
             if any(t is read[0] for t, _ in rows):
                 return self._neighbour_read(inv, name, func, args, kwargs, *read)
             self._refuse_sum(inv, name, "reads at the sources of the layer's edges a value summed over each "
                                         "vertex's in-edges" + _ENDS[inv.reverse])
             return self._neighbour_read(inv, name, func, args, kwargs, *read)
         at = scatter_index(name, args, kwargs)
-        if at is not None and self._is_ids(at) and self._kind(at) != "dst":
+        if at is not None and self._is_ids(at) and self._kind(at) not in ("dst", "own"):
             self._refuse_sum(inv, name, "sums over the layer's edges at their sources (out-degrees)"
                              + _ENDS[inv.reverse])
             args = in_bounds(name, args, kwargs)  # (sources past the chunk's rows: the pass goes on to its end)
@@ -257,7 +276,7 @@ class RowCheck(TorchFunctionMode):
         if self._mark_ids(name, args, kwargs, out):
             return out
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
-        if (at is not None and self._kind(at) == "dst") or sums:  # per-vertex sums at the destinations, and
+        if (at is not None and self._kind(at) in ("dst", "own")) or sums:  # per-vertex sums at the destinations, and
             into = [args[0]] if at is not None and name.endswith("_") else []  # what is computed from them
             n = sums[0][0].size(0) if sums and at is None else None
             for o in outs + into:
@@ -288,12 +307,7 @@ class RowCheck(TorchFunctionMode):
     def _refuse_sum(self, inv, name: str, what: str) -> None:
         if self.refusal is None:
             found = self._describe(caller(5), name, what, 0)
-            self.refuse(
-                f"{found[0].upper()}{found[1:]}. With {self.cut}, layer '{inv.name}' holds the edges into part of the "
-                f"vertices at a time, so such sums are complete for those vertices only. Compute degree "
-                f"normalisations with PyG's gcn_norm (pyg_pipe completes it), or pass the per-vertex value to "
-                f"propagate and read it in message() as value_j / value_i (propagate joins the true rows), or train "
-                f"with one chunk and no graph-parallel ways (strategy='gnnpipe', num_chunks=1), which is exact.")
+            self.refuse(texts.partial_sums(found, self.cut, inv.name))
 
     def _kind(self, t: Tensor):
         """Which ends of the layer's edges ``t`` holds the vertex ids of (``None``: none)."""
@@ -306,12 +320,7 @@ class RowCheck(TorchFunctionMode):
     def _neighbour_read(self, inv, name: str, func, args, kwargs, t: Tensor, v: int, index: Tensor):
         if self.refusal is None:
             found = self._describe(caller(4), name, "reads {rows} at the ends of the layer's edges", v)
-            self.refuse(
-                f"{found[0].upper()}{found[1:]}, outside propagate. With {self.cut}, layer '{inv.name}' runs on "
-                f"part of the vertices at a time and their neighbours' rows join them only inside propagate, so "
-                f"this read would miss them. Read neighbour rows in message() (its x_j / x_i arguments) or "
-                f"edge_updater(), as PyG's layers do, or train with one chunk and no graph-parallel ways "
-                f"(strategy='gnnpipe', num_chunks=1), which is exact.")
+            self.refuse(texts.neighbour_read(found, self.cut, inv.name))
         try:
             return func(*_padded(args, t, v, index), **kwargs)
         except Exception as exc:  # noqa: BLE001 - it cannot run even so: refuse on this rank now
@@ -351,16 +360,7 @@ class RowCheck(TorchFunctionMode):
 
     def message(self, found: str) -> str:
         """The refusal for a finding (the same text on every rank)."""
-        if UNKNOWN in found:
-            return unknown_message(found, self.cut)
-        return (f"{found[0].upper()}{found[1:]}. With {self.cut}, each process runs the forward on part of the "
-                f"vertices at a time, so this would see only those rows and differ from one device. "
-                f"{NORM_FIX if 'normalises with statistics' in found else ''}Combine vertex "
-                f"rows inside a MessagePassing layer (propagate), compute the graph-wide value outside the model and "
-                f"pass it in, or train with one chunk and no graph-parallel ways (strategy='gnnpipe', num_chunks=1), "
-                f"which is exact. If it pools each graph to one row (a readout such as global_add_pool: a "
-                f"graph-level task on many small graphs), no graph needs splitting: train with Lightning's "
-                f"strategy='ddp', each process a share of the graphs.")
+        return (texts.unknown if UNKNOWN in found else texts.combines)(found, self.cut)
 
     def verdict(self, comm) -> None:
         """After the pass: shares what this rank found with all (a collective over ``comm``'s world)

@@ -96,13 +96,3 @@ def judge(name: str, args, kwargs, aligned) -> Optional[str]:
         return UNKNOWN + " (it cannot tell whether it combines {rows})"
     return what
 
-
-def unknown_message(found: str, cut: str) -> str:
-    """The refusal of an unknown operation ``found`` (described, its name between backquotes), with ``cut``."""
-    name = found.split("`")[1]
-    return (f"{found[0].upper()}{found[1:]}. With {cut}, each process runs the forward on part of the vertices at a "
-            f"time, and an operation that combines them would see only those rows and differ from one device, "
-            f"silently. If `{name}` works row by row (each output row from the same input row only), declare it "
-            f"once, at the top level of the training script: pyg_pipe.declare_row_wise('{name}'); otherwise compute "
-            f"it outside the model and pass it in, or train with one chunk and no graph-parallel ways "
-            f"(strategy='gnnpipe', num_chunks=1), which is exact.")

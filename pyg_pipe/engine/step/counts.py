@@ -1,0 +1,111 @@
+"""The number of vertices read from a vertex tensor, and the positions made from it, for the row check (:mod:`.rows`).
+
+With chunks or graph-parallel ways a process runs the forward on part of the vertices, so ``x.size(0)`` is the number
+of rows it holds, and ``torch.arange(x.size(0))`` numbers those rows from 0 on every chunk, not by vertex. Used as
+values they differ from one device, silently (measured 2026-11-28, 2 processes against one: a positional embedding
+``x + self.pe(torch.arange(x.size(0)))`` off by 1.9 with graph parallelism and 4.1 with 4 chunks; sinusoidal
+positions, ``torch.linspace(0, 1, x.size(0))``, ``torch.eye(x.size(0))``, ``x / x.size(0)``: 0.015 to 2.6).
+
+So during the checked pass, outside the layers:
+
+* a size query along a tensor's vertex dimension (``x.size(0)``, ``x.size()``, ``x.shape[0]``, ``x.numel()``)
+  returns a :class:`Count`: an ``int`` that stays a count through arithmetic (``x.size(0) - 1``, ``1 / x.size(0)``);
+* a count used as a value by an elementwise operation (``x / x.size(0)``) is refused;
+* a tensor a factory numbers from a count (``arange``, ``linspace``, ``eye``, ``randperm``, ...) holds *positions*,
+  followed as vertex ids of the chunk's own rows (:mod:`.id_rules`, kind ``"own"``): selected or reshaped they stay
+  positions, joined to the graph's edges (``add_self_loops(edge_index, num_nodes=x.size(0))``) they are the graph's
+  (judged as before); used any other way (an embedding read ``self.pe(positions)``, arithmetic, a read or scatter
+  of rows at them) they are refused.
+
+Counts used as sizes (``x.view(x.size(0), 2, -1)``, ``x.new_zeros(x.size(0), d)``) run as before. ``len(x)`` of vertex
+rows is refused (Python turns what ``__len__`` returns into a plain ``int``: not followed; ``x.size(0)`` is). Not
+followed: a ``float`` on the left of the arithmetic (``1.0 / n``: Python asks ``float`` first), ``float(n)`` and
+``math`` functions of a count, and such code inside a layer's ``forward``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .row_rules import _norm
+from .rowwise import _pointwise
+
+#: size queries: along the vertex dimension they return a :class:`Count`
+QUERIES = frozenset({"size", "__get__", "numel", "nelement"})
+#: factories whose values are positions when given a count
+POSITIONAL = frozenset({"arange", "range", "linspace", "logspace", "eye", "randperm", "tril_indices", "triu_indices"})
+#: what may be asked of positions without using them (their size, their device, ...)
+_ASKED = frozenset({"size", "dim", "ndimension", "numel", "nelement", "__get__", "__len__", "__repr__", "__format__",
+                    "is_floating_point", "stride", "is_contiguous", "get_device", "data_ptr", "element_size"})
+_ARITHMETIC = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow")
+
+
+def _counted(value: Any) -> Any:
+    if isinstance(value, bool) or value is NotImplemented:
+        return value
+    if isinstance(value, int):
+        return Count(value)
+    return CountFloat(value) if isinstance(value, float) else value
+
+
+def _lift(cls, base):
+    """``cls``'s arithmetic returns counts (``n - 1``, ``1 / n`` stay counts)."""
+    for op in _ARITHMETIC:
+        for form in (f"__{op}__", f"__r{op}__"):
+            if hasattr(base, form):
+                setattr(cls, form, (lambda f: lambda self, *a: _counted(f(self, *a)))(getattr(base, form)))
+    for form in ("__neg__", "__pos__", "__abs__"):
+        setattr(cls, form, (lambda f: lambda self: _counted(f(self)))(getattr(base, form)))
+    return cls
+
+
+class Count(int):
+    """An ``int`` read from the size of a vertex dimension during the checked pass (or computed from one)."""
+
+    def __reduce__(self):  # (crosses processes as a plain int)
+        return int, (int(self),)
+
+
+class CountFloat(float):
+    """A ``float`` computed from a :class:`Count`."""
+
+    def __reduce__(self):
+        return float, (float(self),)
+
+
+_lift(Count, int)
+_lift(CountFloat, float)
+
+
+def count_of(name: str, args, out: Any, v: int) -> Any:
+    """What a size query ``name`` on a tensor whose dimension ``v`` has one row per vertex returns, its vertex
+    count a :class:`Count` (``out``: what it returned)."""
+    if name in ("numel", "nelement"):
+        return Count(out)
+    if isinstance(out, torch.Size):
+        return torch.Size([Count(n) if i == v else n for i, n in enumerate(out)]) if v < len(out) else out
+    if name == "size" and isinstance(out, int) and len(args) > 1 and isinstance(args[1], int) and \
+            _norm(args[1], args[0].dim()) == v:
+        return Count(out)
+    return out
+
+
+def has_count(args, kwargs) -> bool:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, (Count, CountFloat)):
+            return True
+        if isinstance(a, (tuple, list)) and any(isinstance(b, (Count, CountFloat)) for b in a):
+            return True
+    return False
+
+
+def as_value(name: str) -> bool:
+    """Whether an operation given a count uses it as a value (elementwise arithmetic) rather than as a size."""
+    return _pointwise(name) or (name.startswith("__") and name.strip("_").lstrip("ri") in _ARITHMETIC + ("div",))
+
+
+def uses_positions(name: str) -> bool:
+    """Whether an operation on positions that neither selects, joins nor reshapes them uses their values."""
+    return name not in _ASKED
+

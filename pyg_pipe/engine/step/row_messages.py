@@ -1,0 +1,71 @@
+"""What the row check (:mod:`.rows`) says when it refuses: each text names what the forward calls and where
+(``found``, from :meth:`.rows.RowCheck._describe`), why it would differ from one device with the graph cut
+(``cut``: ``"num_chunks=4"``), and the fixes that work, ending with the exact way out."""
+from __future__ import annotations
+
+#: the way out every refusal names last
+EXACT = "or train with one chunk and no graph-parallel ways (strategy='gnnpipe', num_chunks=1), which is exact."
+#: the fix named first when the operation found is a normalisation over the vertices written by hand
+NORM_FIX = ("For a normalisation over the vertices, use PyG's module for it (torch_geometric.nn's BatchNorm, "
+            "InstanceNorm, GraphNorm, PairNorm, LayerNorm(mode='graph')), whose statistics pyg_pipe takes over "
+            "the whole graph. ")
+
+
+def _opening(found: str) -> str:
+    return f"{found[0].upper()}{found[1:]}"
+
+
+def combines(found: str, cut: str) -> str:
+    """An operation of the forward (or of a layer's, outside ``propagate``) that combines the rows of different
+    vertices."""
+    return (f"{_opening(found)}. With {cut}, each process runs the forward on part of the vertices at a time, so this "
+            f"would see only those rows and differ from one device. "
+            f"{NORM_FIX if 'normalises with statistics' in found else ''}Combine vertex rows inside a MessagePassing "
+            f"layer (propagate), compute the graph-wide value outside the model and pass it in, {EXACT} If it pools "
+            f"each graph to one row (a readout such as global_add_pool: a graph-level task on many small graphs), no "
+            f"graph needs splitting: train with Lightning's strategy='ddp', each process a share of the graphs.")
+
+
+def unknown(found: str, cut: str) -> str:
+    """An operation on vertex rows neither judged by a rule nor known to work row by row."""
+    name = found.split("`")[1]
+    return (f"{_opening(found)}. With {cut}, each process runs the forward on part of the vertices at a time, and an "
+            f"operation that combines them would see only those rows and differ from one device, silently. If "
+            f"`{name}` works row by row (each output row from the same input row only), declare it once, at the top "
+            f"level of the training script: pyg_pipe.declare_row_wise('{name}'); otherwise compute it outside the "
+            f"model and pass it in, {EXACT}")
+
+
+def at_edges(found: str, cut: str) -> str:
+    """A sum per vertex over the graph's edges, or a read of rows at their ends, in the forward."""
+    return (f"{_opening(found)}, outside the MessagePassing layers. With {cut}, each process holds the edges into part "
+            f"of the vertices at a time (its halo's vertices numbered after them), so this would count part of the "
+            f"edges or read rows it does not hold, and differ from one device. Compute per-vertex values of the graph "
+            f"in the data pipeline and pass them to forward (a transform, e.g. T.GCNNorm(), or data.deg = "
+            f"degree(data.edge_index[1], data.num_nodes)), compute per-edge values inside a layer (message() reads "
+            f"x_j / x_i), {EXACT}")
+
+
+def partial_sums(found: str, cut: str, layer: str) -> str:
+    """A layer's per-vertex sum over its edges used where it is partial."""
+    return (f"{_opening(found)}. With {cut}, layer '{layer}' holds the edges into part of the vertices at a time, so "
+            f"such sums are complete for those vertices only. Compute degree normalisations with PyG's gcn_norm "
+            f"(pyg_pipe completes it), or pass the per-vertex value to propagate and read it in message() as value_j "
+            f"/ value_i (propagate joins the true rows), {EXACT}")
+
+
+def neighbour_read(found: str, cut: str, layer: str) -> str:
+    """A layer's read of its neighbours' rows outside ``propagate``."""
+    return (f"{_opening(found)}, outside propagate. With {cut}, layer '{layer}' runs on part of the vertices at a time "
+            f"and their neighbours' rows join them only inside propagate, so this read would miss them. Read neighbour "
+            f"rows in message() (its x_j / x_i arguments) or edge_updater(), as PyG's layers do, {EXACT}")
+
+
+def counted(found: str, cut: str) -> str:
+    """The number of vertices read from a size, or positions numbered from it, used as values (:mod:`.counts`)."""
+    return (f"{_opening(found)}. With {cut}, each process runs the forward on part of the vertices at a time: "
+            f"x.size(0) is the number of rows it holds and torch.arange(x.size(0)) numbers them from 0 on every chunk, "
+            f"not by vertex, so this would differ from one device. Pass what is per vertex as an input of forward, "
+            f"which pyg_pipe cuts like x: the vertices' ids (data.n_id = torch.arange(data.num_nodes); model(x, "
+            f"edge_index, n_id); self.emb(n_id)) or the positional encoding itself (e.g. T.AddLaplacianEigenvectorPE), "
+            f"and the number of vertices as a number (data.num_nodes); {EXACT}")

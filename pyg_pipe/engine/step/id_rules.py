@@ -9,7 +9,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .row_rules import _arg, _norm
+from .counts import as_value
+from .row_rules import _REDUCE, _arg, _norm
 
 
 #: operations whose output holds entries of their input (so vertex ids at edge ends stay vertex ids):
@@ -100,6 +101,16 @@ def in_bounds(name: str, args, kwargs) -> tuple:
     return (*args[:2], args[2].clamp(0, args[0].size(args[1]) - 1), *args[3:])
 
 
+def padded(args: tuple, t: Tensor, v: int, index: Tensor) -> tuple:
+    """``args`` with ``t`` padded with zero rows along ``v`` up to the rows ``index`` reads (a refused read: the pass
+    goes on to its end). A host synchronisation, on the checked pass only."""
+    need = int(index.max()) + 1 if index.numel() else 0
+    if need <= t.size(v):
+        return args
+    pad = t.new_zeros(*t.shape[:v], need - t.size(v), *t.shape[v + 1:])
+    return tuple(torch.cat([t, pad], dim=v) if a is t else a for a in args)
+
+
 def reads_at_ids(name: str, args, kwargs, rows, is_ids) -> Optional[Tuple[Tensor, int, Tensor]]:
     """``(t, v, index)`` when the operation reads the rows of ``t`` (vertex dimension ``v``) at positions
     given by vertex ids at edge ends: ``x[edge_index[0]]``, ``x.index_select(0, row)``,
@@ -121,3 +132,17 @@ def reads_at_ids(name: str, args, kwargs, rows, is_ids) -> Optional[Tuple[Tensor
             if isinstance(dim, int) and _norm(dim, t.dim()) == v and isinstance(index, Tensor) and is_ids(index):
                 return t, v, index
     return None
+
+
+#: comparisons that vertex ids answer alike in any numbering (``edge_index[0] != edge_index[1]``: self loops; two
+#: graphs compared with ``torch.equal``)
+SAME = {"eq", "ne", "__eq__", "__ne__", "equal"}
+#: conversions of ids to values
+_FLOATS = {"float", "double", "half", "bfloat16"}
+
+
+def as_values(name: str) -> bool:
+    """Whether an operation on vertex ids at edge ends that neither selects, joins nor reshapes them uses them as
+    values (``edge_index.max() + 1``, ``edge_index[0].float()``, ``row * num_nodes + col``): a chunk numbers its
+    vertices from 0, its halo's after them, so their values are not the graph's."""
+    return name not in SAME and (name in _FLOATS or name in _REDUCE or as_value(name))

@@ -9,6 +9,9 @@ EXACT = "or train with one chunk and no graph-parallel ways (strategy='gnnpipe',
 NORM_FIX = ("For a normalisation over the vertices, use PyG's module for it (torch_geometric.nn's BatchNorm, "
             "InstanceNorm, GraphNorm, PairNorm, LayerNorm(mode='graph')), whose statistics pyg_pipe takes over "
             "the whole graph. ")
+#: the sources named for a layer aggregating at edge_index[0] (``Invocation.reverse``)
+ENDS = {False: "", True: " (with flow='target_to_source' the sources are edge_index[1], the end the layer reads its "
+                         "neighbours at)"}
 
 
 def _opening(found: str) -> str:
@@ -18,8 +21,8 @@ def _opening(found: str) -> str:
 def combines(found: str, cut: str) -> str:
     """An operation of the forward (or of a layer's, outside ``propagate``) that combines the rows of different
     vertices."""
-    return (f"{_opening(found)}. With {cut}, each process runs the forward on part of the vertices at a time, so this "
-            f"would see only those rows and differ from one device. "
+    return (f"{_opening(found)}. With {cut}, each process runs the forward on part of the vertices at a time (and the "
+            f"edges into them), so this would see only those rows and differ from one device. "
             f"{NORM_FIX if 'normalises with statistics' in found else ''}Combine vertex rows inside a MessagePassing "
             f"layer (propagate), compute the graph-wide value outside the model and pass it in, {EXACT} If it pools "
             f"each graph to one row (a readout such as global_add_pool: a graph-level task on many small graphs), no "
@@ -64,8 +67,9 @@ def neighbour_read(found: str, cut: str, layer: str) -> str:
 def counted(found: str, cut: str) -> str:
     """The number of vertices read from a size, or positions numbered from it, used as values (:mod:`.counts`)."""
     return (f"{_opening(found)}. With {cut}, each process runs the forward on part of the vertices at a time: "
-            f"x.size(0) is the number of rows it holds and torch.arange(x.size(0)) numbers them from 0 on every chunk, "
-            f"not by vertex, so this would differ from one device. Pass what is per vertex as an input of forward, "
+            f"x.size(0) is the number of rows it holds, edge_index.size(1) the number of edges into them, and "
+            f"torch.arange(x.size(0)) numbers them from 0 on every chunk, not by vertex, so this would differ from one "
+            f"device. Pass what is per vertex as an input of forward, "
             f"which pyg_pipe cuts like x: the vertices' ids (data.n_id = torch.arange(data.num_nodes); model(x, "
             f"edge_index, n_id); self.emb(n_id)) or the positional encoding itself (e.g. T.AddLaplacianEigenvectorPE), "
-            f"and the number of vertices as a number (data.num_nodes); {EXACT}")
+            f"and the graph's sizes as numbers (data.num_nodes, data.num_edges); {EXACT}")

@@ -31,9 +31,9 @@ by hand (``scatter(w, col)``) are followed: used beyond the chunk's rows, where 
 summed at the sources, they are refused (PyG's ``degree`` at the destinations is completed: :func:`.degrees.degree`).
 
 An operation on vertex rows no rule judges and not known to work row by row (:mod:`.rowwise`) is refused by name
-(``pyg_pipe.declare_row_wise`` vouches for one). The number of vertices read from a size (``x.size(0)``) and the
-positions numbered from it (``torch.arange(x.size(0))``) are followed too: used as values they are refused
-(:mod:`.counts`). Not followed: Python loops over rows, Python numbers read from their values.
+(``pyg_pipe.declare_row_wise`` vouches for one). Sizes (``x.size(0)``, ``edge_index.size(1)``), positions numbered
+from them (``torch.arange(x.size(0))``) and edges' ids used as values are refused (:mod:`.counts`, :mod:`.id_rules`).
+Not followed: Python loops over rows, Python numbers read from their values.
 """
 from __future__ import annotations
 
@@ -52,14 +52,11 @@ from ...model.errors import UnsupportedModelError
 from ..context import current
 from . import row_messages as texts
 from .counts import POSITIONAL, QUERIES, as_value, count_of, has_count, uses_positions
-from .id_rules import ids_kinds, in_bounds, reads_at_ids, scatter_index
+from .id_rules import SAME, as_values, ids_kinds, in_bounds, padded, reads_at_ids, scatter_index
 from .row_layout import RESHAPES, moved
 from .row_rules import by_index, caller, op_name, tensors
 from .rowwise import UNKNOWN, judge
 
-#: the sources named for a layer aggregating at edge_index[0] (``Invocation.reverse``)
-_ENDS = {False: "", True: " (with flow='target_to_source' the sources are edge_index[1], the end the layer reads its "
-                         "neighbours at)"}
 
 
 class RowCheck(TorchFunctionMode):
@@ -78,7 +75,7 @@ class RowCheck(TorchFunctionMode):
     def __init__(self, rows: int, names: Dict[int, str], cut: str):
         super().__init__()
         self.rows, self.names, self.cut = rows, names, cut
-        self.tracked: Dict[int, Tuple[Any, int]] = {}
+        self.tracked: Dict[int, Tuple[Any, int, bool]] = {}  # id -> (tensor, its vertex dimension, per edge)
         self.found: Optional[str] = None
         self.refusal: Optional[str] = None   # a refusal the engine found while the pass ran (:meth:`refuse`)
         self._paused = 0
@@ -122,16 +119,25 @@ class RowCheck(TorchFunctionMode):
         if d is None:
             d = next((i for i, n in enumerate(value.shape) if n == self.rows), None)
         if d is not None and (local or value.size(d) == self.rows):
-            self.tracked[id(value)] = (weakref.ref(value), d)
+            self.tracked[id(value)] = (weakref.ref(value), d, False)
 
-    def vdim(self, t: Tensor) -> Optional[int]:
+    def vdim(self, t: Tensor, edges: bool = False) -> Optional[int]:
+        """The dimension of ``t`` with one row per vertex of the chunk (``edges``: or per edge of its graph: the
+        forward's edge inputs and what is computed from them, followed outside the layers only), else ``None``."""
         hit = self.tracked.get(id(t))
         if hit is not None and hit[0]() is t:
-            return hit[1]
+            return hit[1] if edges or not hit[2] else None
         ctx = current()
         if ctx is not None and ctx.is_clean(t):
             return 0
+        if edges and ctx is not None and ctx.edge_input(t) is not None:
+            self.tracked[id(t)] = (weakref.ref(t), 0, True)
+            return 0
         return None
+
+    def _per_edge(self, t: Tensor) -> bool:
+        hit = self.tracked.get(id(t))
+        return hit is not None and hit[0]() is t and hit[2]
 
     # ------------------------------------------------------------------ the mode
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -157,18 +163,17 @@ class RowCheck(TorchFunctionMode):
                 self._ids[id(out)] = (weakref.ref(out), "own")
                 return out
             if as_value(name):
-                self._refuse_count(name, "uses the number of rows of a vertex tensor (x.size(0)) as a number")
-        aligned = [(t, d) for t in tensors(args, kwargs) for d in [self.vdim(t)] if d is not None]
+                self._refuse_count(name, "uses a number read from a size (x.size(0), edge_index.size(1)) as a value")
+        aligned = [(t, d) for t in tensors(args, kwargs) for d in [self.vdim(t, edges=True)] if d is not None]
         if not aligned:
             return func(*args, **kwargs)
         if name in QUERIES and aligned[0][0] is args[0]:
             return count_of(name, args, func(*args, **kwargs), aligned[0][1])
         if name == "__len__" and aligned[0][1] == 0:  # (an int Python makes plain: not followed)
-            self._refuse_count(name, "reads the number of vertex rows with len(), which the check cannot follow "
-                                     "(write x.size(0))")
+            self._refuse_count(name, "reads the number of vertex rows with len(), not followed (write x.size(0))")
         what = judge(name, args, kwargs, aligned)
         if what is not None:
-            self.found = self._describe(caller(), name, what, aligned[0][1])
+            self.found = self._describe(caller(), name, what, aligned[0][1], self._per_edge(aligned[0][0]))
             try:
                 return func(*args, **kwargs)
             except Exception as exc:  # on part of the rows it cannot even run: say why, on every rank alike
@@ -186,6 +191,8 @@ class RowCheck(TorchFunctionMode):
         (``x[edge_index[0]]``) reads rows the chunk does not hold; one device sees the whole graph. Both are refused
         on every rank after the pass (the pass goes on, the indices kept in bounds), whatever the chunk holds."""
         name = op_name(func)
+        if name in QUERIES and self._is_ids(args[0]):  # the number of edges (or positions): a count
+            return count_of(name, args, func(*args, **kwargs), args[0].dim() - 1)
         at = scatter_index(name, args, kwargs)
         if at is not None and self._is_ids(at):
             if self._kind(at) == "own":
@@ -200,11 +207,15 @@ class RowCheck(TorchFunctionMode):
             if self._kind(read[2]) == "own":
                 self._refuse_count(name, "reads rows at positions numbered from x.size(0)")
             self._refuse_edges(name, "reads {rows} at the ends of the graph's edges", read[1])
-            return func(*_padded(args, *read), **kwargs)
+            return func(*padded(args, *read), **kwargs)
         out = func(*args, **kwargs)
-        if not self._mark_ids(name, args, kwargs, out) and uses_positions(name) and \
-                any(self._kind(t) == "own" for t in tensors(args, kwargs)):
-            self._refuse_count(name, "uses positions numbered from x.size(0) (torch.arange) as values")
+        if not self._mark_ids(name, args, kwargs, out):
+            if uses_positions(name) and any(self._kind(t) == "own" for t in tensors(args, kwargs)):
+                self._refuse_count(name, "uses positions numbered from x.size(0) (torch.arange) as values")
+            elif as_values(name):
+                self._refuse_edges(name, "uses the vertex ids of the graph's edges as values")
+            elif name in SAME and isinstance(out, Tensor) and out.dim() > 0:  # (ends compared: a row per edge)
+                self.tracked[id(out)] = (weakref.ref(out), out.dim() - 1, True)
         return out
 
     def _mark_ids(self, name: str, args, kwargs, out) -> bool:
@@ -265,12 +276,12 @@ class RowCheck(TorchFunctionMode):
             if any(t is read[0] for t, _ in rows):
                 return self._neighbour_read(inv, name, func, args, kwargs, *read)
             self._refuse_sum(inv, name, "reads at the sources of the layer's edges a value summed over each "
-                                        "vertex's in-edges" + _ENDS[inv.reverse])
+                                        "vertex's in-edges" + texts.ENDS[inv.reverse])
             return self._neighbour_read(inv, name, func, args, kwargs, *read)
         at = scatter_index(name, args, kwargs)
         if at is not None and self._is_ids(at) and self._kind(at) not in ("dst", "own"):
             self._refuse_sum(inv, name, "sums over the layer's edges at their sources (out-degrees)"
-                             + _ENDS[inv.reverse])
+                             + texts.ENDS[inv.reverse])
             args = in_bounds(name, args, kwargs)  # (sources past the chunk's rows: the pass goes on to its end)
         out = func(*args, **kwargs)
         if self._mark_ids(name, args, kwargs, out):
@@ -322,21 +333,22 @@ class RowCheck(TorchFunctionMode):
             found = self._describe(caller(4), name, "reads {rows} at the ends of the layer's edges", v)
             self.refuse(texts.neighbour_read(found, self.cut, inv.name))
         try:
-            return func(*_padded(args, t, v, index), **kwargs)
+            return func(*padded(args, t, v, index), **kwargs)
         except Exception as exc:  # noqa: BLE001 - it cannot run even so: refuse on this rank now
             raise UnsupportedModelError(self.refusal) from exc
 
     def _follow(self, name: str, args, kwargs, aligned, out) -> None:
         t, v = aligned[0]
+        edges = self._per_edge(t)
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         for o in outs:
             if not isinstance(o, Tensor) or o.dim() == 0 or o.layout != torch.strided:
                 continue
             d = moved(name, args, kwargs, t, v, o)
             if d is not None and 0 <= d < o.dim() and (o.size(d) == t.size(v) or name in RESHAPES):
-                self.tracked[id(o)] = (weakref.ref(o), d)
+                self.tracked[id(o)] = (weakref.ref(o), d, edges)
 
-    def _describe(self, frame, name: str, what: str, v: Optional[int]) -> str:
+    def _describe(self, frame, name: str, what: str, v: Optional[int], edges: bool = False) -> str:
         """Where the model called the operation: its module and line (or the traced step), found by
         walking up from the operation to the engine's runner of the forward."""
         from ..runtime.program import RUNNER_CODES, STEP_CODE
@@ -354,8 +366,8 @@ class RowCheck(TorchFunctionMode):
                                                                                    "pyg_pipe.engine")):
                 where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
             frame = frame.f_back
-        what = what.format(rows="the rows of different vertices")
-        dim = f" (dimension {v} has one row per vertex)" if v is not None else ""
+        what = what.format(rows=f"the rows of different {'edges' if edges else 'vertices'}")
+        dim = f" (dimension {v} has one row per {'edge' if edges else 'vertex'})" if v is not None else ""
         return f"{module or 'the forward'} calls `{name}`, which {what}{dim}{f', at {where}' if where else ''}"
 
     def message(self, found: str) -> str:
@@ -372,16 +384,6 @@ class RowCheck(TorchFunctionMode):
         first = next((f for _, f in every if f is not None), None)
         if first is not None:
             raise UnsupportedModelError(self.message(first))
-
-
-def _padded(args: tuple, t: Tensor, v: int, index: Tensor) -> tuple:
-    """``args`` with ``t`` padded with zero rows along ``v`` up to the rows ``index`` reads (a refused read: the pass
-    goes on to its end). A host synchronisation, on the checked pass only."""
-    need = int(index.max()) + 1 if index.numel() else 0
-    if need <= t.size(v):
-        return args
-    pad = t.new_zeros(*t.shape[:v], need - t.size(v), *t.shape[v + 1:])
-    return tuple(torch.cat([t, pad], dim=v) if a is t else a for a in args)
 
 
 def _in_propagate() -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from .row_rules import _arg, _norm
@@ -55,6 +56,9 @@ def moved(name: str, args, kwargs, t: Tensor, v: int, o: Tensor) -> Optional[int
         removed = [_norm(d, n) for d in dims if t.size(_norm(d, n)) == 1]
         return None if v in removed else v - sum(1 for d in removed if d < v)
     if name in ("__getitem__",):
+        mask = _mask(args)
+        if mask is not None:  # x[mask]: the selected entries along the first dimension, the rest after them
+            return 0 if v < mask.dim() else v - mask.dim() + 1
         return v if o.dim() == n else (0 if v == 0 and o.dim() > 0 and o.size(0) == t.size(0) else None)
     if o.dim() == n and o.size(v) == t.size(v):
         return v
@@ -67,6 +71,19 @@ def moved(name: str, args, kwargs, t: Tensor, v: int, o: Tensor) -> Optional[int
 
 #: reshapes: the entries keep their order, so a vertex's entries stay together
 RESHAPES = frozenset({"view", "reshape", "flatten", "ravel", "view_as", "reshape_as", "unflatten"})
+
+
+def _mask(args) -> Optional[Tensor]:
+    index = args[1] if len(args) > 1 else None
+    return index if isinstance(index, Tensor) and index.dtype == torch.bool and index.dim() >= 1 else None
+
+
+def followed(name: str, args, t: Tensor, v: int, o: Tensor, d: int) -> bool:
+    """Whether dimension ``d`` of ``o`` (where :func:`moved` put the vertex dimension ``v`` of ``t``) still holds
+    vertex rows: the same number, merged by a reshape (:func:`merged`), or the rows a boolean mask selects
+    (``x[x[:, 0] > 0]``: reducing over them combines the rows of different vertices, the selected ones; was not
+    followed, and ``x[mask].mean(0)`` ran silently wrong until 2026-11-28)."""
+    return o.size(d) == t.size(v) or name in RESHAPES or (name == "__getitem__" and _mask(args) is not None)
 
 
 def merged(t: Tensor, v: int, o: Tensor) -> Optional[int]:

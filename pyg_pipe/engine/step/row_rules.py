@@ -181,7 +181,7 @@ def mixes(name: str, args, kwargs, aligned) -> Optional[str]:
             if t is first and _norm(_arg(args, kwargs, 2, "dim"), t.dim()) != v:
                 return "reduces over {rows}"
         elif name in _CONTRACT:
-            if _contracts(name, args, kwargs, t, v):
+            if _contracts(name, args, kwargs, t, v, aligned):
                 return "multiplies {rows} together"
         elif name in _SCATTER:
             if name in ("roll", "flip"):
@@ -242,7 +242,7 @@ JUDGED = frozenset({*_REDUCE, *_PAIR_REDUCE, *_MATRIX, *_LOSSES, *_CONTRACT, *_S
                     "put_", "__iter__", "tolist", "numpy", "__array__", "rot90", "rms_norm"})
 
 
-def _contracts(name: str, args, kwargs, t: Tensor, v: int) -> bool:
+def _contracts(name: str, args, kwargs, t: Tensor, v: int, aligned) -> bool:
     if name == "einsum":
         eq = args[0] if args and isinstance(args[0], str) else None
         ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
@@ -263,7 +263,9 @@ def _contracts(name: str, args, kwargs, t: Tensor, v: int) -> bool:
         for term, op in zip(terms, ops):
             if op is t and v < len(term) and term[v] not in rhs:
                 return True
-        return False
+        vertex = {id(o): d for o, d in aligned}  # (two vertex letters: rows paired with rows, "ij,kj->ik")
+        return len({term[vertex[id(op)]] for term, op in zip(terms, ops)
+                    if id(op) in vertex and vertex[id(op)] < len(term)}) > 1
     if name == "scaled_dot_product_attention":
         return any(_arg(args, kwargs, i, n) is t for i, n in ((1, "key"), (2, "value"))) and v == t.dim() - 2
     if name in ("multi_head_attention_forward", "_native_multi_head_attention"):

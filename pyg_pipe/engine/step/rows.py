@@ -53,7 +53,7 @@ from ..context import current
 from . import row_messages as texts
 from .counts import POSITIONAL, QUERIES, as_value, count_of, has_count, uses_positions
 from .id_rules import SAME, as_values, ids_kinds, in_bounds, padded, reads_at_ids, scatter_index
-from .row_layout import RESHAPES, moved
+from .row_layout import followed, moved
 from .row_rules import by_index, caller, op_name, tensors
 from .rowwise import UNKNOWN, judge
 
@@ -345,7 +345,7 @@ class RowCheck(TorchFunctionMode):
             if not isinstance(o, Tensor) or o.dim() == 0 or o.layout != torch.strided:
                 continue
             d = moved(name, args, kwargs, t, v, o)
-            if d is not None and 0 <= d < o.dim() and (o.size(d) == t.size(v) or name in RESHAPES):
+            if d is not None and 0 <= d < o.dim() and followed(name, args, t, v, o, d):
                 self.tracked[id(o)] = (weakref.ref(o), d, edges)
 
     def _describe(self, frame, name: str, what: str, v: Optional[int], edges: bool = False) -> str:

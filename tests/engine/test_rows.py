@@ -264,13 +264,28 @@ def _softmax_rows(x):
     return torch.softmax(x, 0) * 10
 
 
+def _positions(x):
+    return x + torch.sin(torch.arange(x.size(0)).unsqueeze(1) * 0.1)
+
+
+def _per_count(x):
+    return x / x.size(0)
+
+
+def _sizes(x):
+    return x.view(x.size(0), 2, -1).flatten(1) + x.new_zeros(x.shape[0], H)
+
+
 def _row_by_row(x):
     return (x.relu() * 2).view(-1, 2, H // 2).flatten(1) + F.normalize(x, dim=-1)
 
 
 REFUSED.update({"mean_inside_second_layer": (lambda: InsideNet(_centre_rows, False), "mean"),
                 "mean_inside_first_layer": (lambda: InsideNet(_centre_rows, True), "mean"),
-                "softmax_inside_first_layer": (lambda: InsideNet(_softmax_rows, True), "softmax")})
+                "softmax_inside_first_layer": (lambda: InsideNet(_softmax_rows, True), "softmax"),
+                # sizes in a layer's forward (silently wrong until 2026-11-28: off by 0.009 to 4.05)
+                "positions_inside_first_layer": (lambda: InsideNet(_positions, True), "mul"),
+                "count_inside_second_layer": (lambda: InsideNet(_per_count, False), "div")})
 
 
 def _row_local(self, x, ei, batch):
@@ -301,6 +316,8 @@ ACCEPTED = {"row_local": lambda: Two(_row_local), "jk_lstm": JK, "torch_instance
             **{k: (lambda f=f: _two(f)) for k, f in MORE_ACCEPTED.items()},
             "row_by_row_inside_layers": lambda: InsideNet(_row_by_row, True),
             "row_by_row_inside_second_layer": lambda: InsideNet(_row_by_row, False),
+            "sizes_inside_first_layer": lambda: InsideNet(_sizes, True),
+            "sizes_inside_second_layer": lambda: InsideNet(_sizes, False),
             **{k: _with_edges(f) for k, f in EDGES_ACCEPTED.items()},
             "edge_weight_per_edge": lambda: Weighted(lambda s, x, w: (x, torch.sigmoid(w) * w.new_ones(w.size(0))))}
 

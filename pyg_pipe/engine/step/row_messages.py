@@ -1,7 +1,12 @@
 """What the row check (:mod:`.rows`) says when it refuses: each text names what the forward calls and where
-(``found``, from :meth:`.rows.RowCheck._describe`), why it would differ from one device with the graph cut
+(``found``, from :func:`describe`), why it would differ from one device with the graph cut
 (``cut``: ``"num_chunks=4"``), and the fixes that work, ending with the exact way out."""
 from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
 
 #: the way out every refusal names last
 EXACT = "or train with one chunk and no graph-parallel ways (strategy='gnnpipe', num_chunks=1), which is exact."
@@ -73,3 +78,28 @@ def counted(found: str, cut: str) -> str:
             f"which pyg_pipe cuts like x: the vertices' ids (data.n_id = torch.arange(data.num_nodes); model(x, "
             f"edge_index, n_id); self.emb(n_id)) or the positional encoding itself (e.g. T.AddLaplacianEigenvectorPE), "
             f"and the graph's sizes as numbers (data.num_nodes, data.num_edges); {EXACT}")
+
+
+def describe(frame, names, name: str, what: str, v: Optional[int], edges: bool = False) -> str:
+    """What the forward calls and where: the operation ``name`` and what it does (``what``, ``{rows}`` for the rows),
+    the dimension ``v`` with a row per vertex (or edge), and the model's module and line (or the traced step) that
+    called it, found by walking up from ``frame`` to the engine's runner of the forward (``names``: module object id
+    -> its name in the model)."""
+    from ..runtime.program import RUNNER_CODES, STEP_CODE
+    where, module = "", None
+    while frame is not None and frame.f_code not in RUNNER_CODES:
+        obj = frame.f_locals.get("self")
+        if module is None and isinstance(obj, torch.nn.Module) and id(obj) in names:
+            name_in_model = names[id(obj)]
+            module = f"module '{name_in_model}' ({type(obj).__name__})" if name_in_model else \
+                f"the forward of {type(obj).__name__}"
+        if frame.f_code is STEP_CODE:  # a step of a traced program
+            node = frame.f_locals.get("node")
+            where = where or (f"traced step '{node.name}'" if node is not None else "")
+        elif not where and not frame.f_globals.get("__name__", "").startswith(("torch", "lightning",
+                                                                               "pyg_pipe.engine")):
+            where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    what = what.format(rows=f"the rows of different {'edges' if edges else 'vertices'}")
+    dim = f" (dimension {v} has one row per {'edge' if edges else 'vertex'})" if v is not None else ""
+    return f"{module or 'the forward'} calls `{name}`, which {what}{dim}{f', at {where}' if where else ''}"

@@ -37,7 +37,6 @@ Not followed: Python loops over rows, Python numbers read from their values.
 """
 from __future__ import annotations
 
-import os
 import sys
 import weakref
 from contextlib import contextmanager
@@ -157,13 +156,10 @@ class RowCheck(TorchFunctionMode):
         if self.found is not None:
             return func(*args, **kwargs)
         name = op_name(func)
-        if has_count(args, kwargs):  # a vertex count read from a size (:mod:`.counts`)
-            if name in POSITIONAL:
-                out = func(*args, **kwargs)
-                self._ids[id(out)] = (weakref.ref(out), "own")
-                return out
-            if as_value(name):
-                self._refuse_count(name, "uses a number read from a size (x.size(0), edge_index.size(1)) as a value")
+        if has_count(args, kwargs) and name in POSITIONAL:  # a vertex count read from a size (:mod:`.counts`)
+            return self._positions(func, args, kwargs)
+        if has_count(args, kwargs) and as_value(name):
+            self._refuse_count(name, "uses a number read from a size (x.size(0), edge_index.size(1)) as a value")
         aligned = [(t, d) for t in tensors(args, kwargs) for d in [self.vdim(t, edges=True)] if d is not None]
         if not aligned:
             return func(*args, **kwargs)
@@ -218,6 +214,13 @@ class RowCheck(TorchFunctionMode):
                 self.tracked[id(out)] = (weakref.ref(out), out.dim() - 1, True)
         return out
 
+    def _positions(self, func, args, kwargs) -> Tensor:
+        """A factory numbering from a count (``torch.arange(x.size(0))``): positions, followed as ids of the chunk's
+        own rows (:mod:`.counts`)."""
+        out = func(*args, **kwargs)
+        self._ids[id(out)] = (weakref.ref(out), "own")
+        return out
+
     def _mark_ids(self, name: str, args, kwargs, out) -> bool:
         """Whether the operation's outputs hold vertex ids at edge ends (selected, joined, reshaped from such ids);
         if so they are followed as such."""
@@ -256,6 +259,12 @@ class RowCheck(TorchFunctionMode):
         rows is judged as in the model's forward (:meth:`__torch_function__`), but for reads and writes at an index
         tensor. Each is refused on every rank after the pass; a read meanwhile runs on rows padded with zeros."""
         tens = tensors(args, kwargs)
+        if has_count(args, kwargs) and not _in_propagate() and _users(caller(3)):  # sizes read in the layer's forward
+            name = op_name(func)
+            if name in POSITIONAL:
+                return self._positions(func, args, kwargs)
+            if as_value(name):
+                self._refuse_count(name, "uses a number read from a size (x.size(0)) as a value")
         if not tens:
             return func(*args, **kwargs)
         for g in (h[0] for h in inv.graphs.values()):  # the layer's graphs: their entries are vertex ids
@@ -267,6 +276,8 @@ class RowCheck(TorchFunctionMode):
         if (not held and not sums and not ids) or _in_propagate():
             return func(*args, **kwargs)
         name = op_name(func)
+        if name in QUERIES and held and held[0][0] is args[0]:
+            return count_of(name, args, func(*args, **kwargs), held[0][1])
         what = judge(name, args, kwargs, held) if held and self.found is None and not ids and \
             not by_index(name, args) else None
         if what is not None:
@@ -286,6 +297,8 @@ class RowCheck(TorchFunctionMode):
         out = func(*args, **kwargs)
         if self._mark_ids(name, args, kwargs, out):
             return out
+        if ids and uses_positions(name) and any(self._kind(t) == "own" for t in tens) and _users(caller(3)):
+            self._refuse_count(name, "uses positions numbered from x.size(0) (torch.arange) as values")
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         if (at is not None and self._kind(at) in ("dst", "own")) or sums:  # per-vertex sums at the destinations, and
             into = [args[0]] if at is not None and name.endswith("_") else []  # what is computed from them
@@ -349,26 +362,7 @@ class RowCheck(TorchFunctionMode):
                 self.tracked[id(o)] = (weakref.ref(o), d, edges)
 
     def _describe(self, frame, name: str, what: str, v: Optional[int], edges: bool = False) -> str:
-        """Where the model called the operation: its module and line (or the traced step), found by
-        walking up from the operation to the engine's runner of the forward."""
-        from ..runtime.program import RUNNER_CODES, STEP_CODE
-        where, module = "", None
-        while frame is not None and frame.f_code not in RUNNER_CODES:
-            obj = frame.f_locals.get("self")
-            if module is None and isinstance(obj, torch.nn.Module) and id(obj) in self.names:
-                name_in_model = self.names[id(obj)]
-                module = f"module '{name_in_model}' ({type(obj).__name__})" if name_in_model else \
-                    f"the forward of {type(obj).__name__}"
-            if frame.f_code is STEP_CODE:  # a step of a traced program
-                node = frame.f_locals.get("node")
-                where = where or (f"traced step '{node.name}'" if node is not None else "")
-            elif not where and not frame.f_globals.get("__name__", "").startswith(("torch", "lightning",
-                                                                                   "pyg_pipe.engine")):
-                where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
-            frame = frame.f_back
-        what = what.format(rows=f"the rows of different {'edges' if edges else 'vertices'}")
-        dim = f" (dimension {v} has one row per {'edge' if edges else 'vertex'})" if v is not None else ""
-        return f"{module or 'the forward'} calls `{name}`, which {what}{dim}{f', at {where}' if where else ''}"
+        return texts.describe(frame, self.names, name, what, v, edges)
 
     def message(self, found: str) -> str:
         """The refusal for a finding (the same text on every rank)."""
@@ -384,6 +378,12 @@ class RowCheck(TorchFunctionMode):
         first = next((f for _, f in every if f is not None), None)
         if first is not None:
             raise UnsupportedModelError(self.message(first))
+
+
+def _users(frame) -> bool:
+    """Whether the operation was called by the user's code, not PyG's (whose layers and utilities read sizes to build
+    self loops and samples, as the zoo tests)."""
+    return frame is None or not frame.f_globals.get("__name__", "").startswith("torch_geometric")
 
 
 def _in_propagate() -> bool:

@@ -11,7 +11,8 @@ So during the checked pass, outside the layers and in the user's code of a layer
 ``propagate``; PyG's own code builds self loops and negative samples from ``x.size(0)`` and is not judged):
 
 * a size query along a tensor's vertex dimension (``x.size(0)``, ``x.size()``, ``x.shape[0]``, ``x.numel()``), or
-  along the edges of the graph's edge list or edge tensors (``edge_index.size(1)``), returns a :class:`Count`: an ``int`` that stays a count through arithmetic (``x.size(0) - 1``, ``1 / x.size(0)``);
+  along the edges of the graph's edge list or edge tensors (``edge_index.size(1)``), returns a :class:`Count`: an
+  ``int`` that stays a count through arithmetic (``x.size(0) - 1``, ``1 / x.size(0)``);
 * a count used as a value by an elementwise operation (``x / x.size(0)``) is refused;
 * a tensor a factory numbers from a count (``arange``, ``linspace``, ``eye``, ``randperm``, ...) holds *positions*,
   followed as vertex ids of the chunk's own rows (:mod:`.id_rules`, kind ``"own"``): selected or reshaped they stay

@@ -43,8 +43,8 @@ def ids_kinds(name: str, args, kwargs, kind_of, n_out: int):
         dim = _arg(args, kwargs, 1, "dim", default=0)
         if name == "stack" and dim == 0 and all(isinstance(k, str) for k in kinds):
             return [tuple(kinds)]  # torch.stack([row, col])
-        kinds = [k for k in kinds if k is not None and k != "own"] or ["own"]  # (others joined: self loops,
-        #                                                                         within the chunk's rows)
+        # (others joined: self loops, within the chunk's rows; positions joined to edges are the graph's)
+        kinds = [k for k in kinds if k is not None and k != "own"] or ["own"]
         return [kinds[0] if all(k == kinds[0] for k in kinds) else "any"] * n_out
     k = kind_of(first) if isinstance(first, Tensor) else None
     if k is None:

@@ -57,7 +57,6 @@ from .row_rules import by_index, caller, op_name, tensors
 from .rowwise import UNKNOWN, judge
 
 
-
 class RowCheck(TorchFunctionMode):
     """Follows the tensors with one row per vertex through one chunk's run of the forward and records
     the first operation that combines the rows of different vertices (see the module docstring).
@@ -156,10 +155,9 @@ class RowCheck(TorchFunctionMode):
         if self.found is not None:
             return func(*args, **kwargs)
         name = op_name(func)
-        if has_count(args, kwargs) and name in POSITIONAL:  # a vertex count read from a size (:mod:`.counts`)
-            return self._positions(func, args, kwargs)
-        if has_count(args, kwargs) and as_value(name):
-            self._refuse_count(name, "uses a number read from a size (x.size(0), edge_index.size(1)) as a value")
+        made = self._counted(name, func, args, kwargs) if has_count(args, kwargs) else None
+        if made is not None:
+            return made
         aligned = [(t, d) for t in tensors(args, kwargs) for d in [self.vdim(t, edges=True)] if d is not None]
         if not aligned:
             return func(*args, **kwargs)
@@ -214,12 +212,16 @@ class RowCheck(TorchFunctionMode):
                 self.tracked[id(out)] = (weakref.ref(out), out.dim() - 1, True)
         return out
 
-    def _positions(self, func, args, kwargs) -> Tensor:
-        """A factory numbering from a count (``torch.arange(x.size(0))``): positions, followed as ids of the chunk's
-        own rows (:mod:`.counts`)."""
-        out = func(*args, **kwargs)
-        self._ids[id(out)] = (weakref.ref(out), "own")
-        return out
+    def _counted(self, name: str, func, args, kwargs) -> Optional[Tensor]:
+        """An operation given a count read from a size (:mod:`.counts`): positions made from it (``arange``), returned
+        and followed as ids of the chunk's own rows; the count used as a value, refused; else ``None``."""
+        if name in POSITIONAL:
+            out = func(*args, **kwargs)
+            self._ids[id(out)] = (weakref.ref(out), "own")
+            return out
+        if as_value(name):
+            self._refuse_count(name, "uses a number read from a size (x.size(0), edge_index.size(1)) as a value")
+        return None
 
     def _mark_ids(self, name: str, args, kwargs, out) -> bool:
         """Whether the operation's outputs hold vertex ids at edge ends (selected, joined, reshaped from such ids);
@@ -260,11 +262,9 @@ class RowCheck(TorchFunctionMode):
         tensor. Each is refused on every rank after the pass; a read meanwhile runs on rows padded with zeros."""
         tens = tensors(args, kwargs)
         if has_count(args, kwargs) and not _in_propagate() and _users(caller(3)):  # sizes read in the layer's forward
-            name = op_name(func)
-            if name in POSITIONAL:
-                return self._positions(func, args, kwargs)
-            if as_value(name):
-                self._refuse_count(name, "uses a number read from a size (x.size(0)) as a value")
+            made = self._counted(op_name(func), func, args, kwargs)
+            if made is not None:
+                return made
         if not tens:
             return func(*args, **kwargs)
         for g in (h[0] for h in inv.graphs.values()):  # the layer's graphs: their entries are vertex ids

@@ -206,6 +206,9 @@ def _trace_with_fallback(model, fn, args, kwargs) -> fx.Graph:
         for k in swapped:
             fn.__globals__[k] = pipe_split
         _TRACING.append(tracer)
+        factories = {n: getattr(torch, n) for n in _SIZED}
+        for n, f in factories.items():
+            setattr(torch, n, _packed(f))
         try:
             return tracer.trace(model, concrete_args=concrete or None)
         except Exception as exc:  # noqa: BLE001 - a unit that does not trace, or a refusal with advice
@@ -230,9 +233,26 @@ def _trace_with_fallback(model, fn, args, kwargs) -> fx.Graph:
         finally:
             model.__class__ = cls
             torch.autograd.Function.apply = apply
+            for n, f in factories.items():
+                setattr(torch, n, f)
             _TRACING.pop()
             for k in swapped:
                 fn.__globals__[k] = _torch_pipe_split
+
+
+#: torch's factories that take a size as separate numbers (``torch.ones(n, 1)``). Given a number read from a traced
+#: tensor (``x.size(0)``, an fx Proxy) among them, torch's argument parser rejects the call ("ones() takes 1 positional
+#: argument but 2 were given": a forward doing so could not be split into stages), while the same size as one tuple is
+#: recorded; so while tracing they are called with such sizes packed into a tuple (the program calls torch's own).
+_SIZED = ("ones", "zeros", "empty", "rand", "randn")
+
+
+def _packed(factory: Callable) -> Callable:
+    def call(*size, **kwargs):
+        if len(size) > 1 and any(isinstance(n, fx.Proxy) for n in size):
+            return factory(size, **kwargs)
+        return factory(*size, **kwargs)
+    return call
 
 
 #: PyG's utilities that make a new graph from one (``torch_geometric.utils``)

@@ -45,5 +45,5 @@ if not logging.getLogger().hasHandlers() and _logger.level == logging.NOTSET:
     _logger.propagate = False
 
 __version__ = "0.1.0"
-__all__ = ["declare_row_wise", "FullGraphDataModule", "GNNPipeEngine", "GNNPipeStrategy", "GraphParallelStrategy", "HybridStrategy",
-           "PipelineConfig", "SplitPoint", "UnsupportedModelError", "pipe_split"]
+__all__ = ["declare_row_wise", "FullGraphDataModule", "GNNPipeEngine", "GNNPipeStrategy", "GraphParallelStrategy",
+           "HybridStrategy", "PipelineConfig", "SplitPoint", "UnsupportedModelError", "pipe_split"]

@@ -199,11 +199,10 @@ def relocalise_edges(ctx: ChunkContext, name: str, cg: ChunkedGraph, lg: LocalGr
 def extend(ctx: ChunkContext, cg: ChunkedGraph, lg: LocalGraph, t: Tensor, vdim: int, clean: bool) -> Tensor:
     """``t`` (chunk rows) extended to ``lg.num_local`` rows along ``vdim``: a clean input with its true halo
     rows, anything else with fillers (copies of chunk rows, replaced at the propagate)."""
+    out = _extend(ctx, cg, lg, t, vdim, clean)
     if ctx.observer is not None:  # the row check follows what the layer computes from all its local rows
-        out = _extend(ctx, cg, lg, t, vdim, clean)
         ctx.observer.returned(out, vdim, local=True)
-        return out
-    return _extend(ctx, cg, lg, t, vdim, clean)
+    return out
 
 
 def _extend(ctx: ChunkContext, cg: ChunkedGraph, lg: LocalGraph, t: Tensor, vdim: int, clean: bool) -> Tensor:

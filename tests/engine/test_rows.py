@@ -151,6 +151,14 @@ MORE_REFUSED = {
     "mean_of_masked_rows": (lambda s, x: x + x[x[:, 0] > 0].mean(0), "mean"),
     "sum_of_masked_entries": (lambda s, x: x * x[x > 0.5].sum() / 100, "sum"),
     "einsum_pairing_rows": (lambda s, x: x + torch.einsum("ij,kj->ik", x, x)[:, :H] / 100, "einsum"),
+    # rows joined along the vertex dimension, then reduced or taken by position (silently wrong until 2026-11-28:
+    # off by 0.91 and 0.13 in graph parallelism)
+    "cat_then_max": (lambda s, x: x + torch.cat([x, 2 * x], 0).max(0)[0], "max"),
+    "repeat_interleave_then_mean": (lambda s, x: x + x.repeat_interleave(2, 0).mean(0), "mean"),
+    "repeat_then_sum": (lambda s, x: x + x.repeat(2, 1).sum(0) + torch.vstack([x, x]).sum(0), "sum"),
+    "cat_with_a_learned_row_then_mean": (lambda s, x: x + torch.cat([x, s.lin.bias.view(1, -1)]).mean(0), "mean"),
+    "cat_taken_across_pieces": (lambda s, x: torch.cat([x, 2 * x], 0)[1:x.size(0) + 1], "getitem"),
+    "repeat_interleave_taken": (lambda s, x: x.repeat_interleave(2, 0)[:x.size(0)], "getitem"),
 }
 #: the same operations along the features, or with a weight as the second operand: per row, exact
 MORE_ACCEPTED = {
@@ -177,7 +185,22 @@ MORE_ACCEPTED = {
     "einsum_outer_per_vertex": lambda s, x: torch.einsum("ij,ik->ijk", x, x).sum(-1) / 10,
     # (split into stages, torch.fx refused a size given as numbers until 2026-11-28)
     "constant_factories": lambda s, x: x + torch.ones(x.size(0), 1) + torch.zeros(x.shape[0], H) * x,
+    # whole pieces of rows joined along the vertex dimension taken back
+    "cat_pieces_taken_back": lambda s, x: _pieces_back(torch.relu(torch.cat([x, 2 * x], 0)), x.size(0)),
+    "cat_split_back": lambda s, x: _split_back(torch.cat([x, 2 * x]), x.size(0)),
+    "cat_viewed_as_blocks": lambda s, x: torch.cat([x, 3 * x]).view(2, x.size(0), -1).mean(0),
+    "cat_learned_row_dropped": lambda s, x: torch.cat([x, s.lin.bias.view(1, -1)])[:x.size(0)] * 2,
+    "repeat_interleave_grouped": lambda s, x: x.repeat_interleave(2, 0).view(x.size(0), 2, -1).mean(1),
 }
+
+
+def _pieces_back(h, n):
+    return h[:n] + h[n:].narrow(0, 0, n) + h.narrow(0, n, n)
+
+
+def _split_back(h, n):
+    parts, halves = h.split(n), h.chunk(2)
+    return parts[0] + parts[1] + halves[1] + h.tensor_split([n])[1]
 
 
 def _between(fn):

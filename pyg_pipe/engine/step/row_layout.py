@@ -1,14 +1,44 @@
 """Where the vertex dimension of a tensor goes through an operation that changes its layout (transposes, permutes,
 stacks, concatenations, squeezes, reshapes): the row check (:mod:`.rows`) follows the rows of every vertex this way,
-and the rules of :mod:`.row_rules` judge each operation on them."""
+and the rules of :mod:`.row_rules` judge each operation on them.
+
+Rows joined along the vertex dimension (``torch.cat([x, y])``, ``x.repeat(2, 1)``) stay followed, with their
+*layout*: the pieces along that dimension, each the rows of all vertices or something else (a learned row). Reducing
+over them combines the rows of different vertices (``torch.cat([x, 2 * x]).max(0)`` ran silently wrong until
+2026-11-28, off by 0.91 in graph parallelism); taking whole pieces back (``h[:n]``, ``h.split(n)``, ``h.chunk(2)``,
+``h.view(2, n, -1)``) gives vertex rows again, exactly. ``x.repeat_interleave(r, 0)`` keeps each vertex's copies
+together: followed as rows, any part of it taken is by position."""
 from __future__ import annotations
 
-from typing import Optional
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .row_rules import _arg, _norm
+
+
+class Followed:
+    """The tensors the row check follows (by identity, weakly): for each, its vertex dimension, whether that dimension
+    has one row per edge rather than per vertex, and the pieces joined along it (a :data:`Layout`, or ``None``)."""
+
+    def __init__(self):
+        self._by_id: Dict[int, Tuple[Any, int, bool, Any]] = {}
+
+    def add(self, t: Tensor, d: int, edges: bool = False, layout=None) -> None:
+        self._by_id[id(t)] = (weakref.ref(t), d, edges, layout)
+
+    def get(self, t: Tensor) -> Optional[Tuple[int, bool, Any]]:
+        """``(vertex dimension, per edge, layout)`` of a followed ``t``, else ``None``."""
+        hit = self._by_id.get(id(t))
+        return hit[1:] if hit is not None and hit[0]() is t else None
+
+    def per_edge(self, t: Tensor) -> bool:
+        return (self.get(t) or (0, False))[1]
+
+    def layout(self, t: Tensor):
+        return (self.get(t) or (0, False, None))[2]
 
 
 def moved(name: str, args, kwargs, t: Tensor, v: int, o: Tensor) -> Optional[int]:
@@ -38,9 +68,13 @@ def moved(name: str, args, kwargs, t: Tensor, v: int, o: Tensor) -> Optional[int
         d = _arg(args, kwargs, 1, "dim", default=0)
         d = _norm(d, o.dim())
         return v + 1 if d <= v else v
-    if name in ("cat", "concat", "concatenate"):
-        d = _norm(_arg(args, kwargs, 1, "dim", "axis", default=0), n)
-        return None if d == v else v
+    if name in ("cat", "concat", "concatenate", "hstack", "repeat_interleave") or (name in STACKS and n >= 2):
+        return 0 if name == "repeat_interleave" and _arg(args, kwargs, 2, "dim") is None else v
+    if name in STACKS:  # vectors stacked as the rows of a matrix
+        return v + 1
+    if name in ("repeat", "tile"):  # (more repeats than dimensions: new leading ones)
+        reps = _reps(args)
+        return v + max(0, len(reps) - n)
     if name in ("unbind",):
         d = _norm(_arg(args, kwargs, 1, "dim", default=0), n)
         return None if d == v else v - 1 if d < v else v
@@ -83,7 +117,8 @@ def followed(name: str, args, t: Tensor, v: int, o: Tensor, d: int) -> bool:
     vertex rows: the same number, merged by a reshape (:func:`merged`), or the rows a boolean mask selects
     (``x[x[:, 0] > 0]``: reducing over them combines the rows of different vertices, the selected ones; was not
     followed, and ``x[mask].mean(0)`` ran silently wrong until 2026-11-28)."""
-    return o.size(d) == t.size(v) or name in RESHAPES or (name == "__getitem__" and _mask(args) is not None)
+    return o.size(d) == t.size(v) or name in RESHAPES or name in JOINS or \
+        (name == "__getitem__" and _mask(args) is not None)
 
 
 def merged(t: Tensor, v: int, o: Tensor) -> Optional[int]:
@@ -98,3 +133,122 @@ def merged(t: Tensor, v: int, o: Tensor) -> Optional[int]:
             return k
         size *= o.size(k)
     return None
+
+
+#: the pieces along a tensor's vertex dimension: (start, stop, whether the piece holds vertex rows) for each
+Layout = Tuple[Tuple[int, int, bool], ...]
+#: operations joining tensors (or copies of one) along a dimension
+JOINS = frozenset({"cat", "concat", "concatenate", "vstack", "row_stack", "hstack", "repeat", "tile",
+                   "repeat_interleave"})
+STACKS = frozenset({"vstack", "row_stack"})
+#: operations taking ranges of rows along a dimension
+TAKES = frozenset({"__getitem__", "narrow", "split", "split_with_sizes", "chunk", "tensor_split"})
+
+
+def _reps(args) -> tuple:
+    reps = args[1:]
+    return tuple(reps[0]) if len(reps) == 1 and isinstance(reps[0], (tuple, list, torch.Size)) else tuple(reps)
+
+
+def follow(name: str, args, kwargs, t: Tensor, v: int, o: Tensor, layout_of: Callable, vdim_of: Callable):
+    """Where the rows of ``t`` (vertex dimension ``v``, pieces ``layout_of(t)``) are in output ``o``: ``(dimension,
+    layout)``, the layout ``None`` when the dimension holds the rows once; ``None`` when ``o`` does not hold them."""
+    if _gathered(name, args, kwargs, t, v):
+        return None
+    lay = layout_of(t)
+    if name in RESHAPES and lay is not None:
+        d = _blocks(t, v, o, lay)
+        if d is not None:
+            return d, None
+    d = moved(name, args, kwargs, t, v, o)
+    if d is None or not 0 <= d < o.dim() or not followed(name, args, t, v, o, d):
+        return None
+    joined = _joined(name, args, kwargs, t, v, lay, layout_of, vdim_of) if name in JOINS else None
+    return d, joined if joined is not None else lay if o.size(d) == t.size(v) else None
+
+
+def _gathered(name: str, args, kwargs, t: Tensor, v: int) -> bool:
+    """Whether the operation reads rows along ``v`` at an index tensor (``x[edge_index[1]]``, ``index_select``): its
+    output has a row per index entry, not per vertex, even where their numbers agree (SuperGATConv's attention logits
+    at as many sampled edges as a ring's vertices were taken for vertex rows)."""
+    if name == "__getitem__":
+        index = args[1] if len(args) > 1 else None
+        entries = list(index) if isinstance(index, tuple) else [index]
+        return v < len(entries) and isinstance(entries[v], Tensor) and entries[v].dtype != torch.bool and \
+            not any(e is None or e is Ellipsis for e in entries[:v])
+    if name in ("index_select", "gather", "take_along_dim"):
+        dim = _arg(args, kwargs, 2 if name == "take_along_dim" else 1, "dim")
+        return isinstance(dim, int) and _norm(dim, t.dim()) == v
+    return False
+
+
+def _joined(name: str, args, kwargs, t: Tensor, v: int, lay, layout_of: Callable, vdim_of: Callable):
+    """The layout of a join along the vertex dimension (``None``: not along it, or a repeat of each row)."""
+    n, out = t.size(v), []
+    if name in ("repeat", "tile"):
+        reps = _reps(args)  # (aligned with the dimensions from the last; tile: fewer repeats, the first kept)
+        i = v + len(reps) - t.dim()
+        k = reps[i] if i >= 0 else 1
+        return tuple((a + i * n, b + i * n, r) for i in range(k) for a, b, r in (lay or ((0, n, True),))) \
+            if k > 1 else None
+    if name == "repeat_interleave":
+        return None
+    dim = 0 if name in STACKS else (1 if t.dim() >= 2 else 0) if name == "hstack" else \
+        _norm(_arg(args, kwargs, 1, "dim", "axis", default=0), t.dim())
+    if dim != v:
+        return None
+    at = 0
+    for p in (args[0] if args else kwargs.get("tensors", ())):
+        if not isinstance(p, Tensor) or (p.dim() == 1 and p.numel() == 0 and t.dim() > 1):
+            continue  # (an empty vector: skipped by cat)
+        size = p.size(dim)
+        own = layout_of(p)
+        out += [(a + at, b + at, r) for a, b, r in (own or ((0, size, vdim_of(p) == dim),))]
+        at += size
+    return tuple(out)
+
+
+def _blocks(t: Tensor, v: int, o: Tensor, lay) -> Optional[int]:
+    """``t``'s vertex dimension joins k pieces of n vertex rows each (``torch.cat([x, y])``) and ``o`` reshapes it to
+    ``(k, n)``: the dimension of the rows in ``o`` (the other indexes the pieces)."""
+    n = lay[0][1] - lay[0][0]
+    if not all(r and b - a == n for a, b, r in lay):
+        return None
+    before, size = 1, 1
+    for d in range(v):
+        before *= t.size(d)
+    for k in range(o.dim() - 1):
+        if size == before and o.size(k) == len(lay) and o.size(k + 1) == n:
+            return k + 1
+        size *= o.size(k)
+    return None
+
+
+def taken(name: str, args, kwargs, t: Tensor, v: int, lay, outs) -> Optional[List]:
+    """When the operation takes whole pieces of ``t``'s joined rows along ``v`` (``h[:n]``, ``h[n:]``,
+    ``h.split(n)``, ``h.chunk(2)``, ``h.narrow(0, n, n)``): for each output, the pieces it took; else ``None``."""
+    size = t.size(v)
+    if name == "__getitem__":
+        index = args[1] if len(args) > 1 else None
+        entries = list(index) if isinstance(index, tuple) else [index]
+        if len(entries) <= v or any(not isinstance(e, (slice, int)) or isinstance(e, bool) for e in entries) or \
+                any(e != slice(None) for e in entries[:v]) or not isinstance(entries[v], slice):
+            return None
+        start, stop, step = entries[v].indices(size)
+        ranges = [(start, stop)] if step == 1 else []
+    elif name == "narrow":
+        if _norm(_arg(args, kwargs, 1, "dim"), t.dim()) != v:
+            return None
+        start = _norm(_arg(args, kwargs, 2, "start"), size)
+        ranges = [(start, start + _arg(args, kwargs, 3, "length"))]
+    else:
+        if name not in TAKES or _norm(_arg(args, kwargs, 2, "dim", default=0), t.dim()) != v:
+            return None
+        ranges, at = [], 0
+        for o in outs:
+            ranges.append((at, at + o.size(v)))
+            at += o.size(v)
+    bounds = {a for a, _, _ in lay} | {size}
+    if not ranges or any(a not in bounds or b not in bounds for a, b in ranges):
+        return None
+    return [tuple((a - s, b - s, r) for a, b, r in lay if s <= a and b <= e) for s, e in ranges]

@@ -8,6 +8,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch_geometric.nn import MessagePassing
 
 #: reductions and scans over a dimension: name -> (position of the ``dim`` argument, default dim;
 #: ``None``: all dimensions)
@@ -76,6 +77,25 @@ def caller(depth: int = 2):
         frame = frame.f_back
     return frame
 
+
+def users(frame) -> bool:
+    """Whether the operation was called by the user's code, not PyG's (whose layers and utilities read sizes to build
+    self loops and samples, as the zoo tests)."""
+    return frame is None or not frame.f_globals.get("__name__", "").startswith("torch_geometric")
+
+
+def in_propagate() -> bool:
+    """Whether the operation runs inside a layer's ``propagate`` / ``edge_updater`` (where the engine joins
+    halo rows) rather than in its ``forward`` around them (called by the check's handler)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code.co_name
+        if code in ("propagate", "edge_updater"):
+            return True
+        if code == "forward" and isinstance(frame.f_locals.get("self"), MessagePassing):
+            return False
+        frame = frame.f_back
+    return False
 
 def op_name(func) -> str:
     """The operation's name; the transposing properties (``x.T``, ``x.mT``) by their own."""

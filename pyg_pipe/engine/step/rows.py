@@ -19,8 +19,8 @@ So the first pass of every mode (training, inference) of a plan that cuts the gr
 :class:`RowCheck`, a ``TorchFunctionMode`` that follows which tensors have one row per vertex of the chunk, and
 along which dimension, *by provenance*: the chunk's node inputs, what layers and graph-wide modules return,
 values arriving from the previous stage, and whatever is computed from them keeping that dimension (elementwise
-operations, linear maps, concatenation along other dimensions, reshapes that keep it, transposes and stacks that
-move it: :mod:`.row_layout`). The first operation that combines those rows (:mod:`.row_rules`) is recorded with
+operations, linear maps, reshapes that keep it, transposes and stacks that move it, concatenations along it, whose
+whole pieces taken back are vertex rows again: :mod:`.row_layout`). The first operation that combines those rows (:mod:`.row_rules`) is recorded with
 the line of the model that called it; after the pass all ranks share what they found and raise the same error,
 as the engine's own refusals found in the pass (:meth:`RowCheck.refuse`). Nothing depends on values, on which chunk
 ran first or on one rank's view. The engine's own operations and those inside graph-wide modules are not judged.
@@ -37,23 +37,21 @@ Not followed: Python loops over rows, Python numbers read from their values.
 """
 from __future__ import annotations
 
-import sys
 import weakref
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
-from torch_geometric.nn import MessagePassing
 
 from ...model.errors import UnsupportedModelError
 from ..context import current
 from . import row_messages as texts
 from .counts import POSITIONAL, QUERIES, as_value, count_of, has_count, uses_positions
 from .id_rules import SAME, as_values, ids_kinds, in_bounds, padded, reads_at_ids, scatter_index
-from .row_layout import followed, moved
-from .row_rules import by_index, caller, op_name, tensors
+from .row_layout import TAKES, Followed, follow, taken
+from .row_rules import by_index, caller, in_propagate, op_name, tensors, users
 from .rowwise import UNKNOWN, judge
 
 
@@ -73,7 +71,7 @@ class RowCheck(TorchFunctionMode):
     def __init__(self, rows: int, names: Dict[int, str], cut: str):
         super().__init__()
         self.rows, self.names, self.cut = rows, names, cut
-        self.tracked: Dict[int, Tuple[Any, int, bool]] = {}  # id -> (tensor, its vertex dimension, per edge)
+        self.tracked = Followed()
         self.found: Optional[str] = None
         self.refusal: Optional[str] = None   # a refusal the engine found while the pass ran (:meth:`refuse`)
         self._paused = 0
@@ -86,7 +84,7 @@ class RowCheck(TorchFunctionMode):
         """The checked pass goes on to another chunk of ``rows`` rows: every chunk of the pass is followed (what one
         chunk cannot run, another may not even reach; each runs to its end and the verdict comes after the pass)."""
         self.rows = rows
-        self.tracked, self._ids, self._sums, self._graphs_of = {}, {}, {}, None
+        self.tracked, self._ids, self._sums, self._graphs_of = Followed(), {}, {}, None
 
     def refuse(self, message: str) -> None:
         """A refusal found while the pass runs on this rank: raised on every rank after the pass
@@ -117,25 +115,21 @@ class RowCheck(TorchFunctionMode):
         if d is None:
             d = next((i for i, n in enumerate(value.shape) if n == self.rows), None)
         if d is not None and (local or value.size(d) == self.rows):
-            self.tracked[id(value)] = (weakref.ref(value), d, False)
+            self.tracked.add(value, d)
 
     def vdim(self, t: Tensor, edges: bool = False) -> Optional[int]:
         """The dimension of ``t`` with one row per vertex of the chunk (``edges``: or per edge of its graph: the
         forward's edge inputs and what is computed from them, followed outside the layers only), else ``None``."""
-        hit = self.tracked.get(id(t))
-        if hit is not None and hit[0]() is t:
-            return hit[1] if edges or not hit[2] else None
+        hit = self.tracked.get(t)
+        if hit is not None:
+            return hit[0] if edges or not hit[1] else None
         ctx = current()
         if ctx is not None and ctx.is_clean(t):
             return 0
         if edges and ctx is not None and ctx.edge_input(t) is not None:
-            self.tracked[id(t)] = (weakref.ref(t), 0, True)
+            self.tracked.add(t, 0, edges=True)
             return 0
         return None
-
-    def _per_edge(self, t: Tensor) -> bool:
-        hit = self.tracked.get(id(t))
-        return hit is not None and hit[0]() is t and hit[2]
 
     # ------------------------------------------------------------------ the mode
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -166,8 +160,11 @@ class RowCheck(TorchFunctionMode):
         if name == "__len__" and aligned[0][1] == 0:  # (an int Python makes plain: not followed)
             self._refuse_count(name, "reads the number of vertex rows with len(), not followed (write x.size(0))")
         what = judge(name, args, kwargs, aligned)
+        took = self._taken(name, func, args, kwargs, *aligned[0]) if what is not None else None
+        if took is not None:
+            return took
         if what is not None:
-            self.found = self._describe(caller(), name, what, aligned[0][1], self._per_edge(aligned[0][0]))
+            self.found = self._describe(caller(), name, what, aligned[0][1], self.tracked.per_edge(aligned[0][0]))
             try:
                 return func(*args, **kwargs)
             except Exception as exc:  # on part of the rows it cannot even run: say why, on every rank alike
@@ -209,7 +206,7 @@ class RowCheck(TorchFunctionMode):
             elif as_values(name):
                 self._refuse_edges(name, "uses the vertex ids of the graph's edges as values")
             elif name in SAME and isinstance(out, Tensor) and out.dim() > 0:  # (ends compared: a row per edge)
-                self.tracked[id(out)] = (weakref.ref(out), out.dim() - 1, True)
+                self.tracked.add(out, out.dim() - 1, edges=True)
         return out
 
     def _counted(self, name: str, func, args, kwargs) -> Optional[Tensor]:
@@ -261,7 +258,7 @@ class RowCheck(TorchFunctionMode):
         rows is judged as in the model's forward (:meth:`__torch_function__`), but for reads and writes at an index
         tensor. Each is refused on every rank after the pass; a read meanwhile runs on rows padded with zeros."""
         tens = tensors(args, kwargs)
-        if has_count(args, kwargs) and not _in_propagate() and _users(caller(3)):  # sizes read in the layer's forward
+        if has_count(args, kwargs) and not in_propagate() and users(caller(3)):  # sizes read in the layer's forward
             made = self._counted(op_name(func), func, args, kwargs)
             if made is not None:
                 return made
@@ -273,13 +270,16 @@ class RowCheck(TorchFunctionMode):
         rows = held if inv.rows_only else []
         sums = [(t, 0) for t in tens if self._partial(t)]
         ids = any(self._is_ids(t) for t in tens)
-        if (not held and not sums and not ids) or _in_propagate():
+        if (not held and not sums and not ids) or in_propagate():
             return func(*args, **kwargs)
         name = op_name(func)
         if name in QUERIES and held and held[0][0] is args[0]:
             return count_of(name, args, func(*args, **kwargs), held[0][1])
         what = judge(name, args, kwargs, held) if held and self.found is None and not ids and \
             not by_index(name, args) else None
+        took = self._taken(name, func, args, kwargs, *held[0]) if what is not None else None
+        if took is not None:
+            return took
         if what is not None:
             self.found = self._describe(caller(3), name, what, held[0][1])
         read = reads_at_ids(name, args, kwargs, rows + sums, self._is_ids) if rows or sums else None
@@ -297,7 +297,7 @@ class RowCheck(TorchFunctionMode):
         out = func(*args, **kwargs)
         if self._mark_ids(name, args, kwargs, out):
             return out
-        if ids and uses_positions(name) and any(self._kind(t) == "own" for t in tens) and _users(caller(3)):
+        if ids and uses_positions(name) and any(self._kind(t) == "own" for t in tens) and users(caller(3)):
             self._refuse_count(name, "uses positions numbered from x.size(0) (torch.arange) as values")
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         if (at is not None and self._kind(at) in ("dst", "own")) or sums:  # per-vertex sums at the destinations, and
@@ -352,14 +352,28 @@ class RowCheck(TorchFunctionMode):
 
     def _follow(self, name: str, args, kwargs, aligned, out) -> None:
         t, v = aligned[0]
-        edges = self._per_edge(t)
+        edges = self.tracked.per_edge(t)
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         for o in outs:
             if not isinstance(o, Tensor) or o.dim() == 0 or o.layout != torch.strided:
                 continue
-            d = moved(name, args, kwargs, t, v, o)
-            if d is not None and 0 <= d < o.dim() and followed(name, args, t, v, o, d):
-                self.tracked[id(o)] = (weakref.ref(o), d, edges)
+            hit = follow(name, args, kwargs, t, v, o, self.tracked.layout, lambda p: self.vdim(p, edges=True))
+            if hit is not None:
+                self.tracked.add(o, hit[0], edges, hit[1])
+
+    def _taken(self, name: str, func, args, kwargs, t: Tensor, v: int):
+        """An operation selecting by position along ``v`` from rows joined along it: when it takes whole pieces
+        (``torch.cat([x, y])[:n]``) its outputs hold vertex rows again (followed; returned), else ``None``."""
+        lay = self.tracked.layout(t)
+        if lay is None or name not in TAKES or args[0] is not t:
+            return None
+        out = func(*args, **kwargs)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        took = taken(name, args, kwargs, t, v, lay, outs)
+        for o, pieces in zip(outs, took or ()):
+            if any(r for _, _, r in pieces):  # (pieces that are not vertex rows alone: not followed)
+                self.tracked.add(o, v, self.tracked.per_edge(t), pieces if len(pieces) > 1 else None)
+        return out if took is not None else None
 
     def _describe(self, frame, name: str, what: str, v: Optional[int], edges: bool = False) -> str:
         return texts.describe(frame, self.names, name, what, v, edges)
@@ -379,22 +393,3 @@ class RowCheck(TorchFunctionMode):
         if first is not None:
             raise UnsupportedModelError(self.message(first))
 
-
-def _users(frame) -> bool:
-    """Whether the operation was called by the user's code, not PyG's (whose layers and utilities read sizes to build
-    self loops and samples, as the zoo tests)."""
-    return frame is None or not frame.f_globals.get("__name__", "").startswith("torch_geometric")
-
-
-def _in_propagate() -> bool:
-    """Whether the operation runs inside a layer's ``propagate`` / ``edge_updater`` (where the engine joins
-    halo rows) rather than in its ``forward`` around them."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code.co_name
-        if code in ("propagate", "edge_updater"):
-            return True
-        if code == "forward" and isinstance(frame.f_locals.get("self"), MessagePassing):
-            return False
-        frame = frame.f_back
-    return False

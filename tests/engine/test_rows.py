@@ -159,6 +159,9 @@ MORE_REFUSED = {
     "cat_with_a_learned_row_then_mean": (lambda s, x: x + torch.cat([x, s.lin.bias.view(1, -1)]).mean(0), "mean"),
     "cat_taken_across_pieces": (lambda s, x: torch.cat([x, 2 * x], 0)[1:x.size(0) + 1], "getitem"),
     "repeat_interleave_taken": (lambda s, x: x.repeat_interleave(2, 0)[:x.size(0)], "getitem"),
+    # constants sized by a count, then reduced: the count as a value (off by 26 in graph parallelism until 2026-11-28)
+    "constant_of_a_count_reduced": (lambda s, x: x + torch.ones(x.size(0)).sum(), "sum"),
+    "full_of_a_count_reduced": (lambda s, x: x + torch.full((x.size(0), 1), 2.0).mean(), "mean"),
 }
 #: the same operations along the features, or with a weight as the second operand: per row, exact
 MORE_ACCEPTED = {
@@ -191,6 +194,7 @@ MORE_ACCEPTED = {
     "cat_viewed_as_blocks": lambda s, x: torch.cat([x, 3 * x]).view(2, x.size(0), -1).mean(0),
     "cat_learned_row_dropped": lambda s, x: torch.cat([x, s.lin.bias.view(1, -1)])[:x.size(0)] * 2,
     "repeat_interleave_grouped": lambda s, x: x.repeat_interleave(2, 0).view(x.size(0), 2, -1).mean(1),
+    "cat_constant_rows_taken_back": lambda s, x: torch.cat([x, torch.ones(x.size(0), H)], 0)[x.size(0):] * x,
 }
 
 

@@ -14,6 +14,8 @@ So during the checked pass, outside the layers and in the user's code of a layer
   along the edges of the graph's edge list or edge tensors (``edge_index.size(1)``), returns a :class:`Count`: an
   ``int`` that stays a count through arithmetic (``x.size(0) - 1``, ``1 / x.size(0)``);
 * a count used as a value by an elementwise operation (``x / x.size(0)``) is refused;
+* a factory of constant or random values given a count as a size (``torch.ones(x.size(0))``) makes vertex rows
+  along it, followed: reduced they are refused (``torch.ones(x.size(0)).sum()`` was off by 26 in graph parallelism);
 * a tensor a factory numbers from a count (``arange``, ``linspace``, ``eye``, ``randperm``, ...) holds *positions*,
   followed as vertex ids of the chunk's own rows (:mod:`.id_rules`, kind ``"own"``): selected or reshaped they stay
   positions, joined to the graph's edges (``add_self_loops(edge_index, num_nodes=x.size(0))``) they are the graph's
@@ -38,6 +40,9 @@ from .rowwise import _pointwise
 QUERIES = frozenset({"size", "__get__", "numel", "nelement"})
 #: factories whose values are positions when given a count
 POSITIONAL = frozenset({"arange", "range", "linspace", "logspace", "eye", "randperm", "tril_indices", "triu_indices"})
+#: factories of constant or random values: given a count as a size, their output has a row per vertex along it
+SIZED = frozenset({"ones", "zeros", "empty", "full", "rand", "randn", "randint", "normal", "new_ones", "new_zeros",
+                   "new_empty", "new_full"})
 #: what may be asked of positions without using them (their size, their device, ...)
 _ASKED = frozenset({"size", "dim", "ndimension", "numel", "nelement", "__get__", "__len__", "__repr__", "__format__",
                     "is_floating_point", "stride", "is_contiguous", "get_device", "data_ptr", "element_size"})
@@ -112,3 +117,14 @@ def uses_positions(name: str) -> bool:
     """Whether an operation on positions that neither selects, joins nor reshapes them uses their values."""
     return name not in _ASKED
 
+
+
+def counted_dim(args, kwargs, out: Any) -> Any:
+    """The dimension of a factory's output ``out`` its size argument gives a count (``torch.ones(x.size(0), d)``: 0),
+    else ``None``."""
+    values = list(args) + list(kwargs.values())
+    size = next((a for a in values if isinstance(a, (tuple, list)) and any(isinstance(b, Count) for b in a)), None)
+    if size is None:  # (sizes as separate numbers)
+        size = [a for a in values if isinstance(a, int) and not isinstance(a, bool)]
+    d = next((i for i, n in enumerate(size) if isinstance(n, Count)), None)
+    return d if isinstance(out, torch.Tensor) and d is not None and d < out.dim() else None

@@ -26,8 +26,9 @@ class Followed:
     def __init__(self):
         self._by_id: Dict[int, Tuple[Any, int, bool, Any]] = {}
 
-    def add(self, t: Tensor, d: int, edges: bool = False, layout=None) -> None:
-        self._by_id[id(t)] = (weakref.ref(t), d, edges, layout)
+    def add(self, t: Tensor, d: Optional[int], edges: bool = False, layout=None) -> None:
+        if d is not None:
+            self._by_id[id(t)] = (weakref.ref(t), d, edges, layout)
 
     def get(self, t: Tensor) -> Optional[Tuple[int, bool, Any]]:
         """``(vertex dimension, per edge, layout)`` of a followed ``t``, else ``None``."""
@@ -226,7 +227,8 @@ def _blocks(t: Tensor, v: int, o: Tensor, lay) -> Optional[int]:
 
 def taken(name: str, args, kwargs, t: Tensor, v: int, lay, outs) -> Optional[List]:
     """When the operation takes whole pieces of ``t``'s joined rows along ``v`` (``h[:n]``, ``h[n:]``,
-    ``h.split(n)``, ``h.chunk(2)``, ``h.narrow(0, n, n)``): for each output, the pieces it took; else ``None``."""
+    ``h.split(n)``, ``h.chunk(2)``, ``h.narrow(0, n, n)``): for each output, ``(its vertex dimension, its layout)``
+    (``(None, ...)``: it took no vertex rows; layout ``None``: it took one piece, the rows once); else ``None``."""
     size = t.size(v)
     if name == "__getitem__":
         index = args[1] if len(args) > 1 else None
@@ -251,4 +253,5 @@ def taken(name: str, args, kwargs, t: Tensor, v: int, lay, outs) -> Optional[Lis
     bounds = {a for a, _, _ in lay} | {size}
     if not ranges or any(a not in bounds or b not in bounds for a, b in ranges):
         return None
-    return [tuple((a - s, b - s, r) for a, b, r in lay if s <= a and b <= e) for s, e in ranges]
+    took = [tuple((a - s, b - s, r) for a, b, r in lay if s <= a and b <= e) for s, e in ranges]
+    return [(v if any(r for _, _, r in p) else None, p if len(p) > 1 else None) for p in took]

@@ -17,13 +17,14 @@ indexes by position ``x[edge_index[0]]``, ``x[:10]``, ``x[0]``, ``x.flip(0)``, `
 
 So the first pass of every mode (training, inference) of a plan that cuts the graph runs under
 :class:`RowCheck`, a ``TorchFunctionMode`` that follows which tensors have one row per vertex of the chunk, and
-along which dimension, *by provenance*: the chunk's node inputs, what layers and graph-wide modules return,
-values arriving from the previous stage, and whatever is computed from them keeping that dimension (elementwise
-operations, linear maps, reshapes that keep it, transposes and stacks that move it, concatenations along it, whose
-whole pieces taken back are vertex rows again: :mod:`.row_layout`). The first operation that combines those rows (:mod:`.row_rules`) is recorded with
-the line of the model that called it; after the pass all ranks share what they found and raise the same error,
-as the engine's own refusals found in the pass (:meth:`RowCheck.refuse`). Nothing depends on values, on which chunk
-ran first or on one rank's view. The engine's own operations and those inside graph-wide modules are not judged.
+along which dimension, *by provenance*: the chunk's node inputs, what layers and graph-wide modules return, values
+arriving from the previous stage, and whatever is computed from them keeping that dimension (elementwise operations,
+linear maps, reshapes that keep it, transposes and stacks that move it, joins along it, whose whole pieces taken back
+are vertex rows again: :mod:`.row_layout`; constants sized by a count: :mod:`.counts`). The first operation that
+combines those rows (:mod:`.row_rules`) is recorded with the line of the model that called it; after the pass all
+ranks share what they found and raise the same error, as the engine's own refusals found in the pass
+(:meth:`RowCheck.refuse`). Nothing depends on values, on which chunk ran first or on one rank's view. The engine's
+own operations and those inside graph-wide modules are not judged.
 In a layer's forward, reads and writes at index tensors are not judged as positional; a read of rows at its edges'
 sources outside ``propagate`` (``x[edge_index[0]]``) by a layer computing its chunk's rows only is refused; one at
 their destinations (``x[edge_index[1]]``), the chunk's own rows, runs. Per-vertex sums over a layer's edges computed
@@ -31,9 +32,9 @@ by hand (``scatter(w, col)``) are followed: used beyond the chunk's rows, where 
 summed at the sources, they are refused (PyG's ``degree`` at the destinations is completed: :func:`.degrees.degree`).
 
 An operation on vertex rows no rule judges and not known to work row by row (:mod:`.rowwise`) is refused by name
-(``pyg_pipe.declare_row_wise`` vouches for one). Sizes (``x.size(0)``, ``edge_index.size(1)``), positions numbered
-from them (``torch.arange(x.size(0))``) and edges' ids used as values are refused (:mod:`.counts`, :mod:`.id_rules`).
-Not followed: Python loops over rows, Python numbers read from their values.
+(``pyg_pipe.declare_row_wise`` vouches for one). Sizes (``x.size(0)``), positions numbered from them (``arange``) and
+edges' ids used as values are refused (:mod:`.counts`, :mod:`.id_rules`). Not followed: Python loops over rows,
+Python numbers read from their values.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 from ...model.errors import UnsupportedModelError
 from ..context import current
 from . import row_messages as texts
-from .counts import POSITIONAL, QUERIES, as_value, count_of, has_count, uses_positions
+from .counts import POSITIONAL, QUERIES, SIZED, as_value, count_of, counted_dim, has_count, uses_positions
 from .id_rules import SAME, as_values, ids_kinds, in_bounds, padded, reads_at_ids, scatter_index
 from .row_layout import TAKES, Followed, follow, taken
 from .row_rules import by_index, caller, in_propagate, op_name, tensors, users
@@ -211,10 +212,15 @@ class RowCheck(TorchFunctionMode):
 
     def _counted(self, name: str, func, args, kwargs) -> Optional[Tensor]:
         """An operation given a count read from a size (:mod:`.counts`): positions made from it (``arange``), returned
-        and followed as ids of the chunk's own rows; the count used as a value, refused; else ``None``."""
+        and followed as ids of the chunk's own rows; constants sized by it, followed as vertex rows; the count used as
+        a value, refused; else ``None``."""
         if name in POSITIONAL:
             out = func(*args, **kwargs)
             self._ids[id(out)] = (weakref.ref(out), "own")
+            return out
+        if name in SIZED:  # (torch.ones(x.size(0), d): a row per vertex, followed)
+            out = func(*args, **kwargs)
+            self.tracked.add(out, counted_dim(args, kwargs, out))
             return out
         if as_value(name):
             self._refuse_count(name, "uses a number read from a size (x.size(0), edge_index.size(1)) as a value")
@@ -370,9 +376,8 @@ class RowCheck(TorchFunctionMode):
         out = func(*args, **kwargs)
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         took = taken(name, args, kwargs, t, v, lay, outs)
-        for o, pieces in zip(outs, took or ()):
-            if any(r for _, _, r in pieces):  # (pieces that are not vertex rows alone: not followed)
-                self.tracked.add(o, v, self.tracked.per_edge(t), pieces if len(pieces) > 1 else None)
+        for o, (d, pieces) in zip(outs, took or ()):
+            self.tracked.add(o, d, self.tracked.per_edge(t), pieces)
         return out if took is not None else None
 
     def _describe(self, frame, name: str, what: str, v: Optional[int], edges: bool = False) -> str:

@@ -162,6 +162,12 @@ MORE_REFUSED = {
     # constants sized by a count, then reduced: the count as a value (off by 26 in graph parallelism until 2026-11-28)
     "constant_of_a_count_reduced": (lambda s, x: x + torch.ones(x.size(0)).sum(), "sum"),
     "full_of_a_count_reduced": (lambda s, x: x + torch.full((x.size(0), 1), 2.0).mean(), "mean"),
+    # a count made a tensor or a fill value (off by 31 / 47 until 2026-11-28), rows of several vertices grouped by a
+    # reshape (x.reshape(H, -1) off by 1.0; pairs exact here only because every chunk starts at an even row)
+    "count_made_a_tensor": (lambda s, x: x * x.new_tensor(x.size(0)), "new_tensor"),
+    "count_as_fill_value": (lambda s, x: x * torch.full((1,), x.size(0)), "full"),
+    "vertex_pairs_by_reshape": (lambda s, x: x.view(-1, 2, H).mean(1).repeat_interleave(2, 0), "view"),
+    "reshape_across_vertices": (lambda s, x: x.reshape(H, -1).sum(0).view(-1, 1) + x, "reshape"),
 }
 #: the same operations along the features, or with a weight as the second operand: per row, exact
 MORE_ACCEPTED = {
@@ -195,6 +201,7 @@ MORE_ACCEPTED = {
     "cat_learned_row_dropped": lambda s, x: torch.cat([x, s.lin.bias.view(1, -1)])[:x.size(0)] * 2,
     "repeat_interleave_grouped": lambda s, x: x.repeat_interleave(2, 0).view(x.size(0), 2, -1).mean(1),
     "cat_constant_rows_taken_back": lambda s, x: torch.cat([x, torch.ones(x.size(0), H)], 0)[x.size(0):] * x,
+    "flattened_and_back": lambda s, x: x.view(-1).view(-1, H) + x.reshape(-1, H // 2).view(-1, H),
 }
 
 

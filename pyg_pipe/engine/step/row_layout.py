@@ -21,17 +21,18 @@ from .row_rules import _arg, _norm
 
 class Followed:
     """The tensors the row check follows (by identity, weakly): for each, its vertex dimension, whether that dimension
-    has one row per edge rather than per vertex, and the pieces joined along it (a :data:`Layout`, or ``None``)."""
+    has one row per edge rather than per vertex, the pieces joined along it (a :data:`Layout`, or ``None``), and how
+    many consecutive entries along it belong to each vertex (``x.view(-1)``: the features; ``None``: unknown)."""
 
     def __init__(self):
-        self._by_id: Dict[int, Tuple[Any, int, bool, Any]] = {}
+        self._by_id: Dict[int, Tuple[Any, int, bool, Any, Optional[int]]] = {}
 
-    def add(self, t: Tensor, d: Optional[int], edges: bool = False, layout=None) -> None:
+    def add(self, t: Tensor, d: Optional[int], edges: bool = False, layout=None, per: Optional[int] = 1) -> None:
         if d is not None:
-            self._by_id[id(t)] = (weakref.ref(t), d, edges, layout)
+            self._by_id[id(t)] = (weakref.ref(t), d, edges, layout, per)
 
-    def get(self, t: Tensor) -> Optional[Tuple[int, bool, Any]]:
-        """``(vertex dimension, per edge, layout)`` of a followed ``t``, else ``None``."""
+    def get(self, t: Tensor) -> Optional[tuple]:
+        """``(vertex dimension, per edge, layout, entries per vertex)`` of a followed ``t``, else ``None``."""
         hit = self._by_id.get(id(t))
         return hit[1:] if hit is not None and hit[0]() is t else None
 
@@ -40,6 +41,33 @@ class Followed:
 
     def layout(self, t: Tensor):
         return (self.get(t) or (0, False, None))[2]
+
+    def follow(self, name: str, args, kwargs, t: Tensor, v: int, out, vdim_of: Callable) -> Optional[str]:
+        """Follows the rows of ``t`` (vertex dimension ``v``) into the operation's outputs ``out``; returns how it
+        combined the rows of different vertices where a reshape did (else ``None``)."""
+        edges, per = self.per_edge(t), (self.get(t) or (0, False, None, 1))[3]
+        for o in out if isinstance(out, (tuple, list)) else [out]:
+            if not isinstance(o, Tensor) or o.dim() == 0 or o.layout != torch.strided:
+                continue
+            hit = follow(name, args, kwargs, t, v, o, self.layout, vdim_of, per)
+            if isinstance(hit, str):
+                return hit
+            if hit is not None:
+                self.add(o, hit[0], edges, *hit[1:])
+        return None
+
+    def take(self, name: str, func, args, kwargs, t: Tensor, v: int):
+        """An operation selecting by position along ``v`` from rows joined along it: when it takes whole pieces
+        (``torch.cat([x, y])[:n]``) its outputs hold vertex rows again (followed; returned), else ``None``."""
+        lay = self.layout(t)
+        if lay is None or name not in TAKES or args[0] is not t:
+            return None
+        out = func(*args, **kwargs)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        took = taken(name, args, kwargs, t, v, lay, outs)
+        for o, (d, pieces) in zip(outs, took or ()):
+            self.add(o, d, self.per_edge(t), pieces)
+        return out if took is not None else None
 
 
 def moved(name: str, args, kwargs, t: Tensor, v: int, o: Tensor) -> Optional[int]:
@@ -130,7 +158,7 @@ def merged(t: Tensor, v: int, o: Tensor) -> Optional[int]:
     for d in range(v):
         before *= t.size(d)
     for k in range(o.dim()):
-        if size == before and o.size(k) > 1 and (o.size(k) % t.size(v) == 0 or t.size(v) % o.size(k) == 0):
+        if size == before and o.size(k) > 1:
             return k
         size *= o.size(k)
     return None
@@ -151,21 +179,37 @@ def _reps(args) -> tuple:
     return tuple(reps[0]) if len(reps) == 1 and isinstance(reps[0], (tuple, list, torch.Size)) else tuple(reps)
 
 
-def follow(name: str, args, kwargs, t: Tensor, v: int, o: Tensor, layout_of: Callable, vdim_of: Callable):
-    """Where the rows of ``t`` (vertex dimension ``v``, pieces ``layout_of(t)``) are in output ``o``: ``(dimension,
-    layout)``, the layout ``None`` when the dimension holds the rows once; ``None`` when ``o`` does not hold them."""
+def follow(name: str, args, kwargs, t: Tensor, v: int, o: Tensor, layout_of: Callable, vdim_of: Callable,
+           per: Optional[int] = 1):
+    """Where the rows of ``t`` (vertex dimension ``v``, pieces ``layout_of(t)``, ``per`` entries a vertex) are in
+    output ``o``: ``(dimension, layout, entries per vertex)``, the layout ``None`` when the dimension holds the rows
+    once; ``None`` when ``o`` does not hold them; :data:`GROUPS` when a reshape split the vertex dimension into groups
+    of several vertices (``x.view(-1, 2, d)`` pairs consecutive rows: which vertices meet depends on the chunk)."""
     if _gathered(name, args, kwargs, t, v):
         return None
     lay = layout_of(t)
     if name in RESHAPES and lay is not None:
         d = _blocks(t, v, o, lay)
         if d is not None:
-            return d, None
+            return d, None, 1
     d = moved(name, args, kwargs, t, v, o)
     if d is None or not 0 <= d < o.dim() or not followed(name, args, t, v, o, d):
         return None
+    if o.size(d) == t.size(v):
+        return d, lay, per
+    if name in RESHAPES:  # (the vertices along v: its size over the entries of each)
+        n = t.size(v) // per if per else t.size(v)
+        return (d, None, o.size(d) // n) if n and o.size(d) % n == 0 else GROUPS
+    if name == "repeat_interleave":
+        reps = _arg(args, kwargs, 1, "repeats")
+        return d, None, per * reps if per and isinstance(reps, int) and _arg(args, kwargs, 2, "dim") is not None \
+            else None
     joined = _joined(name, args, kwargs, t, v, lay, layout_of, vdim_of) if name in JOINS else None
-    return d, joined if joined is not None else lay if o.size(d) == t.size(v) else None
+    return d, joined, 1
+
+
+#: what :func:`follow` says of a reshape that groups the rows of several vertices
+GROUPS = "groups {rows} by position (a reshape of the vertex dimension into groups of rows)"
 
 
 def _gathered(name: str, args, kwargs, t: Tensor, v: int) -> bool:

@@ -51,7 +51,7 @@ from ..context import current
 from . import row_messages as texts
 from .counts import POSITIONAL, QUERIES, SIZED, as_value, count_of, counted_dim, has_count, uses_positions
 from .id_rules import SAME, as_values, ids_kinds, in_bounds, padded, reads_at_ids, scatter_index
-from .row_layout import TAKES, Followed, follow, taken
+from .row_layout import Followed
 from .row_rules import by_index, caller, in_propagate, op_name, tensors, users
 from .rowwise import UNKNOWN, judge
 
@@ -161,7 +161,7 @@ class RowCheck(TorchFunctionMode):
         if name == "__len__" and aligned[0][1] == 0:  # (an int Python makes plain: not followed)
             self._refuse_count(name, "reads the number of vertex rows with len(), not followed (write x.size(0))")
         what = judge(name, args, kwargs, aligned)
-        took = self._taken(name, func, args, kwargs, *aligned[0]) if what is not None else None
+        took = self.tracked.take(name, func, args, kwargs, *aligned[0]) if what is not None else None
         if took is not None:
             return took
         if what is not None:
@@ -171,7 +171,7 @@ class RowCheck(TorchFunctionMode):
             except Exception as exc:  # on part of the rows it cannot even run: say why, on every rank alike
                 raise UnsupportedModelError(self.message(self.found)) from exc
         out = func(*args, **kwargs)
-        self._follow(name, args, kwargs, aligned, out)
+        self._follow(name, args, kwargs, aligned, out, 3)
         return out
 
     # ------------------------------------------------------------------ the graph's edges, outside layers
@@ -218,12 +218,12 @@ class RowCheck(TorchFunctionMode):
             out = func(*args, **kwargs)
             self._ids[id(out)] = (weakref.ref(out), "own")
             return out
-        if name in SIZED:  # (torch.ones(x.size(0), d): a row per vertex, followed)
+        if as_value(name, args, kwargs):
+            self._refuse_count(name, "uses a number read from a size (x.size(0), edge_index.size(1)) as a value")
+        elif name in SIZED:  # (torch.ones(x.size(0), d): a row per vertex, followed)
             out = func(*args, **kwargs)
             self.tracked.add(out, counted_dim(args, kwargs, out))
             return out
-        if as_value(name):
-            self._refuse_count(name, "uses a number read from a size (x.size(0), edge_index.size(1)) as a value")
         return None
 
     def _mark_ids(self, name: str, args, kwargs, out) -> bool:
@@ -283,7 +283,7 @@ class RowCheck(TorchFunctionMode):
             return count_of(name, args, func(*args, **kwargs), held[0][1])
         what = judge(name, args, kwargs, held) if held and self.found is None and not ids and \
             not by_index(name, args) else None
-        took = self._taken(name, func, args, kwargs, *held[0]) if what is not None else None
+        took = self.tracked.take(name, func, args, kwargs, *held[0]) if what is not None else None
         if took is not None:
             return took
         if what is not None:
@@ -313,7 +313,7 @@ class RowCheck(TorchFunctionMode):
                 if isinstance(o, Tensor) and o.dim() > 0 and (n is None or o.size(0) == n):
                     self._sums[id(o)] = weakref.ref(o)
         if held:
-            self._follow(name, args, kwargs, held, out)
+            self._follow(name, args, kwargs, held, out, 4)
         return out
 
     def edges(self, g: Any, reverse: bool = False) -> None:
@@ -356,29 +356,12 @@ class RowCheck(TorchFunctionMode):
         except Exception as exc:  # noqa: BLE001 - it cannot run even so: refuse on this rank now
             raise UnsupportedModelError(self.refusal) from exc
 
-    def _follow(self, name: str, args, kwargs, aligned, out) -> None:
-        t, v = aligned[0]
-        edges = self.tracked.per_edge(t)
-        outs = list(out) if isinstance(out, (tuple, list)) else [out]
-        for o in outs:
-            if not isinstance(o, Tensor) or o.dim() == 0 or o.layout != torch.strided:
-                continue
-            hit = follow(name, args, kwargs, t, v, o, self.tracked.layout, lambda p: self.vdim(p, edges=True))
-            if hit is not None:
-                self.tracked.add(o, hit[0], edges, hit[1])
-
-    def _taken(self, name: str, func, args, kwargs, t: Tensor, v: int):
-        """An operation selecting by position along ``v`` from rows joined along it: when it takes whole pieces
-        (``torch.cat([x, y])[:n]``) its outputs hold vertex rows again (followed; returned), else ``None``."""
-        lay = self.tracked.layout(t)
-        if lay is None or name not in TAKES or args[0] is not t:
-            return None
-        out = func(*args, **kwargs)
-        outs = list(out) if isinstance(out, (tuple, list)) else [out]
-        took = taken(name, args, kwargs, t, v, lay, outs)
-        for o, (d, pieces) in zip(outs, took or ()):
-            self.tracked.add(o, d, self.tracked.per_edge(t), pieces)
-        return out if took is not None else None
+    def _follow(self, name: str, args, kwargs, aligned, out, depth: int) -> None:
+        """The operation's outputs followed (:meth:`.row_layout.Followed.follow`); a reshape grouping the rows of
+        several vertices is a finding (``depth``: the frames from here to the model's line)."""
+        what = self.tracked.follow(name, args, kwargs, *aligned[0], out, lambda p: self.vdim(p, edges=True))
+        if what is not None and self.found is None:
+            self.found = self._describe(caller(depth), name, what, aligned[0][1])
 
     def _describe(self, frame, name: str, what: str, v: Optional[int], edges: bool = False) -> str:
         return texts.describe(frame, self.names, name, what, v, edges)

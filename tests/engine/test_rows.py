@@ -168,6 +168,8 @@ MORE_REFUSED = {
     "count_as_fill_value": (lambda s, x: x * torch.full((1,), x.size(0)), "full"),
     "vertex_pairs_by_reshape": (lambda s, x: x.view(-1, 2, H).mean(1).repeat_interleave(2, 0), "view"),
     "reshape_across_vertices": (lambda s, x: x.reshape(H, -1).sum(0).view(-1, 1) + x, "reshape"),
+    # (groups a chunk's rows cannot form: torch's shape error until 2026-11-28)
+    "reshape_into_groups_of_64": (lambda s, x: x + x.view(-1, 64, H).mean(1), "view|mean"),
 }
 #: the same operations along the features, or with a weight as the second operand: per row, exact
 MORE_ACCEPTED = {

@@ -209,7 +209,7 @@ def follow(name: str, args, kwargs, t: Tensor, v: int, o: Tensor, layout_of: Cal
 
 
 #: what :func:`follow` says of a reshape that groups the rows of several vertices
-GROUPS = "groups {rows} by position (a reshape of the vertex dimension into groups of rows)"
+GROUPS = "reshapes {rows} into groups by position"
 
 
 def _gathered(name: str, args, kwargs, t: Tensor, v: int) -> bool:

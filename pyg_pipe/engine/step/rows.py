@@ -51,7 +51,7 @@ from ..context import current
 from . import row_messages as texts
 from .counts import POSITIONAL, QUERIES, SIZED, as_value, count_of, counted_dim, has_count, uses_positions
 from .id_rules import SAME, as_values, ids_kinds, in_bounds, padded, reads_at_ids, scatter_index
-from .row_layout import Followed
+from .row_layout import GROUPS, RESHAPES, Followed
 from .row_rules import by_index, caller, in_propagate, op_name, tensors, users
 from .rowwise import UNKNOWN, judge
 
@@ -170,7 +170,12 @@ class RowCheck(TorchFunctionMode):
                 return func(*args, **kwargs)
             except Exception as exc:  # on part of the rows it cannot even run: say why, on every rank alike
                 raise UnsupportedModelError(self.message(self.found)) from exc
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError as exc:  # a reshape into groups of rows this chunk's row count does not divide
+            if name not in RESHAPES:
+                raise
+            raise UnsupportedModelError(self.message(self._describe(caller(), name, GROUPS, aligned[0][1]))) from exc
         self._follow(name, args, kwargs, aligned, out, 3)
         return out
 

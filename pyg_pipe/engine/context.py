@@ -91,6 +91,10 @@ class Observer(Protocol):
     def refuse(self, message: str) -> None:
         """A refusal found while the pass runs: raised on every rank once the pass is over."""
 
+    def python_op(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        """A step of a traced program ran Python's own arithmetic (``operator.truediv``, ...): ``out`` is what it
+        made of ``args``."""
+
 
 @dataclass
 class Invocation:

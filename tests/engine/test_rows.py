@@ -7,6 +7,7 @@ two stages with 4 chunks, and one process with one chunk (nothing cut: nothing r
 plain PyG).
 """
 import copy
+import math
 
 import pytest
 import torch
@@ -170,7 +171,17 @@ MORE_REFUSED = {
     "reshape_across_vertices": (lambda s, x: x.reshape(H, -1).sum(0).view(-1, 1) + x, "reshape"),
     # (groups a chunk's rows cannot form: torch's shape error until 2026-11-28)
     "reshape_into_groups_of_64": (lambda s, x: x + x.view(-1, 64, H).mean(1), "view|mean"),
+    # a count Python makes a plain float (read from the code; off by 0.015 to 0.12 until 2026-11-28)
+    "count_made_a_float": (lambda s, x: x * (1.0 / x.size(0)), "plain Python number"),
+    "count_through_math": (lambda s, x: x / math.sqrt(x.shape[0]), "plain Python number"),
+    "count_named_then_a_float": (lambda s, x: _scaled(x), "plain Python number"),
 }
+
+
+def _scaled(x):
+    n = x.size(0)
+    m = n - 1
+    return x * (2.0 / m)
 #: the same operations along the features, or with a weight as the second operand: per row, exact
 MORE_ACCEPTED = {
     "cdist_to_weights": lambda s, x: torch.cdist(x, s.lin.weight[:3]) @ s.lin.weight[:3],
@@ -204,6 +215,7 @@ MORE_ACCEPTED = {
     "repeat_interleave_grouped": lambda s, x: x.repeat_interleave(2, 0).view(x.size(0), 2, -1).mean(1),
     "cat_constant_rows_taken_back": lambda s, x: torch.cat([x, torch.ones(x.size(0), H)], 0)[x.size(0):] * x,
     "flattened_and_back": lambda s, x: x.view(-1).view(-1, H) + x.reshape(-1, H // 2).view(-1, H),
+    "feature_count_as_a_float": lambda s, x: x / math.sqrt(x.size(1)) + x * (1.0 / x.shape[1]),
 }
 
 

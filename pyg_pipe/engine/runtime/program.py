@@ -49,6 +49,8 @@ class StageProgram:
         self.placeholders = program.placeholders
         self.generic = _is_generic_sequential(self.module, fn)
         self._release = _last_uses(stage.steps, set(stage.outputs))
+        self._python = {n.name for n in stage.steps if n.op == "call_function" and
+                        getattr(n.target, "__module__", None) in ("_operator", "operator", "math", "builtins")}
         # calls numbered in the whole forward's order, whichever stage runs them (DropEdge's: :mod:`..step.dropedge`)
         numbered = [n for n in program.graph.nodes if n.op == "call_function" and getattr(n.target, "numbered", False)]
         self._ordinal = {n.name: i for i, n in enumerate(numbered)}
@@ -88,7 +90,12 @@ class StageProgram:
         if node.op == "call_function":
             if node.name in self._ordinal:
                 current().drops = self._ordinal[node.name]
-            return node.target(*args, **kwargs)
+            out = node.target(*args, **kwargs)
+            if node.name in self._python and type(out) is float:  # (a count made a plain float: the row check)
+                ctx = current()
+                if ctx is not None and ctx.observer is not None:
+                    ctx.observer.python_op(node.name, args, kwargs, out)
+            return out
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         if node.op == "get_attr":

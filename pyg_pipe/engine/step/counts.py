@@ -25,9 +25,9 @@ So during the checked pass, outside the layers and in the user's code of a layer
 
 Counts used as sizes (``x.view(x.size(0), 2, -1)``, ``x.new_zeros(x.size(0), d)``) run as before. ``len(x)`` of vertex
 rows is refused outside the layers (Python turns what ``__len__`` returns into a plain ``int``: not followed;
-``x.size(0)`` is). Not followed: a ``float`` on the left of the arithmetic (``1.0 / n``: Python asks ``float``
-first), ``float(n)`` and ``math`` functions of a count.
-"""
+``x.size(0)`` is). Python makes a plain ``float`` of a count without asking it where a float is on the left of the
+arithmetic (``1.0 / n``), in ``float(n)`` and in ``math`` functions: those are found in the code that read the count
+(:mod:`.count_uses`), or, in a traced pipeline stage, at the step that did it."""
 from __future__ import annotations
 
 from typing import Any

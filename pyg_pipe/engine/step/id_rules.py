@@ -4,13 +4,49 @@ edge_index``; a read of rows at edge sources outside ``propagate``, or a scatter
 there)."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import weakref
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .counts import as_value
 from .row_rules import _REDUCE, _arg, _norm
+
+
+class Ids:
+    """The tensors holding vertex ids at edge ends that the row check follows (by identity, weakly), each with the
+    ends it holds: ``"src"`` / ``"dst"``, a pair for an edge list, ``"own"`` for positions numbered from a count."""
+
+    def __init__(self):
+        self._by_id: Dict[int, Any] = {}
+
+    def mark(self, t: Any, kind) -> None:
+        if isinstance(t, Tensor):
+            self._by_id[id(t)] = (weakref.ref(t), kind)
+
+    def edges(self, g: Any, reverse: bool = False) -> None:
+        """``g`` (a ``[2, E]`` edge list of the running layer) holds vertex ids: its sources, then destinations
+        (``reverse``: the other way round, for a layer with ``flow="target_to_source"``)."""
+        if isinstance(g, Tensor) and g.layout == torch.strided and g.dim() == 2 and g.size(0) == 2:
+            self.mark(g, ("dst", "src") if reverse else ("src", "dst"))
+
+    def kind(self, t: Any):
+        """Which ends of edges ``t`` holds the vertex ids of (``None``: none)."""
+        hit = self._by_id.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
+
+    def has(self, t: Any) -> bool:
+        return self.kind(t) is not None
+
+    def follow(self, name: str, args, kwargs, out) -> bool:
+        """Whether the operation's outputs hold vertex ids at edge ends (selected, joined, reshaped from such ids);
+        if so they are followed as such."""
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        kinds = ids_kinds(name, args, kwargs, self.kind, len(outs))
+        for o, kind in zip(outs, kinds or ()):
+            self.mark(o, kind)
+        return kinds is not None
 
 
 #: operations whose output holds entries of their input (so vertex ids at edge ends stay vertex ids):

@@ -33,8 +33,8 @@ summed at the sources, they are refused (PyG's ``degree`` at the destinations is
 
 An operation on vertex rows no rule judges and not known to work row by row (:mod:`.rowwise`) is refused by name
 (``pyg_pipe.declare_row_wise`` vouches for one). Sizes (``x.size(0)``), positions numbered from them (``arange``) and
-edges' ids used as values are refused (:mod:`.counts`, :mod:`.id_rules`). Not followed: Python loops over rows,
-Python numbers read from their values.
+edges' ids used as values are refused (:mod:`.counts`, :mod:`.id_rules`; sizes Python makes plain floats are found in
+the code that read them: :mod:`.count_uses`). Not followed: Python loops over rows, Python numbers read from values.
 """
 from __future__ import annotations
 
@@ -49,8 +49,9 @@ from torch.overrides import TorchFunctionMode
 from ...model.errors import UnsupportedModelError
 from ..context import current
 from . import row_messages as texts
+from .count_uses import float_use, made_float
 from .counts import POSITIONAL, QUERIES, SIZED, as_value, count_of, counted_dim, has_count, uses_positions
-from .id_rules import SAME, as_values, ids_kinds, in_bounds, padded, reads_at_ids, scatter_index
+from .id_rules import SAME, Ids, as_values, in_bounds, padded, reads_at_ids, scatter_index
 from .row_layout import GROUPS, RESHAPES, Followed
 from .row_rules import by_index, caller, in_propagate, op_name, tensors, users
 from .rowwise import UNKNOWN, judge
@@ -76,7 +77,8 @@ class RowCheck(TorchFunctionMode):
         self.found: Optional[str] = None
         self.refusal: Optional[str] = None   # a refusal the engine found while the pass ran (:meth:`refuse`)
         self._paused = 0
-        self._ids: Dict[int, Any] = {}   # tensors holding vertex ids at edge ends (:func:`~.id_rules.ids_kinds`)
+        self._read_at: Dict[Any, set] = {}  # code object -> (line, dimension) where the user's code read a count
+        self.ids = Ids()                  # tensors holding vertex ids at edge ends (:mod:`.id_rules`)
         self._graphs_of: Any = None       # the run whose handed graphs were marked as ids
         self._sums: Dict[int, Any] = {}  # per-vertex sums over a layer's edges at their destinations (and what
         #                                   is computed from them): complete for the chunk's rows only
@@ -85,7 +87,7 @@ class RowCheck(TorchFunctionMode):
         """The checked pass goes on to another chunk of ``rows`` rows: every chunk of the pass is followed (what one
         chunk cannot run, another may not even reach; each runs to its end and the verdict comes after the pass)."""
         self.rows = rows
-        self.tracked, self._ids, self._sums, self._graphs_of = Followed(), {}, {}, None
+        self.tracked, self.ids, self._sums, self._graphs_of = Followed(), Ids(), {}, None
 
     def refuse(self, message: str) -> None:
         """A refusal found while the pass runs on this rank: raised on every rank after the pass
@@ -145,7 +147,7 @@ class RowCheck(TorchFunctionMode):
             for obj, _, _, local in list(getattr(ctx.graphs, "known", {}).values()):
                 self.edges(obj)
                 self.edges(local)
-        if any(self._is_ids(t) for t in tensors(args, kwargs)):  # (followed after a finding too: kept in bounds)
+        if any(self.ids.has(t) for t in tensors(args, kwargs)):  # (followed after a finding too: kept in bounds)
             return self._at_edges(func, args, kwargs)
         if self.found is not None:
             return func(*args, **kwargs)
@@ -157,7 +159,7 @@ class RowCheck(TorchFunctionMode):
         if not aligned:
             return func(*args, **kwargs)
         if name in QUERIES and aligned[0][0] is args[0]:
-            return count_of(name, args, func(*args, **kwargs), aligned[0][1])
+            return self._count(caller(), name, args, func(*args, **kwargs), aligned[0][1])
         if name == "__len__" and aligned[0][1] == 0:  # (an int Python makes plain: not followed)
             self._refuse_count(name, "reads the number of vertex rows with len(), not followed (write x.size(0))")
         what = judge(name, args, kwargs, aligned)
@@ -188,26 +190,26 @@ class RowCheck(TorchFunctionMode):
         (``x[edge_index[0]]``) reads rows the chunk does not hold; one device sees the whole graph. Both are refused
         on every rank after the pass (the pass goes on, the indices kept in bounds), whatever the chunk holds."""
         name = op_name(func)
-        if name in QUERIES and self._is_ids(args[0]):  # the number of edges (or positions): a count
-            return count_of(name, args, func(*args, **kwargs), args[0].dim() - 1)
+        if name in QUERIES and self.ids.has(args[0]):  # the number of edges (or positions): a count
+            return self._count(caller(3), name, args, func(*args, **kwargs), args[0].dim() - 1)
         at = scatter_index(name, args, kwargs)
-        if at is not None and self._is_ids(at):
-            if self._kind(at) == "own":
+        if at is not None and self.ids.has(at):
+            if self.ids.kind(at) == "own":
                 self._refuse_count(name, "scatters values at positions numbered from x.size(0)")
             self._refuse_edges(name, "sums over the graph's edges per vertex (a degree, a count or sum at the edges' "
                                      "ends)")
             return func(*in_bounds(name, args, kwargs), **kwargs)
-        rows = [(t, 0 if d is None else d) for t in tensors(args, kwargs) if t.dim() > 0 and not self._is_ids(t)
+        rows = [(t, 0 if d is None else d) for t in tensors(args, kwargs) if t.dim() > 0 and not self.ids.has(t)
                 for d in [self.vdim(t)]]  # (a tensor indexed by vertex ids holds vertex rows, tracked or not)
-        read = reads_at_ids(name, args, kwargs, rows, self._is_ids) if rows else None
+        read = reads_at_ids(name, args, kwargs, rows, self.ids.has) if rows else None
         if read is not None:
-            if self._kind(read[2]) == "own":
+            if self.ids.kind(read[2]) == "own":
                 self._refuse_count(name, "reads rows at positions numbered from x.size(0)")
             self._refuse_edges(name, "reads {rows} at the ends of the graph's edges", read[1])
             return func(*padded(args, *read), **kwargs)
         out = func(*args, **kwargs)
-        if not self._mark_ids(name, args, kwargs, out):
-            if uses_positions(name) and any(self._kind(t) == "own" for t in tensors(args, kwargs)):
+        if not self.ids.follow(name, args, kwargs, out):
+            if uses_positions(name) and any(self.ids.kind(t) == "own" for t in tensors(args, kwargs)):
                 self._refuse_count(name, "uses positions numbered from x.size(0) (torch.arange) as values")
             elif as_values(name):
                 self._refuse_edges(name, "uses the vertex ids of the graph's edges as values")
@@ -221,7 +223,7 @@ class RowCheck(TorchFunctionMode):
         a value, refused; else ``None``."""
         if name in POSITIONAL:
             out = func(*args, **kwargs)
-            self._ids[id(out)] = (weakref.ref(out), "own")
+            self.ids.mark(out, "own")
             return out
         if as_value(name, args, kwargs):
             self._refuse_count(name, "uses a number read from a size (x.size(0), edge_index.size(1)) as a value")
@@ -231,17 +233,17 @@ class RowCheck(TorchFunctionMode):
             return out
         return None
 
-    def _mark_ids(self, name: str, args, kwargs, out) -> bool:
-        """Whether the operation's outputs hold vertex ids at edge ends (selected, joined, reshaped from such ids);
-        if so they are followed as such."""
-        outs = list(out) if isinstance(out, (tuple, list)) else [out]
-        kinds = ids_kinds(name, args, kwargs, self._kind, len(outs))
-        if kinds is None:
-            return False
-        for o, kind in zip(outs, kinds):
-            if isinstance(o, Tensor):
-                self._ids[id(o)] = (weakref.ref(o), kind)
-        return True
+    def _count(self, frame, name: str, args, out, v: int):
+        """What a size query returns (:func:`.counts.count_of`), the user's line that asked noted for
+        :mod:`.count_uses` (PyG's and the engine's own code is not the user's)."""
+        if frame is not None and users(frame) and not frame.f_globals.get("__name__", "").startswith("pyg_pipe"):
+            self._read_at.setdefault(frame.f_code, set()).add((frame.f_lineno, v))
+        return count_of(name, args, out, v)
+
+    def python_op(self, name: str, args: tuple, kwargs: dict, out) -> None:
+        """A traced step's Python arithmetic made a plain float of a count (``1.0 / x.size(0)``)."""
+        if has_count(args, kwargs):
+            self.refuse(texts.counted(made_float(f"traced step '{name}'"), self.cut))
 
     def _refuse_count(self, name: str, what: str) -> None:
         if self.refusal is None:
@@ -280,12 +282,12 @@ class RowCheck(TorchFunctionMode):
         held = [(t, d) for t in tens for d in [self.vdim(t)] if d is not None]  # (all its rows in a whole-graph call)
         rows = held if inv.rows_only else []
         sums = [(t, 0) for t in tens if self._partial(t)]
-        ids = any(self._is_ids(t) for t in tens)
+        ids = any(self.ids.has(t) for t in tens)
         if (not held and not sums and not ids) or in_propagate():
             return func(*args, **kwargs)
         name = op_name(func)
         if name in QUERIES and held and held[0][0] is args[0]:
-            return count_of(name, args, func(*args, **kwargs), held[0][1])
+            return self._count(caller(3), name, args, func(*args, **kwargs), held[0][1])
         what = judge(name, args, kwargs, held) if held and self.found is None and not ids and \
             not by_index(name, args) else None
         took = self.tracked.take(name, func, args, kwargs, *held[0]) if what is not None else None
@@ -293,25 +295,25 @@ class RowCheck(TorchFunctionMode):
             return took
         if what is not None:
             self.found = self._describe(caller(3), name, what, held[0][1])
-        read = reads_at_ids(name, args, kwargs, rows + sums, self._is_ids) if rows or sums else None
-        if read is not None and self._kind(read[2]) not in ("dst", "own"):  # (destinations are the chunk's own rows)
+        read = reads_at_ids(name, args, kwargs, rows + sums, self.ids.has) if rows or sums else None
+        if read is not None and self.ids.kind(read[2]) not in ("dst", "own"):  # (destinations are the chunk's own rows)
             if any(t is read[0] for t, _ in rows):
                 return self._neighbour_read(inv, name, func, args, kwargs, *read)
             self._refuse_sum(inv, name, "reads at the sources of the layer's edges a value summed over each "
                                         "vertex's in-edges" + texts.ENDS[inv.reverse])
             return self._neighbour_read(inv, name, func, args, kwargs, *read)
         at = scatter_index(name, args, kwargs)
-        if at is not None and self._is_ids(at) and self._kind(at) not in ("dst", "own"):
+        if at is not None and self.ids.has(at) and self.ids.kind(at) not in ("dst", "own"):
             self._refuse_sum(inv, name, "sums over the layer's edges at their sources (out-degrees)"
                              + texts.ENDS[inv.reverse])
             args = in_bounds(name, args, kwargs)  # (sources past the chunk's rows: the pass goes on to its end)
         out = func(*args, **kwargs)
-        if self._mark_ids(name, args, kwargs, out):
+        if self.ids.follow(name, args, kwargs, out):
             return out
-        if ids and uses_positions(name) and any(self._kind(t) == "own" for t in tens) and users(caller(3)):
+        if ids and uses_positions(name) and any(self.ids.kind(t) == "own" for t in tens) and users(caller(3)):
             self._refuse_count(name, "uses positions numbered from x.size(0) (torch.arange) as values")
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
-        if (at is not None and self._kind(at) in ("dst", "own")) or sums:  # per-vertex sums at the destinations, and
+        if (at is not None and self.ids.kind(at) in ("dst", "own")) or sums:  # per-vertex sums at the destinations, and
             into = [args[0]] if at is not None and name.endswith("_") else []  # what is computed from them
             n = sums[0][0].size(0) if sums and at is None else None
             for o in outs + into:
@@ -322,10 +324,8 @@ class RowCheck(TorchFunctionMode):
         return out
 
     def edges(self, g: Any, reverse: bool = False) -> None:
-        """``g`` (a ``[2, E]`` edge list of the running layer) holds vertex ids: its sources, then destinations
-        (``reverse``: the other way round, for a layer with ``flow="target_to_source"``)."""
-        if isinstance(g, Tensor) and g.layout == torch.strided and g.dim() == 2 and g.size(0) == 2:
-            self._ids[id(g)] = (weakref.ref(g), ("dst", "src") if reverse else ("src", "dst"))
+        """``g`` (a ``[2, E]`` edge list of the running layer) holds vertex ids (:meth:`.id_rules.Ids.edges`)."""
+        self.ids.edges(g, reverse)
 
     def _partial(self, t: Tensor) -> bool:
         """Whether ``t`` was summed over the layer's edges at their destinations (or computed from such sums)."""
@@ -343,14 +343,6 @@ class RowCheck(TorchFunctionMode):
         if self.refusal is None:
             found = self._describe(caller(5), name, what, 0)
             self.refuse(texts.partial_sums(found, self.cut, inv.name))
-
-    def _kind(self, t: Tensor):
-        """Which ends of the layer's edges ``t`` holds the vertex ids of (``None``: none)."""
-        hit = self._ids.get(id(t))
-        return hit[1] if hit is not None and hit[0]() is t else None
-
-    def _is_ids(self, t: Tensor) -> bool:
-        return self._kind(t) is not None
 
     def _neighbour_read(self, inv, name: str, func, args, kwargs, t: Tensor, v: int, index: Tensor):
         if self.refusal is None:
@@ -378,6 +370,9 @@ class RowCheck(TorchFunctionMode):
     def verdict(self, comm) -> None:
         """After the pass: shares what this rank found with all (a collective over ``comm``'s world)
         and raises the same error everywhere if any rank found an operation or a refusal."""
+        found = float_use(self._read_at)  # counts made plain floats where the user's code read them
+        if found is not None:
+            self.refuse(texts.counted(found, self.cut))
         every = comm.all_gather_objects((self.refusal, self.found), "the row check")
         refusal = next((r for r, _ in every if r is not None), None)
         if refusal is not None:

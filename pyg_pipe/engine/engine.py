@@ -120,7 +120,8 @@ class GNNPipeEngine:
         self._shape: Optional[Shape] = None
         self._sizes: Optional[tuple] = None
         self.chunk_choice: Optional[tuple] = None   # num_chunks="auto" by an earlier engine: (count, step s, offload)
-        self.grid_choice: Optional[tuple] = None    # grid="auto": (stages, ways), measured once (or by an earlier engine)
+        # grid="auto": (stages, ways), measured once (or by an earlier engine)
+        self.grid_choice: Optional[tuple] = None
         self.grid_report = None                     # ... and on the rank that measured, every candidate's prediction
         self._runtimes: List[Runtime] = []
         self._saved: Optional[dict] = None

@@ -114,8 +114,8 @@ class _ChunkProbe:
         lg = self.lg
         check = RowCheck(lg.rows, {id(m): n for n, m in self.module.named_modules()}, cut)
         ctx = ChunkContext(self.cgs[0], lg, self.halo, self.localizer.resolver(0, self._derive),
-                           Statistics(None, None, None, lg.rows, False), self.cache, check)  # (what it caches, the
-        #                                                                    measuring passes would cache: no second copy)
+                           Statistics(None, None, None, lg.rows, False), self.cache, check)
+        # (what it caches, the measuring passes would cache: no second copy)
         try:
             with self.passes(), torch.no_grad(), ctx:
                 env = self.runner.bind(*self.localizer.localize(0, ctx))

@@ -1,10 +1,10 @@
 """Compiled graph operators: fused CSR gather-aggregate kernels and their PyG integration.
 
 ``csr_aggregate`` is the kernel call and ``backend()`` says which implementation runs (see
-:mod:`pyg_pipe.ops.aggregate`, built by :mod:`pyg_pipe.ops.build`); ``install`` / ``uninstall`` / ``fused_kernels`` route PyG's
-sparse-adjacency aggregation (``torch_geometric.utils.spmm``) to it (see :mod:`pyg_pipe.ops.pyg`);
-``fuse_messages(model)`` does the same for layers given an ``edge_index`` whose message is the source
-row, optionally weighted per edge (see :mod:`pyg_pipe.ops.messages`).
+:mod:`pyg_pipe.ops.aggregate`, built by :mod:`pyg_pipe.ops.build`); ``install`` / ``uninstall`` /
+``fused_kernels`` route PyG's sparse-adjacency aggregation (``torch_geometric.utils.spmm``) to it (see
+:mod:`pyg_pipe.ops.pyg`); ``fuse_messages(model)`` does the same for layers given an ``edge_index`` whose message
+is the source row, optionally weighted per edge (see :mod:`pyg_pipe.ops.messages`).
 """
 
 from pyg_pipe.ops.aggregate import clear_cache, csr_aggregate, csr_gated_aggregate

@@ -140,9 +140,9 @@ def _env_setting(name: str, default, parse: Callable, valid: Callable, error: Ca
 
 def _build_timeout() -> float:
     """Seconds to wait for another process's build: ``PYG_PIPE_BUILD_TIMEOUT``, default 600."""
-    return _env_setting(ENV_BUILD_TIMEOUT, _DEFAULT_BUILD_TIMEOUT_S, float, lambda s: s > 0, lambda raw: _BuildLockError(
-        f"{ENV_BUILD_TIMEOUT}={raw!r} is not a positive number of seconds; set it to "
-        f"e.g. {_DEFAULT_BUILD_TIMEOUT_S:.0f} or unset it."))
+    return _env_setting(ENV_BUILD_TIMEOUT, _DEFAULT_BUILD_TIMEOUT_S, float, lambda s: s > 0,
+                        lambda raw: _BuildLockError(f"{ENV_BUILD_TIMEOUT}={raw!r} is not a positive number of seconds; "
+                                                    f"set it to e.g. {_DEFAULT_BUILD_TIMEOUT_S:.0f} or unset it."))
 
 
 def _library_exists(build_dir: Path, name: str) -> bool:

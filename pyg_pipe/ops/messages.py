@@ -125,7 +125,8 @@ class _Fused:
     def __init__(self, module):
         self.module = module
         # where each message argument comes from in propagate's kwargs (x for x_j), read once
-        self.sources = [(p, p[:-2] if p[-2:] in ("_i", "_j") else p) for p in module.inspector.get_param_names("message")]
+        self.sources = [(p, p[:-2] if p[-2:] in ("_i", "_j") else p)
+                        for p in module.inspector.get_param_names("message")]
         self.routes: Dict[tuple, Any] = {}
         self.route = None      # the route of the call in progress
         self.lazy = False

@@ -15,8 +15,8 @@ from ..memory import PeakMemory
 from ..model import UnsupportedModelError
 from ..model.find import count_layers, pipelined_module
 from .batch import SameGraph, check_batch, check_graph, graph_of
-from .callbacks import (CommLogger, GlobalNormClipping, MemoryCheck, StalenessLogger, TimelineLogger, clip_by_global_norm,
-                        memory_check)
+from .callbacks import (CommLogger, GlobalNormClipping, MemoryCheck, StalenessLogger, TimelineLogger,
+                        clip_by_global_norm, memory_check)
 from .checkpoint import PipelineCheckpoints
 from .errors import PostsErrors
 from .launchers import CheckedScriptLauncher, ResultsLauncher

@@ -78,7 +78,8 @@ class ChunkChoice:
         return (f"pyg_pipe: num_chunks='auto': {n} chunk{'s' * (n > 1)} ({self.per_way} a way over {stages} "
                 f"stages); predicted step {self.predicted[self.per_way]:.3g} s, the fastest "
                 f"{self.predicted[fastest]:.3g} s at {fastest * ways}; the fewest chunks within {SLACK:.0%} of it "
-                f"read the least stale history (a chunk {self.per_chunk_s * 1e3:.3g} ms + {self.per_row_s * 1e6:.3g} us a row, measured"
+                f"read the least stale history (a chunk {self.per_chunk_s * 1e3:.3g} ms + "
+                f"{self.per_row_s * 1e6:.3g} us a row, measured"
                 f"{'; the processes share the cores' if self.shared else ''}; num_chunks=<int> overrides).")
 
 

@@ -3,7 +3,8 @@
 The counters of :class:`~..comm.Comm` measure what actually travels; these formulas
 say what should, and the tests check that the two agree. fp32 unless ``bytes_per_value`` says
 otherwise (``b``; with ``boundary_dtype=torch.bfloat16`` the stage, carried and halo terms take
-``boundary_bytes = 2`` instead, while the output and the weight all-reduce stay at ``b``); ``d`` is the width of the activation at every stage cut, ``|V|`` the number of vertices::
+``boundary_bytes = 2`` instead, while the output and the weight all-reduce stay at ``b``); ``d`` is the width of
+the activation at every stage cut, ``|V|`` the number of vertices::
 
     GNNPipe (S stages, W = 1)
         stage_activations = stage_gradients = (S-1)·|V|·d·b         independent of the depth L

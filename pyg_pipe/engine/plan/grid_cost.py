@@ -272,10 +272,11 @@ def auto_grid(P: int, layers: int, inputs, config, seconds_of, memory_of, partit
 def regrid(shape, module: torch.nn.Module, fn, config, inputs, comm, saved_plan: Optional[dict],
            chosen: Optional[Tuple[int, int]], notes: Optional[List[str]] = None):
     """The engine's ``grid="auto"``: ``(shape, (S, W), chunk choice, the GridChoice where measured here)``.
-    ``shape``: the grid of one stage a device (:func:`~.plan.decide_shape`, traced); a checkpoint's plan (``saved_plan``) or an earlier engine's choice
-    (``chosen``) is taken instead of measuring again. The chunk choice, ``(C, predicted step, None)`` for
-    ``num_chunks="auto"``, is ``None`` where nothing was measured or where a memory budget applies (the count is
-    then fitted to it as ``num_chunks="auto"`` does). A shape that is not a traced pipeline stays as it is."""
+    ``shape``: the grid of one stage a device (:func:`~.plan.decide_shape`, traced); a checkpoint's plan
+    (``saved_plan``) or an earlier engine's choice (``chosen``) is taken instead of measuring again. The chunk
+    choice, ``(C, predicted step, None)`` for ``num_chunks="auto"``, is ``None`` where nothing was measured or where
+    a memory budget applies (the count is then fitted to it as ``num_chunks="auto"`` does). A shape that is not a
+    traced pipeline stays as it is."""
     from ..profile import training_pass_memory, training_pass_seconds
     from .plan import Shape
     P = comm.world_size

@@ -44,9 +44,9 @@ def check_output(out, rows: int) -> Tensor:
 
 
 def same_loss(comm, grad: Tensor) -> None:
-    """Every rank computed the loss from the whole output ``grad`` is the gradient of, and the ways each take the gradient of their own
-    rows from theirs: the gradients must agree, or the rows would train on different losses (a random draw
-    after the model, such as negative sampling, made differently on each rank). Checked once per call
+    """Every rank computed the loss from the whole output ``grad`` is the gradient of, and the ways each take the
+    gradient of their own rows from theirs: the gradients must agree, or the rows would train on different losses (a
+    random draw after the model, such as negative sampling, made differently on each rank). Checked once per call
     (a position-weighted sum, its largest and smallest over the ranks in one all-reduce of two numbers), with
     room for the order a device sums in."""
     g = grad.detach().reshape(-1).to(torch.float64)

@@ -191,7 +191,8 @@ def exact(rt: Runtime, inputs: CallInputs, history: Optional[CallHistory] = None
     sig = signature(rt.module, inputs)
     lg = cgs[0].chunks[w]
     check = row_check(rt, lg.rows)
-    rec = run_chunk(rt, run, Localizer(inputs, cgs, rt.adjacency, rt.tables, rt.keep_inputs), cgs, w, rt.programs.runner(inputs),
+    localizer = Localizer(inputs, cgs, rt.adjacency, rt.tables, rt.keep_inputs)
+    rec = run_chunk(rt, run, localizer, cgs, w, rt.programs.runner(inputs),
                     ("exact", sig, w), True, init=init, check=check, train=False,
                     statistics=statistics if init else None)
     rt.sites.record(kind_of(rt.module.training, sig), site_keys(rec.ctx.sites))

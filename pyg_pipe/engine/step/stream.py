@@ -92,7 +92,8 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
     if rt.direct is None:
         rt.direct = DirectCalls()
     runners = rt.programs.stage_runners(inputs)
-    record = StreamRecord(rt, inputs, Localizer(inputs, rt.chunked, rt.adjacency, rt.tables, rt.keep_inputs), runners, store, [])
+    localizer = Localizer(inputs, rt.chunked, rt.adjacency, rt.tables, rt.keep_inputs)
+    record = StreamRecord(rt, inputs, localizer, runners, store, [])
     record.localizer.call = rt.call if train else 0
     checking = row_check(rt, cg.chunks[0].rows) is not None  # the first pass of this mode checks every group
     capturing = cg.device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -322,6 +322,11 @@ def _per_count(x):
     return x / x.size(0)
 
 
+def _float_count(x):
+    scale = 1.0 / x.size(0)
+    return x * scale
+
+
 def _sizes(x):
     return x.view(x.size(0), 2, -1).flatten(1) + x.new_zeros(x.shape[0], H)
 
@@ -335,7 +340,8 @@ REFUSED.update({"mean_inside_second_layer": (lambda: InsideNet(_centre_rows, Fal
                 "softmax_inside_first_layer": (lambda: InsideNet(_softmax_rows, True), "softmax"),
                 # sizes in a layer's forward (silently wrong until 2026-11-28: off by 0.009 to 4.05)
                 "positions_inside_first_layer": (lambda: InsideNet(_positions, True), "mul"),
-                "count_inside_second_layer": (lambda: InsideNet(_per_count, False), "div")})
+                "count_inside_second_layer": (lambda: InsideNet(_per_count, False), "div"),
+                "float_count_inside_first_layer": (lambda: InsideNet(_float_count, True), "plain Python number")})
 
 
 def _row_local(self, x, ei, batch):

@@ -84,7 +84,8 @@ class _Reader:
         self.dims: Dict[int, Set[int]] = {}
         for line, dim in seen:
             self.dims.setdefault(line, set()).add(dim)
-        self.names: Set[str] = set()
+        self.names: Set[str] = set()   # bound to counts
+        self.floats: Set[str] = set()  # bound to floats (``alpha = 0.5``)
 
     def _read_here(self, node: ast.AST, dim: Optional[int]) -> bool:
         dims = self.dims.get(getattr(node, "lineno", -1))
@@ -110,7 +111,7 @@ class _Reader:
         if isinstance(node, ast.Name):
             return node.id in self.names
         if isinstance(node, ast.BinOp):
-            return (self.counts(node.left) or self.counts(node.right)) and not _floaty(node.left)
+            return (self.counts(node.left) or self.counts(node.right)) and not self.floaty(node.left)
         if isinstance(node, ast.UnaryOp):
             return self.counts(node.operand)
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _INTEGRAL:
@@ -120,18 +121,37 @@ class _Reader:
     def bind(self, tree: ast.AST) -> None:
         """The names bound to counts (``n = x.size(0)``, ``n, d = x.size()``, ``m = n - 1``), to a fixed point."""
         while True:
-            before = len(self.names)
+            before = len(self.names) + len(self.floats)
             for node in ast.walk(tree):
                 if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
                     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                     for target in targets:
                         if isinstance(target, ast.Name) and self.counts(node.value):
                             self.names.add(target.id)
+                        elif isinstance(target, ast.Name) and self.floaty(node.value):
+                            self.floats.add(target.id)
                         elif isinstance(target, ast.Tuple) and _whole_size(node.value):
                             self.names.update(e.id for i, e in enumerate(target.elts) if isinstance(e, ast.Name)
                                               and self._read_here(node.value, i))
-            if len(self.names) == before:
+            if len(self.names) + len(self.floats) == before:
                 return
+
+    def floaty(self, node: ast.AST) -> bool:
+        """An expression Python evaluates to a float before it meets the right operand (a float literal, ``float(..)``,
+        a ``math`` function, a name bound to one of those, arithmetic starting with one)."""
+        if isinstance(node, ast.Constant):
+            return isinstance(node.value, float)
+        if isinstance(node, ast.Name):
+            return node.id in self.floats
+        if isinstance(node, ast.Call):
+            f = node.func
+            return (isinstance(f, ast.Name) and f.id == "float") or (
+                isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in _FLOATING)
+        if isinstance(node, ast.BinOp):  # (a count or a tensor on the left answers itself)
+            return self.floaty(node.left) or (isinstance(node.left, ast.Constant) and self.floaty(node.right))
+        if isinstance(node, ast.UnaryOp):
+            return self.floaty(node.operand)
+        return False
 
     def uses(self, tree: ast.AST) -> list:
         """The expressions of ``tree`` that make a count a plain float."""
@@ -144,7 +164,7 @@ class _Reader:
                     isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in _FLOATING)
                 made = floating and any(self.counts(a) for a in node.args)
             elif isinstance(node, ast.BinOp):
-                made = _floaty(node.left) and self.counts(node.right)
+                made = self.floaty(node.left) and self.counts(node.right)
             if made:
                 found.append(node)
         return found
@@ -156,17 +176,3 @@ def _whole_size(node: ast.AST) -> bool:
             and not node.args) or (isinstance(node, ast.Attribute) and node.attr == "shape")
 
 
-def _floaty(node: ast.AST) -> bool:
-    """An expression Python evaluates to a float before it meets the right operand (a float literal, ``float(..)``,
-    a ``math`` function, arithmetic starting with one)."""
-    if isinstance(node, ast.Constant):
-        return isinstance(node.value, float)
-    if isinstance(node, ast.Call):
-        f = node.func
-        return (isinstance(f, ast.Name) and f.id == "float") or (
-            isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in _FLOATING)
-    if isinstance(node, ast.BinOp):
-        return _floaty(node.left) or _floaty(node.right)
-    if isinstance(node, ast.UnaryOp):
-        return _floaty(node.operand)
-    return False

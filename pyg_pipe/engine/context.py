@@ -85,6 +85,10 @@ class Observer(Protocol):
         """``value`` (a tensor or nested tuples of them), returned by a layer or a graph-wide module, has
         one row per vertex of the chunk along ``vdim`` (``None``: along its first dimension of that size)."""
 
+    def layer_returned(self, value: Any, vdim_of: Callable, reverse: bool) -> None:
+        """What a layer returned: tensors with a row per vertex of the chunk (``vdim_of(t)``: along which dimension),
+        and, with ``return_attention_weights=True``, its local edge list and a row per edge of it."""
+
     def paused(self):
         """A context manager: the operations run inside are the engine's, not the user's."""
 

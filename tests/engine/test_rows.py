@@ -369,7 +369,33 @@ def _with_instance_norm():
     return model
 
 
+class Attention(nn.Module):
+    """GAT layers, the first returning its attention weights (``return_attention_weights=True``: its local edge list
+    and a row per edge), ``use(h, edge_index, alpha)`` between them."""
+
+    def __init__(self, use):
+        super().__init__()
+        self.use = use
+        self.conv1 = gnn.GATConv(8, H, heads=2, concat=False)
+        self.conv2 = gnn.GATConv(H, H, heads=2, concat=False)
+        self.conv3 = gnn.GCNConv(H, 3)
+
+    def forward(self, x, edge_index, batch):
+        h, (ei, alpha) = self.conv1(x, edge_index, return_attention_weights=True)
+        h = self.conv2(self.use(h.relu(), ei, alpha), edge_index).relu()
+        return self.conv3(h, edge_index)
+
+
+# a layer's per-edge outputs reduced, its local edge list counted (off by 0.18 to 3.0 until 2026-11-28), and a count
+# times a float (int answered NotImplemented, float made it plain)
+REFUSED.update({"attention_weights_reduced": (lambda: Attention(lambda h, ei, a: h + a.mean()), "mean"),
+                "attention_entropy": (lambda: Attention(lambda h, ei, a: h - (a * a.log()).sum() / 100), "sum"),
+                "returned_edges_counted": (lambda: Attention(lambda h, ei, a: h + ei.size(1) / 100.0),
+                                           "add|plain Python number"),
+                "count_times_a_float": (lambda: _two(lambda s, x: x * (x.size(0) * 0.5)), "mul")})
+
 ACCEPTED = {"row_local": lambda: Two(_row_local), "jk_lstm": JK, "torch_instance_norm": _with_instance_norm,
+            "attention_weights_returned_unused": lambda: Attention(lambda h, ei, a: h),
             **{k: (lambda f=f: _two(f)) for k, f in MORE_ACCEPTED.items()},
             "row_by_row_inside_layers": lambda: InsideNet(_row_by_row, True),
             "row_by_row_inside_second_layer": lambda: InsideNet(_row_by_row, False),

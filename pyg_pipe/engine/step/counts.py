@@ -59,14 +59,24 @@ def _counted(value: Any) -> Any:
 
 
 def _lift(cls, base):
-    """``cls``'s arithmetic returns counts (``n - 1``, ``1 / n`` stay counts)."""
+    """``cls``'s arithmetic returns counts (``n - 1``, ``1 / n``, ``n / 100.0`` stay counts; ``int``'s own answers
+    a float operand with ``NotImplemented``, which would hand it to ``float``: computed as floats here)."""
     for op in _ARITHMETIC:
         for form in (f"__{op}__", f"__r{op}__"):
             if hasattr(base, form):
-                setattr(cls, form, (lambda f: lambda self, *a: _counted(f(self, *a)))(getattr(base, form)))
+                setattr(cls, form, _arithmetic(getattr(base, form), getattr(float, form)))
     for form in ("__neg__", "__pos__", "__abs__"):
         setattr(cls, form, (lambda f: lambda self: _counted(f(self)))(getattr(base, form)))
     return cls
+
+
+def _arithmetic(own, as_float):
+    def op(self, *other):
+        out = own(self, *other)
+        if out is NotImplemented and other and type(other[0]) is float:
+            out = as_float(float(self), *other)
+        return _counted(out)
+    return op
 
 
 class Count(int):

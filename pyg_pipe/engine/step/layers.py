@@ -297,10 +297,8 @@ def _exit(module: MessagePassing, args, kwargs, output):
         for attr, value in inv.restore.items():
             setattr(module, attr, value)
         out = narrow(module, output, inv.lg)
-    if ctx.observer is not None:  # what the layer returns has one row per vertex of the chunk
-        for t in (out if isinstance(out, (tuple, list)) else [out]):
-            if isinstance(t, Tensor) and t.dim() > 0:
-                ctx.observer.returned(t, vertex_dim(module, t, inv.lg.rows))
+    if ctx.observer is not None:  # what the layer returns: rows of the chunk's vertices, or of its edges
+        ctx.observer.layer_returned(out, lambda t: vertex_dim(module, t, inv.lg.rows), inv.reverse)
     return out
 
 

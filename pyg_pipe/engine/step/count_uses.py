@@ -30,7 +30,10 @@ def float_use(read_at: Dict) -> Optional[str]:
     """What the check says of the first count made a plain float in the user's code (``read_at``: code object ->
     the ``(line, dimension)`` pairs where it read a count), else ``None``."""
     for code, seen in read_at.items():
-        hit = first_float_use(code, seen)
+        try:
+            hit = first_float_use(code, seen)
+        except Exception:  # noqa: BLE001 - code this reader cannot follow is not read (never a crash of the run)
+            hit = None
         if hit is not None:
             return made_float(f"{os.path.basename(code.co_filename)}:{hit[0]} in {code.co_name}", hit[1])
     return None

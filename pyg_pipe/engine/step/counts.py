@@ -144,7 +144,6 @@ def uses_positions(name: str) -> bool:
     return name not in _ASKED
 
 
-
 def counted_dim(args, kwargs, out: Any) -> Any:
     """The dimension of a factory's output ``out`` its size argument gives a count (``torch.ones(x.size(0), d)``: 0),
     else ``None``."""

@@ -49,7 +49,7 @@ class Followed:
         for o in out if isinstance(out, (tuple, list)) else [out]:
             if not isinstance(o, Tensor) or o.dim() == 0 or o.layout != torch.strided:
                 continue
-            hit = follow(name, args, kwargs, t, v, o, self.layout, vdim_of, per)
+            hit = located(name, args, kwargs, t, v, o, self.layout, vdim_of, per)
             if isinstance(hit, str):
                 return hit
             if hit is not None:
@@ -179,8 +179,8 @@ def _reps(args) -> tuple:
     return tuple(reps[0]) if len(reps) == 1 and isinstance(reps[0], (tuple, list, torch.Size)) else tuple(reps)
 
 
-def follow(name: str, args, kwargs, t: Tensor, v: int, o: Tensor, layout_of: Callable, vdim_of: Callable,
-           per: Optional[int] = 1):
+def located(name: str, args, kwargs, t: Tensor, v: int, o: Tensor, layout_of: Callable, vdim_of: Callable,
+            per: Optional[int] = 1):
     """Where the rows of ``t`` (vertex dimension ``v``, pieces ``layout_of(t)``, ``per`` entries a vertex) are in
     output ``o``: ``(dimension, layout, entries per vertex)``, the layout ``None`` when the dimension holds the rows
     once; ``None`` when ``o`` does not hold them; :data:`GROUPS` when a reshape split the vertex dimension into groups
@@ -208,7 +208,7 @@ def follow(name: str, args, kwargs, t: Tensor, v: int, o: Tensor, layout_of: Cal
     return d, joined, 1
 
 
-#: what :func:`follow` says of a reshape that groups the rows of several vertices
+#: what :func:`located` says of a reshape that groups the rows of several vertices
 GROUPS = "reshapes {rows} into groups by position"
 
 

@@ -46,6 +46,7 @@ class LocalGraph:
         edge_ids: [E_loc] user edge id of every local edge.
         row_edges: how many of them lead into the chunk's rows (the first ones; the rest are halo self
             loops).
+        rows, num_local, num_edges: the chunk's rows, its local vertices (rows and halo), its local edges.
     """
 
     index: int
@@ -56,6 +57,12 @@ class LocalGraph:
     edge_index: Tensor
     edge_ids: Tensor
     row_edges: int = -1
+
+    def __post_init__(self):
+        # sizes read at every layer call on the chunk: kept as numbers (the tensors above are never replaced)
+        self.rows = self.end - self.start
+        self.num_local = self.rows + self.halo.numel()
+        self.num_edges = self.edge_index.size(1)
 
     @property
     def row_edge_index(self) -> Tensor:
@@ -75,19 +82,6 @@ class LocalGraph:
         if hit is None:
             hit = self._reversed = self.edge_index.flip(0)
         return hit
-
-    @property
-    def rows(self) -> int:
-        return self.end - self.start
-
-    @property
-    def num_local(self) -> int:
-        """Local vertices: chunk rows and halo."""
-        return self.rows + self.halo.numel()
-
-    @property
-    def num_edges(self) -> int:
-        return self.edge_index.size(1)
 
     @property
     def nodes(self) -> Tensor:

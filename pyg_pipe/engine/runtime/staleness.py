@@ -136,20 +136,18 @@ class StalenessMeter:
             return
         t0 = time.perf_counter()
         age = history.age()
+        sampled: Dict[tuple, tuple] = {}  # sites read by the same chunks (every layer of a model) share their rows
         for key, chunks in run.reads.items():
-            ids = []
-            stale = [run._route(cg, lg).stale_ids for cg, lg in chunks]
-            n = sum(t.numel() for t in stale if t is not None)
-            stride = -(-n // self.SAMPLE)  # ceil: at most SAMPLE rows measured per site
-            for (cg, lg), t in zip(chunks, stale):
-                self._reads[1] += lg.halo.numel()
-                if t is not None:
-                    ids.append(t[::stride])
-                    self._reads[0] += t.numel()
-                    self._age += age * t.numel()
-            if not ids or key not in history.buffers or self.random:  # (random: dropout noise, see probes)
+            which = tuple((id(cg), lg.index) for cg, lg in chunks)
+            hit = sampled.get(which)
+            if hit is None:
+                hit = sampled[which] = self._sampled(run, chunks)
+            ids, n, reads = hit
+            self._reads[0] += n
+            self._reads[1] += reads
+            self._age += age * n
+            if ids is None or key not in history.buffers or self.random:  # (random: dropout noise, see probes)
                 continue
-            ids = torch.cat(ids) if len(ids) > 1 else ids[0]
             like = history.buffers[key]
             fresh = history.read(key, ids, like).double()
             stale = history.read_start(key, ids, like).to(fresh.device).double()
@@ -157,6 +155,16 @@ class StalenessMeter:
             acc = self._sq.get(key)
             self._sq[key] = sq if acc is None else acc + sq
         self.seconds += time.perf_counter() - t0
+
+    def _sampled(self, run, chunks) -> tuple:
+        """The stale reads of ``chunks`` at one site: the ids measured (at most ``SAMPLE``, evenly spaced over each
+        chunk's; ``None``: no stale read), how many were stale, how many halo rows were read."""
+        stale = [run._route(cg, lg).stale_ids for cg, lg in chunks]
+        n = sum(t.numel() for t in stale if t is not None)
+        stride = -(-n // self.SAMPLE)  # ceil: at most SAMPLE rows measured per site
+        ids = [t[::stride] for t in stale if t is not None]
+        reads = sum(lg.halo.numel() for _, lg in chunks)
+        return (torch.cat(ids) if len(ids) > 1 else ids[0]) if ids else None, n, reads
 
     def add(self, key: str, diff_sq: Tensor, fresh_sq: Tensor) -> None:
         """Another site's ``Σ‖fresh − stale‖²`` and ``Σ‖fresh‖²`` this step (device scalars): the historical

@@ -177,7 +177,7 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
 
     def visit(value, param: str):
         """Classifies one tensor argument (edge tensors re-cut for a transposed graph)."""
-        if not isinstance(value, Tensor) or value.dim() == 0 or value.layout != torch.strided:
+        if not isinstance(value, Tensor) or id(value) in graphs or value.dim() == 0 or value.layout != torch.strided:
             return value
         kind, vdim = argument_kind(ctx, module, value, param)
         if kind == "edge":
@@ -256,8 +256,15 @@ def _ids_when_none(module: MessagePassing) -> bool:
 WHOLE_LOCAL_GRAPH = ("SuperGATConv",)
 
 
+_WHOLE: Dict[type, bool] = {}
+
+
 def _whole_local_graph(module: MessagePassing) -> bool:
-    return any(cls.__name__ in WHOLE_LOCAL_GRAPH for cls in type(module).__mro__)
+    cls = type(module)
+    hit = _WHOLE.get(cls)
+    if hit is None:
+        hit = _WHOLE[cls] = any(c.__name__ in WHOLE_LOCAL_GRAPH for c in cls.__mro__)
+    return hit
 
 
 def _attention_loss(name: str, module: MessagePassing, plan: Optional[Callable[[], object]]) -> Callable[[], Tensor]:

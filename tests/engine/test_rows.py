@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch_geometric import nn as gnn
 from torch_geometric.nn import global_add_pool, global_mean_pool
+from torch_geometric.utils import to_dense_batch
 
 import pyg_pipe
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
@@ -175,6 +176,22 @@ MORE_REFUSED = {
     "count_made_a_float": (lambda s, x: x * (1.0 / x.size(0)), "plain Python number"),
     "count_through_math": (lambda s, x: x / math.sqrt(x.shape[0]), "plain Python number"),
     "count_named_then_a_float": (lambda s, x: _scaled(x), "plain Python number"),
+    # one_hot's default num_classes=-1 is the largest value of every row, 1 more (exact only while each chunk holds
+    # every class: a sweep on 2026-11-28 passed this by luck); isin against vertex rows tests every row
+    "one_hot_classes_counted": (lambda s, x: x * F.one_hot(x[:, :3].argmax(1)).float().mean(1, keepdim=True),
+                                "one_hot"),
+    "isin_vertex_rows": (lambda s, x: x * torch.isin(x[:, 0].round(), x[:, 1].round()).float().unsqueeze(1),
+                         "isin"),
+    # integers and None before the vertex dimension of an index moved it out of the check's sight (off by 0.12 - 0.84
+    # in graph_parallel until 2026-11-28): PyG's to_dense_batch(x) then [0, :1], x[None].sum(1), ...
+    "index_after_unsqueeze_reduced": (lambda s, x: x + x.unsqueeze(0)[0].sum(0) / 100, "sum"),
+    "none_index_reduced": (lambda s, x: x + x[None].sum(1)[0] / 100, "sum"),
+    "int_then_ellipsis_reduced": (lambda s, x: x + x.unsqueeze(0)[0, ...].mean(0), "mean"),
+    "dense_batch_first_row": (lambda s, x: x + to_dense_batch(x)[0][0, :1], "__getitem__"),
+    # so did new leading dimensions of expand / broadcast_to, and einsum moving the vertex letter (off by 0.12)
+    "expanded_then_reduced": (lambda s, x: x + x.expand(2, -1, -1).sum(1)[0] / 100, "sum"),
+    "broadcast_then_reduced": (lambda s, x: x + torch.broadcast_to(x, (2, x.size(0), H)).sum(1)[0] / 100, "sum"),
+    "einsum_transpose_reduced": (lambda s, x: x + torch.einsum("nd->dn", x).sum(1) / 100, "sum"),
 }
 
 
@@ -217,6 +234,12 @@ MORE_ACCEPTED = {
     "cat_constant_rows_taken_back": lambda s, x: torch.cat([x, torch.ones(x.size(0), H)], 0)[x.size(0):] * x,
     "flattened_and_back": lambda s, x: x.view(-1).view(-1, H) + x.reshape(-1, H // 2).view(-1, H),
     "feature_count_as_a_float": lambda s, x: x / math.sqrt(x.size(1)) + x * (1.0 / x.shape[1]),
+    "one_hot_classes_given": lambda s, x: x * F.one_hot(x[:, :3].argmax(1), 3).float().mean(1, keepdim=True),
+    "isin_constant_set": lambda s, x: x * torch.isin(x[:, :1].round(), torch.tensor([0.0, 1.0])).float(),
+    "index_after_unsqueeze_rowwise": lambda s, x: x.unsqueeze(0)[0] * 2 + x[None][0, :, :H // 2].repeat(1, 2),
+    "ellipsis_and_none_features": lambda s, x: x[..., :H] + x[:, None, :].squeeze(1) + x[..., None][:, :, 0],
+    "expanded_rowwise": lambda s, x: x.expand(2, -1, -1).mean(0) + torch.broadcast_to(x, (3, x.size(0), H))[1],
+    "einsum_transposed_back": lambda s, x: torch.einsum("nd->dn", x).t() * 2,
 }
 
 
@@ -448,6 +471,16 @@ def _worker(rank, world, mode):
                 torch.testing.assert_close(model(*inputs), want, atol=1e-5, rtol=0, msg=f"{mode}/{name} eval")
         finally:
             engine.uninstall()
+
+
+def test_cross_without_dim_is_judged_at_torch_default():
+    """torch.cross without ``dim`` works along the first dimension of size 3, which is the vertex dimension on a chunk
+    of 3 rows (with 3 features): that chunk's rows would be combined."""
+    from pyg_pipe.engine.step.row_rules import mixes
+    three, five = torch.randn(3, 3), torch.randn(5, 3)
+    assert mixes("cross", (three, three), {}, [(three, 0)])
+    assert mixes("cross", (five, five), {}, [(five, 0)]) is None
+    assert mixes("cross", (three, three), {"dim": 1}, [(three, 0)]) is None
 
 
 @pytest.mark.parametrize("mode", list(MODES))

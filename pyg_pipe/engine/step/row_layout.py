@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .row_rules import _arg, _norm
+from .row_rules import _arg, _norm, einsum_terms, index_entries
 
 
 class Followed:
@@ -101,6 +101,14 @@ def moved(name: str, args, kwargs, t: Tensor, v: int, o: Tensor) -> Optional[int
         return 0 if name == "repeat_interleave" and _arg(args, kwargs, 2, "dim") is None else v
     if name in STACKS:  # vectors stacked as the rows of a matrix
         return v + 1
+    if name in ("expand", "expand_as", "broadcast_to"):  # (new leading dimensions: x.expand(2, -1, -1) was lost and a
+        return v + o.dim() - n                           # reduction after it ran unchecked until 2026-11-28)
+    if name == "einsum":  # where the vertex letter of the operand is in the output ("nd->dn": a transpose, was lost)
+        parsed = einsum_terms(args)
+        if parsed is not None:
+            terms, ops, rhs = parsed
+            term = next((term for term, op in zip(terms, ops) if op is t), None)
+            return rhs.index(term[v]) if term is not None and v < len(term) and term[v] in rhs else None
     if name in ("repeat", "tile"):  # (more repeats than dimensions: new leading ones)
         reps = _reps(args)
         return v + max(0, len(reps) - n)
@@ -122,7 +130,7 @@ def moved(name: str, args, kwargs, t: Tensor, v: int, o: Tensor) -> Optional[int
         mask = _mask(args)
         if mask is not None:  # x[mask]: the selected entries along the first dimension, the rest after them
             return 0 if v < mask.dim() else v - mask.dim() + 1
-        return v if o.dim() == n else (0 if v == 0 and o.dim() > 0 and o.size(0) == t.size(0) else None)
+        return _indexed(args[1] if len(args) > 1 else None, t, v, o)
     if o.dim() == n and o.size(v) == t.size(v):
         return v
     if v == 0 and o.dim() > 0 and o.size(0) == t.size(0):
@@ -134,6 +142,24 @@ def moved(name: str, args, kwargs, t: Tensor, v: int, o: Tensor) -> Optional[int
 
 #: reshapes: the entries keep their order, so a vertex's entries stay together
 RESHAPES = frozenset({"view", "reshape", "flatten", "ravel", "view_as", "reshape_as", "unflatten"})
+
+
+def _indexed(index, t: Tensor, v: int, o: Tensor) -> Optional[int]:
+    """Where ``o = t[index]`` (no boolean mask first) puts dimension ``v`` of ``t``: integers remove the
+    dimensions before it, ``None`` adds one (``x[None]``, ``x.unsqueeze(0)[0]``: were lost, and a reduction after them
+    ran unchecked until 2026-11-28). With tensor or list indices, which torch may move to the front, where it stays
+    in place or leads."""
+    n = t.dim()
+    entries = index_entries(index, n)
+    if any(isinstance(e, (Tensor, list, range)) for e, _ in entries):
+        return v if o.dim() == n else (0 if v == 0 and o.dim() > 0 and o.size(0) == t.size(0) else None)
+    out = 0
+    for e, d in entries:
+        if d == v:
+            return out if isinstance(e, slice) else None
+        if d is None or isinstance(e, slice):
+            out += 1
+    return None
 
 
 def _mask(args) -> Optional[Tensor]:

@@ -4,7 +4,7 @@ over it, scatters and gathers along it, indexing by position, and how an operati
 from __future__ import annotations
 
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -138,6 +138,8 @@ def mixes(name: str, args, kwargs, aligned) -> Optional[str]:
                 continue
             pos, default = _REDUCE[name]
             dim = _arg(args, kwargs, pos, "dim", "axis", default=default)
+            if name == "cross" and _arg(args, kwargs, pos, "dim") is None:  # torch.cross's own default: the first
+                dim = next((i for i, s in enumerate(t.shape) if s == 3), default)  # dimension of size 3 (a 3-row chunk)
             if isinstance(dim, Tensor) or isinstance(dim, bool):
                 if name in ("max", "min") and isinstance(dim, Tensor):
                     continue  # elementwise maximum of two tensors
@@ -187,6 +189,12 @@ def mixes(name: str, args, kwargs, aligned) -> Optional[str]:
             if (t is _arg(args, kwargs, 1, "weight")) if name.startswith("embedding") else \
                     (t is first and (name != "__iter__" or v == 0)):
                 return "selects {rows} by position"
+        elif name == "one_hot":  # num_classes=-1 (the default): one more than the largest value of every entry
+            if t is first and _arg(args, kwargs, 1, "num_classes", default=-1) < 0:
+                return "takes num_classes=-1 (the default) from the largest value over {rows}: pass num_classes"
+        elif name == "isin":  # each entry tested against every test element
+            if t is _arg(args, kwargs, 1, "test_elements", "test_element"):
+                return "tests entries against every one of {rows}"
         elif name in ("tolist", "numpy", "__array__"):
             return "takes {rows} to Python"
         elif name == "rot90":
@@ -224,7 +232,7 @@ def mixes(name: str, args, kwargs, aligned) -> Optional[str]:
                 continue  # the aligned tensor is an index into something else
             return "selects or scatters {rows} by position"
         elif name in ("__getitem__", "__setitem__") and t is first:
-            if _positional_index(args[1] if len(args) > 1 else None, v, t.size(v)):
+            if _positional_index(args[1] if len(args) > 1 else None, v, t.size(v), t.dim()):
                 return "selects {rows} by position"
         elif name in ("nonzero", "argwhere") or (name == "where" and len(args) == 1):
             return "lists the positions of {rows}"
@@ -259,27 +267,15 @@ def by_index(name: str, args) -> bool:
 JUDGED = frozenset({*_REDUCE, *_PAIR_REDUCE, *_MATRIX, *_LOSSES, *_CONTRACT, *_SCATTER, *_SPATIAL, *_RECURRENT,
                     "__getitem__", "__setitem__", "nonzero", "argwhere", "where", "batch_norm", "layer_norm",
                     "group_norm", "instance_norm", "renorm", "pad", "embedding", "embedding_bag", "take", "put",
-                    "put_", "__iter__", "tolist", "numpy", "__array__", "rot90", "rms_norm"})
+                    "put_", "__iter__", "tolist", "numpy", "__array__", "rot90", "rms_norm", "one_hot", "isin"})
 
 
 def _contracts(name: str, args, kwargs, t: Tensor, v: int, aligned) -> bool:
     if name == "einsum":
-        eq = args[0] if args and isinstance(args[0], str) else None
-        ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
-        if eq is None:
+        parsed = einsum_terms(args)
+        if parsed is None:
             return False
-        lhs, _, rhs = eq.replace(" ", "").partition("->")
-        terms = lhs.split(",")
-        if "->" not in eq:  # implicit output: the broadcast dimensions, then the letters used once, in order
-            rhs = ("..." if "..." in lhs else "") + "".join(sorted(c for c in set(lhs) if c.isalpha() and
-                                                                   lhs.count(c) == 1))
-        if "..." in lhs:  # the broadcast dimensions as letters of their own, aligned from the right
-            spans = [op.dim() - len(term) + 3 if "..." in term and isinstance(op, Tensor) else 0
-                     for term, op in zip(terms, ops)]
-            letters = "".join(c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq)[:max(spans, default=0)]
-            terms = [term.replace("...", letters[len(letters) - k:] if k else "") for term, k in zip(terms, spans)]
-            rhs = rhs.replace("...", letters)
-            lhs = ",".join(terms)
+        terms, ops, rhs = parsed
         for term, op in zip(terms, ops):
             if op is t and v < len(term) and term[v] not in rhs:
                 return True
@@ -308,6 +304,27 @@ def _contracts(name: str, args, kwargs, t: Tensor, v: int, aligned) -> bool:
     return b is t and v == (b.dim() - 2 if b.dim() >= 2 else 0)
 
 
+def einsum_terms(args) -> Optional[Tuple[List[str], list, str]]:
+    """``(input subscripts, operands, output subscripts)`` of ``torch.einsum(eq, *operands)``, with the implicit output
+    spelled out and ``...`` replaced by letters of their own (aligned from the right); ``None`` without an equation."""
+    eq = args[0] if args and isinstance(args[0], str) else None
+    ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
+    if eq is None:
+        return None
+    lhs, _, rhs = eq.replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    if "->" not in eq:  # implicit output: the broadcast dimensions, then the letters used once, in order
+        rhs = ("..." if "..." in lhs else "") + "".join(sorted(c for c in set(lhs) if c.isalpha() and
+                                                               lhs.count(c) == 1))
+    if "..." in lhs:  # the broadcast dimensions as letters of their own, aligned from the right
+        spans = [op.dim() - len(term) + 3 if "..." in term and isinstance(op, Tensor) else 0
+                 for term, op in zip(terms, ops)]
+        letters = "".join(c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq)[:max(spans, default=0)]
+        terms = [term.replace("...", letters[len(letters) - k:] if k else "") for term, k in zip(terms, spans)]
+        rhs = rhs.replace("...", letters)
+    return terms, ops, rhs
+
+
 def _pairs(name: str, args, kwargs, t: Tensor, v: int) -> bool:
     """:func:`_contracts` for the products of two operands other than matrix products: whether the vertex dimension
     ``v`` of ``t`` is summed over, or ``t`` is the second operand, whose every row meets each row of the first."""
@@ -329,26 +346,43 @@ def _pairs(name: str, args, kwargs, t: Tensor, v: int) -> bool:
     return True  # dot, vdot: a vertex operand is summed over
 
 
-def _positional_index(index, v: int, n: int) -> bool:
-    """Whether indexing with ``index`` selects along dimension ``v`` (of ``n`` rows) by position."""
+def index_entries(index, ndim: int) -> List[Tuple[Any, Optional[int]]]:
+    """The entries of an index ``x[index]`` into a tensor of ``ndim`` dimensions, each with the first input dimension it
+    reads (``None``: an entry adding a dimension, ``None`` or a Python bool); ``...`` expanded to full slices, and the
+    dimensions after the last entry as full slices. A boolean tensor reads as many dimensions as it has."""
     entries = list(index) if isinstance(index, tuple) else [index]
-    if any(e is None or e is Ellipsis for e in entries):
-        return False  # a layout change this check does not follow
-    if v >= len(entries):
-        return False
-    before = entries[:v]
-    if any(not (isinstance(e, slice) and e == slice(None)) for e in before):
-        return False
-    e = entries[v]
-    if isinstance(e, slice):  # positional unless it covers all n rows (``x[:x.size(0)]`` as much as ``x[:]``)
-        return not (e.start in (None, 0) and e.step in (None, 1) and
-                    (e.stop is None or (isinstance(e.stop, int) and e.stop >= n)))
-    if isinstance(e, bool):
-        return False
-    if isinstance(e, int):
-        return True
-    if isinstance(e, Tensor):
-        return e.dtype != torch.bool
-    if isinstance(e, (list, range)):
-        return True
+
+    def width(e) -> int:
+        if e is None or isinstance(e, bool):
+            return 0
+        return e.dim() if isinstance(e, Tensor) and e.dtype == torch.bool else 1
+    left = ndim - sum(width(e) for e in entries if e is not Ellipsis)
+    out: List[Tuple[Any, Optional[int]]] = []
+    d = 0
+    for e in entries:
+        if e is Ellipsis:
+            out += [(slice(None), d + i) for i in range(max(left, 0))]
+            d += max(left, 0)
+            left = 0
+            continue
+        w = width(e)
+        out.append((e, d if w else None))
+        d += w
+    return out + [(slice(None), i) for i in range(d, ndim)]
+
+
+def _positional_index(index, v: int, n: int, ndim: int) -> bool:
+    """Whether indexing with ``index`` selects along dimension ``v`` (of ``n`` rows) by position. Integers and ``None``
+    before it move it (``x.unsqueeze(0)[0, :1]`` selects rows by position: ran silently wrong until 2026-11-28)."""
+    for e, d in index_entries(index, ndim):
+        if d is None or not (d == v or (isinstance(e, Tensor) and e.dtype == torch.bool and d < v < d + e.dim())):
+            continue
+        if isinstance(e, slice):  # positional unless it covers all n rows (``x[:x.size(0)]`` as much as ``x[:]``)
+            return not (e.start in (None, 0) and e.step in (None, 1) and
+                        (e.stop is None or (isinstance(e.stop, int) and e.stop >= n)))
+        if isinstance(e, int):
+            return True
+        if isinstance(e, Tensor):
+            return e.dtype != torch.bool
+        return isinstance(e, (list, range))
     return False

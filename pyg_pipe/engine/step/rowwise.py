@@ -37,7 +37,7 @@ _ROWWISE = frozenset({
     # activations and per-element functionals ATen does not tag
     "prelu", "hardswish", "hardsigmoid", "log_sigmoid", "logsigmoid", "softsign", "tanhshrink", "softshrink",
     "hardshrink", "silu", "mish", "gelu", "elu", "selu", "celu", "relu6", "rrelu", "leaky_relu", "softplus",
-    "threshold", "hardtanh", "one_hot", "isin", "floor_divide", "true_divide", "clip", "clip_", "nan_to_num",
+    "threshold", "hardtanh", "floor_divide", "true_divide", "clip", "clip_", "nan_to_num",
     "bernoulli", "bernoulli_", "dropout", "dropout_", "alpha_dropout", "feature_alpha_dropout", "dropout1d",
     "dropout2d", "dropout3d", "native_dropout", "real", "imag", "conj", "view_as_real", "view_as_complex",
     "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",  # (a batch of rows: one step each)

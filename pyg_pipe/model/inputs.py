@@ -50,10 +50,11 @@ def graph_edges(graph: Tensor) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     return src, dst, coo.values()
 
 
-def same_structure(a: Tensor, b: Tensor) -> bool:
-    """Whether graph tensors ``a`` and ``b`` have the same edges (a sparse graph's values aside)."""
+def same_structure(a: Tensor, b: Tensor, version: Optional[int] = None) -> bool:
+    """Whether graph tensors ``a`` and ``b`` have the same edges (a sparse graph's values aside). ``version``: that of
+    ``a`` when it was seen; the same tensor changed in place since then is another graph (its old edges are gone)."""
     if a is b:
-        return True
+        return version is None or b._version == version
     if a.layout != b.layout or a.shape != b.shape or a.device != b.device:
         return False
     if a.layout == torch.strided:

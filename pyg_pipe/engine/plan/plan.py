@@ -1,13 +1,12 @@
 """The plan: everything decided once for a graph and a model, agreed by all ranks, saved in checkpoints.
 
-A :class:`Plan` is immutable. It fixes the rank grid (stages x ways), the chunking (vertex order
-``perm`` and chunk bounds ``ptr``) and the stage split (layer groups per stage, and so which stage
-owns which parameter). :func:`make_plan` decides them from the model's structure, the graph and the
-knobs, and executes nothing of the model except, for ``balance="time"``, the cost measurement it is
-handed. The decisions that use measurements (the cost-balanced split) or randomness (the
-partitioner) are made once, on one rank, and broadcast; a resumed run reuses the saved plan instead
-of re-deciding, and a resume whose settings differ from the saved ones fails naming the setting. What is
-built from a plan (chunk graphs, history, the schedule, caches) lives in the runtime (:mod:`..runtime.runtime`)."""
+A :class:`Plan` is immutable. It fixes the rank grid (stages x ways), the chunking (vertex order ``perm`` and chunk
+bounds ``ptr``) and the stage split (layer groups per stage, and so which stage owns which parameter). :func:`make_plan`
+decides them from the model's structure, the graph and the knobs, and executes nothing of the model except, for
+``balance="time"``, the cost measurement it is handed. The decisions that use measurements (the cost-balanced split)
+or randomness (the partitioner) are made once, on one rank, and broadcast; a resumed run reuses the saved plan instead
+of re-deciding, and a resume whose settings differ from the saved ones fails naming the setting. What is built from a
+plan (chunk graphs, history, the schedule, caches) lives in the runtime (:mod:`..runtime.runtime`)."""
 from __future__ import annotations
 
 import logging
@@ -49,7 +48,8 @@ class Plan:
         sizes: layer groups per stage (``None``: one stage, the forward runs untraced).
         param_stages: parameter / buffer name -> the stages that use it.
         digest: checksum of the primary graph's structure.
-        graphs: the input graphs the plan was made for (compared by structure on every call).
+        graphs: the input graphs the plan was made for, each with its version (compared by structure on every
+            call; the same tensor changed in place since is another graph).
         streaming: one device runs every layer group over all chunks in turn (:mod:`..step.stream`); ``sizes``
             then has one group per (virtual) stage.
         statistics: how graph-wide statistics run with several chunks per way (``per_chunk_statistics``
@@ -73,7 +73,7 @@ class Plan:
     sizes: Optional[Tuple[int, ...]]
     param_stages: Mapping[str, FrozenSet[int]]
     digest: int
-    graphs: Tuple[Tensor, ...] = field(repr=False, compare=False)
+    graphs: Tuple[Tuple[Tensor, int], ...] = field(repr=False, compare=False)  # (graph, its version then)
     streaming: bool = False
     statistics: Union[bool, str] = False
     predicted_step: Optional[float] = None
@@ -91,9 +91,8 @@ class Plan:
 
     def matches(self, inputs: CallInputs) -> bool:
         """Whether ``inputs`` carry the graphs this plan was made for (same structure)."""
-        if len(inputs.graphs) != len(self.graphs) or inputs.num_nodes != self.num_nodes:
-            return False
-        return all(same_structure(a, b) for a, b in zip(self.graphs, inputs.graphs))
+        return len(inputs.graphs) == len(self.graphs) and inputs.num_nodes == self.num_nodes and all(
+            same_structure(a, b, version) for (a, version), b in zip(self.graphs, inputs.graphs))
 
     def state(self) -> dict:
         """The decisions, for checkpoints (:func:`make_plan` takes them back as ``saved``)."""
@@ -253,7 +252,8 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
     else:
         owners = {n: {0} for n, _ in list(module.named_parameters()) + list(module.named_buffers())}
     return Plan(S, W, C, inputs.num_nodes, inputs.num_edges, perm.cpu(), ptr.cpu(), stage_sizes,
-                {n: frozenset(s) for n, s in owners.items()}, graph_digest(inputs.primary), tuple(inputs.graphs),
+                {n: frozenset(s) for n, s in owners.items()}, graph_digest(inputs.primary),
+                tuple((g, g._version) for g in inputs.graphs),
                 shape.streaming, statistics, predicted, first_peak, offload)
 
 

@@ -207,7 +207,7 @@ class CapturedStep:
         move of the batch to the device gives, replays too); graphs as given (a replay checks that the call's
         graphs are these: the same object and version, or equal)."""
         graphs = inputs.graphs
-        planned = dict(zip(map(id, graphs), self.rt.plan.graphs))
+        planned = dict(zip(map(id, graphs), (g for g, _ in self.rt.plan.graphs)))
         self._inputs = []
 
         def static(v):

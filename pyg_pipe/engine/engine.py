@@ -24,9 +24,8 @@ layers run through another later are refused by name.
 
 The first call with a graph makes a plan (:mod:`.plan.plan`) and its runtime (:mod:`.runtime.runtime`); later calls
 with the same graph reuse them. Every rank returns the whole output, so the user's loss and metrics run unchanged and
-identically everywhere. The model object is not wrapped: an instance attribute ``forward`` is set while installed and
-removed after.
-"""
+identically everywhere. The first call of each mode checks the module state it changed (:mod:`.step.state`). The
+model object is not wrapped: an instance attribute ``forward`` is set while installed and removed after."""
 from __future__ import annotations
 
 import functools
@@ -43,7 +42,7 @@ from ..model.inputs import CallInputs
 from ..model.trace import forward_function
 from .step import pipeline as steps
 from .step.checks import same_loss
-from .step import capture, dropedge, stream
+from .step import capture, dropedge, state, stream
 from .collector import older_objects_frozen
 from .comm import Comm
 from .context import autocast_as, autocast_state, current, in_backward
@@ -129,12 +128,12 @@ class GNNPipeEngine:
         self._grads: Optional[GradientSum] = None
         self._calls = 0                             # training calls of the model in this step
         self._ending: Optional[int] = None          # the backward pass whose end is queued
-        self._steps_only = False
-        self._in_step = False
+        self._steps_only = self._in_step = False
         self._structure = None                      # how the last training call's output unpacks
         self._methods: Dict[str, object] = {}       # the other methods routed (name -> plain function)
         self._entry: Optional[str] = None           # the method distributed: the first one called
         self._depth = 0                             # > 0 while a routed call runs (calls inside run as written)
+        self._state_checked: set = set()            # the modes whose first call compared the modules' state
         self.timeline = Timeline(comm, on=comm.device.type == "cpu", keep=config.timeline_trace is not None)
         self.meter = StalenessMeter(on=config.staleness_meter)
     # ------------------------------------------------------------------ facts
@@ -253,6 +252,15 @@ class GNNPipeEngine:
         return out
 
     def __call__(self, *args, **kwargs):
+        key = (self.module.training, torch.is_grad_enabled() and (self._in_step or not self._steps_only))  # (a fill)
+        if key in self._state_checked:
+            return self._call(args, kwargs)
+        out = state.checked(self.module, self.comm, key[1], lambda: self._runtime_for(CallInputs(args, kwargs)),
+                            lambda: self._call(args, kwargs))
+        self._state_checked.add(key)
+        return out
+
+    def _call(self, args, kwargs):
         inputs = CallInputs(args, kwargs)
         runtime = self._runtime_for(inputs)
         if not (torch.is_grad_enabled() and (self._in_step or not self._steps_only)):

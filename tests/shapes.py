@@ -293,6 +293,20 @@ class RGCN(nn.Module):
         return self.conv2(x, edge_index, edge_type)
 
 
+class SizeGiven(nn.Module):
+    """Layers given ``size=(x.size(0), x.size(0))``, as code written for bipartite calls passes it (a crash in every
+    mode until 2026-11-28: the size counted the chunk's rows, the local graph has its halo too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2, self.conv3 = gnn.SAGEConv(8, H), gnn.GraphConv(H, H), gnn.SAGEConv(H, 3)
+
+    def forward(self, x, edge_index):
+        x = self.conv1(x, edge_index, size=(x.size(0), x.size(0))).relu()
+        x = self.conv2(x, edge_index, size=(x.size(0), x.size(0))).relu()
+        return self.conv3(x, edge_index, size=(x.size(0), x.size(0)))
+
+
 def _typed(g):
     x, e, _, _ = g
     assert x.size(0) == 64
@@ -431,6 +445,7 @@ SHAPES = {
     # structured outputs: a tuple (VGAE's encoder) and a dict of per-vertex tensors
     "VGAE-encoder": (VariationalEncoder, _plain),
     "dict-output": (Heads, _plain),
+    "size-given": (SizeGiven, _plain),
     # featureless relational layers: x=None stands for the vertex ids
     "RGCN-featureless": (RGCN, _typed),
     "FastRGCN-featureless": (lambda: RGCN(fast=True), _typed),

@@ -42,6 +42,7 @@ Layers holding graph-wide statistics (a BatchNorm in a message MLP) get hooks ar
 each argument of a call is, and what it becomes."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -169,7 +170,7 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
     node_args: List[Tuple[Tensor, int]] = []
     edge_args: Dict[int, Tensor] = {}
     names = parameter_names(module, len(args))
-    if _ids_when_none(module):  # featureless: x=None stands for the vertex ids, which a chunk has its own of
+    if type(module).__name__ in IDS_WHEN_NONE:  # featureless: x=None stands for the vertex ids (a chunk has its own)
         if "x" in names and args[names.index("x")] is None:
             args[names.index("x")] = vertex_ids(ctx, cg, lg)
         elif kwargs.get("x", 0) is None:
@@ -195,7 +196,7 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
     else:
         clean = all(ctx.is_clean(t) for t, _ in node_args)
         ctx.clean_calls[(name, index)] = clean
-    if several and _whole_local_graph(module):
+    if several and _whole_local_graph(type(module)):
         raise UnsupportedModelError(
             f"Layer '{name}' ({type(module).__name__}) is given several graphs and reads vertex rows outside "
             f"propagate; pyg_pipe runs such a layer on one local graph only. Give it one graph.")
@@ -206,7 +207,7 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
     # several graphs: each propagate joins its own graph's halo to the chunk's rows; flow="target_to_source": the whole
     # local graph (PyG reads its pairs differently in its two propagates); direct: a streamed clean call (.direct)
     direct = clean and not several and ctx.direct is not None and ctx.direct.rows_only(name, index, lg.index)
-    whole = _whole_local_graph(module) or reverse or (degrees.counts_degrees(module) and not several)
+    whole = _whole_local_graph(type(module)) or reverse or (degrees.counts_degrees(module) and not several)
     rows_only = (not clean or several or direct) and not whole
     if not rows_only:  # the whole local graph: true halo rows (clean), or fillers the propagate replaces
         swap = {id(t): extend(ctx, cg, lg, t, vdim, clean) for t, vdim in node_args}
@@ -246,25 +247,15 @@ def _enter(ctx: ChunkContext, name: str, index: int, module: MessagePassing, arg
 IDS_WHEN_NONE = ("RGCNConv", "FastRGCNConv")
 
 
-def _ids_when_none(module: MessagePassing) -> bool:
-    return type(module).__name__ in IDS_WHEN_NONE
-
-
 #: layers whose forward reads node rows at the ends of edges outside ``propagate`` (SuperGATConv's attention
 #: loss indexes ``x`` by sampled edges): they run on the whole local graph, their halo rows filled with copies
 #: of chunk rows that only those reads see (the propagate replaces them with the true rows)
 WHOLE_LOCAL_GRAPH = ("SuperGATConv",)
 
 
-_WHOLE: Dict[type, bool] = {}
-
-
-def _whole_local_graph(module: MessagePassing) -> bool:
-    cls = type(module)
-    hit = _WHOLE.get(cls)
-    if hit is None:
-        hit = _WHOLE[cls] = any(c.__name__ in WHOLE_LOCAL_GRAPH for c in cls.__mro__)
-    return hit
+@functools.lru_cache(maxsize=None)
+def _whole_local_graph(cls: type) -> bool:
+    return any(c.__name__ in WHOLE_LOCAL_GRAPH for c in cls.__mro__)
 
 
 def _attention_loss(name: str, module: MessagePassing, plan: Optional[Callable[[], object]]) -> Callable[[], Tensor]:
@@ -380,6 +371,8 @@ def _sources(name: str, args_attr: str, stats: bool):
                 kwargs[arg] = joined
         if inv.rows_only and not fused and lg.rows != lg.num_local:
             size = (lg.num_local, lg.rows)
+        elif size is not None and not fused:  # given as on one device (x.size(0), the vertex count): the local graph's
+            size = tuple(lg.num_local if s in (lg.rows, cg.num_nodes) else s for s in size)
         if not ctx.recomputing():
             ctx.sites.append(Site(site, tuple(sources), clean))
         if stats:  # edge_updater: edge_update computes per-edge values next

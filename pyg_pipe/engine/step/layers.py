@@ -89,7 +89,7 @@ class LayerHooks:
             if hasattr(type(m), "_orig_edge_updater"):
                 m.edge_updater = type(m)._orig_edge_updater.__get__(m, type(m))
                 self.patched.append(m)
-            if hasattr(type(m), "get_attention_loss") and _whole_local_graph(m):
+            if hasattr(type(m), "get_attention_loss") and _whole_local_graph(type(m)):
                 m.get_attention_loss = _attention_loss(name, m, self.plan)
                 self.patched.append(m)
             self.patched += aggregations.install(name, m)

@@ -114,8 +114,8 @@ def run_single(args) -> dict:
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     times, losses = [], []
     if args.kernels:  # plain PyG with pyg_pipe's fused CSR kernels routed in (as the strategies do)
-        from pyg_pipe.ops import fuse_messages, fused_kernels
-        fused_kernels().__enter__()
+        from pyg_pipe.ops import fuse_messages, install as install_kernels
+        install_kernels()
         fuse_messages(model)
     graph = data.adj_t if args.input == "adj_t" else data.edge_index
     for _ in range(args.epochs):

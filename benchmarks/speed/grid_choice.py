@@ -43,14 +43,14 @@ def _worker(rank, world, spec):
     from gnnpipe_epoch import build
     from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
     from pyg_pipe.engine.plan.grid_cost import candidates
-    from pyg_pipe.ops import fuse_messages, fused_kernels
+    from pyg_pipe.ops import fuse_messages, install as install_kernels
 
     torch.set_num_threads(1)
     args = SimpleNamespace(**spec)
     data, model0 = build(args)
     comm = Comm(torch.device("cpu"))
     comm.simulated_bandwidth = float(args.bandwidth)
-    fused_kernels().__enter__()
+    install_kernels()
 
     def timed(config, **grid):
         model = copy.deepcopy(model0)

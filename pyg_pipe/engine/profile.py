@@ -72,14 +72,14 @@ class _ChunkProbe:
     buffers (running statistics) back afterwards."""
 
     def __init__(self, module: torch.nn.Module, fn: Callable, program: Program, groups: list, inputs: CallInputs,
-                 device, chunking: Optional[Tuple[Tensor, Tensor]]):
+                 device, chunking: Optional[Tuple[Tensor, Tensor]], halo=None):
         self.module, self.device = module, device
         N = inputs.num_nodes
         perm, ptr = chunking if chunking is not None else (torch.arange(N), torch.tensor([0, N]))
         self.cgs = chunk_graphs(inputs.graphs, N, perm, ptr, 1, device)
         self.localizer = Localizer(inputs, self.cgs, tables=vertex_tables(module, N))
         self.lg = self.cgs[0].chunks[0]
-        self.halo = _Fillers() if self.lg.halo.numel() else None
+        self.halo = (halo or _Fillers()) if self.lg.halo.numel() else None
         self.derived: Dict[tuple, object] = {}
         self.cache: Dict = {}  # one chunk, pass after pass: what its layers cache (normalisations) is cached once
         self.steps = [n for g in groups for n in g]
@@ -182,13 +182,14 @@ def layer_costs(module: torch.nn.Module, fn: Callable, program: Program, groups:
 
 def training_pass_seconds(module: torch.nn.Module, fn: Callable, program: Program, groups: list,
                           inputs: CallInputs, device, passes: int = TRAINING_PASSES,
-                          chunking: Optional[Tuple[Tensor, Tensor]] = None) -> float:
+                          chunking: Optional[Tuple[Tensor, Tensor]] = None, halo=None) -> float:
     """Seconds of one training pass of the whole model over the first chunk of ``chunking``, as the pipeline
     runs a chunk: the forward with autograd recording, then the backward from the outputs (a gradient of ones)
     to the parameters, through the layer hooks; the smallest time over ``passes`` passes. The parameters'
-    gradients held before are put back afterwards, so no ``.grad`` changes."""
+    gradients held before are put back afterwards, so no ``.grad`` changes. ``halo``: where the chunk's halo rows
+    come from (default zeros; :class:`~.plan.way_probe.Exchangers`: from the other ways, exchanged)."""
     cuda = torch.device(device).type == "cuda"
-    probe = _ChunkProbe(module, fn, program, groups, inputs, device, chunking)
+    probe = _ChunkProbe(module, fn, program, groups, inputs, device, chunking, halo)
     params = list(module.parameters())  # (a backward, not autograd.grad, which reentrant checkpoints refuse)
     best = float("inf")
     with probe.refusing(), probe.passes(params), torch.enable_grad():

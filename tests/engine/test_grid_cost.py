@@ -12,22 +12,36 @@ from tests.models import forward_backward, make_model, small_graph
 
 
 def costs(halo=(0, 1000, 1500), **kw):
-    """A 10,000-vertex graph whose ways 1, 2, 4 read ``halo`` rows from the others; a way's pass (timed whole)
-    costs as much as a chunk of its rows and its halo."""
-    N, a, b = 10000, 0.01, 1e-5
-    base = dict(num_nodes=N, a=a, b=b, alpha=1e-4, beta=1e9, h=3840.0, sites=15, c=512.0, p=1e6,
-                halos=dict(zip((1, 2, 4), halo)), ways={W: a + b * (N / W + halo[j]) for j, W in enumerate((1, 2, 4))},
-                shared=0.0, overlap=True)
+    """A 10,000-vertex graph whose ways 1, 2, 4 read ``halo`` rows from the others; a way's pass (timed whole, with
+    its exchanges) costs as much as a chunk of its rows and its halo, and the exchanges at the link's speed."""
+    N, a, b, alpha, beta, h = 10000, 0.01, 1e-5, 1e-4, kw.get("beta", 1e9), 3840.0
+    exchanges = [2 * 15 * alpha + 2 * H * h / beta for H in halo]
+    base = dict(num_nodes=N, a=a, b=b, alpha=alpha, beta=beta, h=h, sites=15, c=512.0, p=1e6,
+                halos=dict(zip((1, 2, 4), halo)),
+                ways={W: a + b * (N / W + halo[j]) + exchanges[j] for j, W in enumerate((1, 2, 4))}, shared=0.0,
+                overlap=True)
     return GridCosts(**{**base, **kw})
 
 
 def test_the_step_formula():
     m = costs()
     t = lambda r: m.a + m.b * r  # noqa: E731
-    # one stage, two ways: the whole model over half the vertices and the halo joined to them, every
-    # exchanging call twice, the weight all-reduce
-    halo = 2 * 15 * m.alpha + 2 * 1000 * 3840 / m.beta
-    assert predicted_step(m, 1, 2, 1) == pytest.approx(t(6000) + halo + 2 * 0.5 * m.p / m.beta)
+    # one stage, two ways: the ways' pass as timed (with its exchanges), the weight all-reduce
+    assert predicted_step(m, 1, 2, 1) == pytest.approx(m.ways[2] + 2 * 0.5 * m.p / m.beta)
+    # two stages of two ways, two chunks a way (not timed): a chunk's pass and its share of the halo exchanges
+    halo = 2 * (15 / 2) * m.alpha + 2 * (1000 / 2) * (3840 / 2) / m.beta
+    assert predicted_step(costs(halo=(0, 1000, 1000)), 2, 2, 2) == pytest.approx(
+        (t(2500) / 2 + halo) * 3 + 2 * 0.5 * (m.p / 2) / m.beta)
+    # ... where the ways' timed pass showed what an exchanging call costs beyond its compute and bytes, that
+    call = grid_cost.exchange_call(m.ways[2] + 0.03, m.a + m.b * 5000, 1000 * 3840 / m.beta, 15, m.alpha)
+    assert call > m.alpha
+    e = 2 * (15 / 2) * call + 2 * (1000 / 2) * (3840 / 2) / m.beta
+    assert predicted_step(costs(halo=(0, 1000, 1000), calls={2: call}), 2, 2, 2) == pytest.approx(
+        (t(2500) / 2 + e) * 3 + 2 * 0.5 * (m.p / 2) / m.beta)
+    assert grid_cost.exchange_call(0.01, 0.02, 0.0, 15, m.alpha) == m.alpha  # (never below the link's latency)
+    # processes sharing cores: at least the machine's share of all the work (a timed way's pass shared it already)
+    assert predicted_step(costs(shared=1.0), 2, 1, 4) == pytest.approx(1 * 4 * t(2500))
+    assert predicted_step(costs(shared=1.0), 1, 2, 1) == pytest.approx(predicted_step(m, 1, 2, 1))
     # two stages, one way, four chunks: 5 ticks of half a chunk's pass (the link is shorter: overlapped)
     assert predicted_step(m, 2, 1, 4) == pytest.approx(t(2500) / 2 * 5)
     # without overlap the link adds to every tick
@@ -36,8 +50,6 @@ def test_the_step_formula():
     # a link slower than the compute sets the pace
     slow = costs(beta=1e6)
     assert predicted_step(slow, 2, 1, 4) == pytest.approx(2 * (slow.alpha + 2500 * 512 / 1e6) * 5)
-    # processes sharing cores: at least the machine's share of all the work
-    assert predicted_step(costs(shared=1.0), 2, 1, 4) == pytest.approx(1 * 4 * t(2500))
 
 
 def test_candidates():
@@ -208,3 +220,13 @@ def test_auto_is_one_grid_on_every_rank_and_saved():
 
 def test_a_chosen_grid_runs():
     run_distributed(_slow_link_worker, 2, timeout=240)
+
+
+def test_halo_counts_and_the_part_a_rank_probes():
+    from pyg_pipe.engine.plan.way_probe import first_part, halo_counts
+    # the two triangles above: part 0 reads 4 and 5 from part 1, part 1 reads 2 from part 0
+    edge_index = torch.tensor([[0, 1, 2, 3, 4, 5, 2, 4, 5], [1, 2, 0, 4, 5, 3, 3, 0, 0]])
+    counts = halo_counts(torch.arange(6), torch.tensor([0, 3, 6]), edge_index, 6)
+    assert counts.tolist() == [[0, 2], [1, 0]]
+    perm, ptr = first_part(torch.tensor([5, 4, 3, 2, 1, 0]), torch.tensor([0, 2, 5, 6]), 1)
+    assert perm.tolist() == [3, 2, 1, 5, 4, 0] and ptr.tolist() == [0, 3, 5, 6]

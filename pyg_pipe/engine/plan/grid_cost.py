@@ -1,32 +1,39 @@
 """``grid="auto"``: the rank grid (stages x ways) and the chunk count from a cost model of the step, measured once.
 
 With P devices cut into S pipeline stages x W graph-parallel ways (``S W = P``), k chunks a way and N
-vertices, a chunk has ``r = N / (W k)`` rows. Measured once, on the planning rank (the others wait)::
+vertices, a chunk has ``r = N / (W k)`` rows. Measured once::
 
     t(r)    = a + b r        one training pass of the whole model over a chunk of r rows: the first chunk of
-                             the plan's partition into 2P and into 8P chunks timed (:func:`measure_pass`)
-    t_W                      the same pass over the first of W ways (graph parallelism, one chunk a way:
-                             its part of the plan's partition, joined to its halo), timed for each W > 1
+                             the plan's partition into 2P and into 8P chunks, timed on the planning rank while
+                             the others wait (:func:`measure_pass`)
+    t_W                      graph parallelism's pass, W ways: every rank at once runs a training pass over its
+                             way's part of the plan's partition with the halo rows exchanged at every propagate,
+                             forward and backward, in the partition's counts; the slowest rank's time, for each
+                             W > 1 (:mod:`.way_probe`; not timed where a way reads no halo)
     link(n) = α + n / β      one exchange of n bytes each way between ranks 0 and 1 (:func:`measure_link`)
 
 Counted from one training pass over a chunk and from the graph, not timed::
 
     H_W   halo rows of the most loaded way when the plan's partitioner cuts the graph into W ways
+    e_W   what one exchanging call cost in the timed t_W beyond its compute and bytes (the wait for the slowest
+          way, the posting): (t_W - t(N / W) - 2 H_W h / β) / (2 n_h), at least α (:func:`exchange_call`)
 
 A stage runs its share of a chunk per tick, ``k + S - 1`` ticks a step (fill and drain)::
 
-    compute  t / S,   t = t_W with one chunk a way, else t(r)
-    halo     2 (n_h / S) α + 2 (H_W / k) (h / S) / β       rows from the other ways, gradients back (W > 1)
+    compute  t / S,   t = t_W with one chunk a way (its exchanges included), else t(r)
+    halo     2 (n_h / S) e_W + 2 (H_W / k) (h / S) / β     rows from the other ways, gradients back (W > 1, k > 1)
     link     2 (α + r c / β)                               activations forward, gradients back (S > 1)
     tick     = max(compute + halo, link)   with overlap (the next chunk's receive is posted ahead),
                compute + halo + link       without
     step     = tick (k + S - 1) + 2 (W - 1) / W · (p / S) / β      (the weight all-reduce over the ways)
 
-and, with processes sharing cores, at least ``u W k t`` (:mod:`.chunk_cost`). Every way's halo is
-exchanged once a step whatever k (a chunk sends the rows other ways read from it), so ``H_W / k`` a tick.
-Chunks are timed as the plan cuts them (with their halos: on a graph without locality a chunk joins nearly
-as many halo rows as it has rows), and a way of graph parallelism is timed whole, since its halo can make
-it cost nearly the whole graph's pass.
+and, with processes sharing cores, at least ``u W k t`` (:mod:`.chunk_cost`; not for a timed t_W, which ran
+with every rank computing). Every way's halo is exchanged once a step whatever k (a chunk sends the rows other
+ways read from it), so ``H_W / k`` a tick. Chunks are timed as the plan cuts them (with their halos: on a graph
+without locality a chunk joins nearly as many halo rows as it has rows), and a way of graph parallelism is
+timed whole, since its halo can make it cost nearly the whole graph's pass. Why the ways are timed at once
+with their exchanges and a pipeline's chunk alone: measured in docs/gnnpipe.md (``grid="auto"``) and in
+:mod:`.way_probe`'s docstring.
 
 Left out: the output sent to every rank (the same bytes in every grid), and partial overlap of the halo
 exchange with compute (it is waited on inside the layer).
@@ -54,7 +61,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -64,6 +71,7 @@ from ...model.inputs import graph_edges
 from .chunk_cost import MAX_PER_WAY, PROBES, SLACK, fit, machine_share
 from .decide import root_decides
 from .memory_cost import MB
+from .way_probe import halo_counts, time_ways
 
 log = logging.getLogger("pyg_pipe")
 
@@ -90,18 +98,29 @@ class GridCosts:
     ways: Dict[int, float]    # W -> t_W (seconds)
     shared: float = 0.0       # u
     overlap: bool = True
+    calls: Dict[int, float] = field(default_factory=dict)  # W -> e_W, seconds an exchanging call (else α)
 
 
 def predicted_step(m: GridCosts, S: int, W: int, k: int) -> float:
     """The step of the module docstring for ``S`` stages x ``W`` ways and ``k`` chunks a way (seconds)."""
     r = m.num_nodes / (W * k)
-    t = m.ways[W] if W > 1 and k == 1 and W in m.ways else m.a + m.b * r
+    timed = W > 1 and k == 1 and W in m.ways  # the ways' pass, timed with its exchanges (:mod:`.way_probe`)
+    t = m.ways[W] if timed else m.a + m.b * r
     compute = t / S
-    halo = 0.0 if W == 1 else 2 * (m.sites / S) * m.alpha + 2 * (m.halos[W] / k) * (m.h / S) / m.beta
+    halo = 0.0 if W == 1 or timed else (2 * (m.sites / S) * m.calls.get(W, m.alpha)
+                                        + 2 * (m.halos[W] / k) * (m.h / S) / m.beta)
     link = 0.0 if S == 1 else 2 * (m.alpha + r * m.c / m.beta)
     tick = max(compute + halo, link) if m.overlap else compute + halo + link
     step = tick * (k + S - 1) + (2 * (W - 1) / W * (m.p / S) / m.beta if W > 1 else 0.0)
-    return max(step, m.shared * W * k * t)
+    return step if timed else max(step, m.shared * W * k * t)  # (a timed way's pass shared the machine already)
+
+
+def exchange_call(timed: float, compute: float, transfer: float, sites: int, alpha: float) -> float:
+    """e_W: what one exchanging call cost in the ways' timed pass (``timed``) beyond its compute (a chunk's pass
+    over the way's rows, ``compute``) and its bytes at the link's speed (``transfer``, each way), shared over the
+    pass's ``2 sites`` calls: the wait for the slowest way and the posting, which the link's speed leaves out.
+    At least α."""
+    return max(alpha, (timed - compute - 2 * transfer) / max(2 * sites, 1))
 
 
 def candidates(P: int, layers: int, num_nodes: int, chunks: Optional[int], ways_allowed: bool) \
@@ -203,13 +222,7 @@ def measure_link(comm, root: int = 0) -> Tuple[float, float]:
 def halo_rows(perm: Tensor, ptr: Tensor, edge_index: Tensor, num_nodes: int) -> int:
     """H_W: halo rows of the most loaded part of the partition ``(perm, ptr)`` (distinct sources in other
     parts with an edge into it)."""
-    parts = ptr.numel() - 1
-    part = torch.empty(num_nodes, dtype=torch.long)
-    part[perm] = torch.bucketize(torch.arange(num_nodes), ptr[1:].long(), right=True)
-    src, dst = edge_index
-    cross = part[src] != part[dst]
-    pairs = torch.unique(src[cross] * parts + part[dst[cross]])
-    return int(torch.bincount(pairs % parts, minlength=parts).max()) if pairs.numel() else 0
+    return int(halo_counts(perm, ptr, edge_index, num_nodes).sum(1).max())
 
 
 def measure_pass(seconds_of: Callable[[Tensor, Tensor], float], partition, num_nodes: int,
@@ -238,20 +251,20 @@ def auto_grid(P: int, layers: int, inputs, config, seconds_of, memory_of, partit
     chunks = config.num_chunks if isinstance(config.num_chunks, int) else None
     options = candidates(P, layers, N, chunks, not config.late_gradients)
     said: list = []
+    src, dst, _ = graph_edges(inputs.primary)
+    halos, ways = time_ways(seconds_of, partition, torch.stack([src, dst]).cpu(), N,  # (every rank at once)
+                            sorted({o[1] for o in options} - {1}), comm, root)
+    halos[1] = 0
 
-    def decide() -> Tensor:
-        src, dst, _ = graph_edges(inputs.primary)
-        edge_index = torch.stack([src, dst]).cpu()
+    def decide() -> Tensor:  # (the root alone: the other ranks idle while it times a chunk's pass)
         a, b = measure_pass(seconds_of, partition, N, P)
-        halos, ways = {1: 0}, {}
-        for W in sorted({o[1] for o in options} - {1}):
-            perm, ptr = partition(W, W)
-            halos[W], ways[W] = halo_rows(perm, ptr, edge_index, N), float(seconds_of(perm, ptr))
         one = torch.linspace(0, N, P + 1).round().long()
         pm = memory_of((torch.arange(N), torch.linspace(0, N, 2 * P + 1).round().long()), (torch.arange(N), one))
         sites = sum(1 for w in (pm.detail.widths if pm.detail is not None else []) if w > 0)
+        calls = {W: exchange_call(t, a + b * N / W, halos[W] * pm.history / beta, sites, alpha)
+                 for W, t in ways.items()}
         m = GridCosts(N, a, b, alpha, beta, pm.history, sites, pm.boundary, pm.params, halos, ways, shared,
-                      config.overlap)
+                      config.overlap, calls)
         peaks = None
         if room is not None:  # each candidate's first step, estimated as num_chunks="auto" does (memory_fit)
             peaks = {(S, W, k): first_step_estimate(pm, config, inputs, S, W, k, *partition(W, W * k))[0].peak
@@ -290,7 +303,8 @@ def regrid(shape, module: torch.nn.Module, fn, config, inputs, comm, saved_plan:
     else:
         probe = (module, fn, shape.program, shape.groups, inputs, comm.device)
         S, W, C, step, report = auto_grid(P, len(shape.groups), inputs, config,
-                                  lambda *cut: training_pass_seconds(*probe, chunking=cut),
+                                  lambda perm, ptr, halo=None: training_pass_seconds(*probe, chunking=(perm, ptr),
+                                                                                     halo=halo),
                                   lambda *cuts: training_pass_memory(*probe, *cuts),
                                   lambda ways, chunks: way_partition(config, inputs, ways, chunks), comm, 0,
                                   notes)

@@ -91,7 +91,7 @@ def main():
     # the reference: plain PyG in one process (only in the launching process; the workers it starts skip it)
     single = single_process_peak(model, data) if "LOCAL_RANK" not in os.environ else None
 
-    strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks,
+    strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks, grid="pipeline",  # (a stage a device: GNNPipe itself)
                                         boundary_dtype=torch.bfloat16 if args.boundary_dtype == "bf16" else None)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, max_epochs=args.epochs,
                          logger=False, enable_checkpointing=False, enable_model_summary=False,

@@ -130,10 +130,9 @@ def main():
             print("\n".join(lines), flush=True)
 
     chunks = args.chunks if args.chunks == "auto" else int(args.chunks)
-    strategy = pyg_pipe.GNNPipeStrategy(num_chunks=chunks, recompute={"on": True, "off": False}.get(args.recompute,
-                                                                                               "auto")) \
-        if args.mode == "gnnpipe" \
-        else pyg_pipe.GraphParallelStrategy()
+    recompute = {"on": True, "off": False}.get(args.recompute, "auto")
+    strategy = pyg_pipe.GNNPipeStrategy(num_chunks=chunks, grid="pipeline", recompute=recompute) \
+        if args.mode == "gnnpipe" else pyg_pipe.GraphParallelStrategy()
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=args.step + 2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, callbacks=[Record()])

@@ -71,7 +71,7 @@ def worker(args) -> None:
             return torch.optim.Adam(self.parameters(), lr=0.01)
 
     module = Module()
-    strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks)
+    strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks, grid="pipeline")
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=args.epochs, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     dm = pyg_pipe.FullGraphDataModule(data)

@@ -205,7 +205,7 @@ def worker(rank: int, P: int, port: int, graph: str, args, path: str) -> None:
             if mode == "graph_parallel":
                 strategy = pyg_pipe.GraphParallelStrategy(comm_timeout=1800)
             elif mode == "gnnpipe":
-                strategy = pyg_pipe.GNNPipeStrategy(comm_timeout=1800)
+                strategy = pyg_pipe.GNNPipeStrategy(comm_timeout=1800, grid="pipeline")
             else:
                 strategy = pyg_pipe.HybridStrategy(stages=P // 2, ways=2, comm_timeout=1800)
             timer = Timer()

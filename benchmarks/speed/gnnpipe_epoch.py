@@ -196,8 +196,9 @@ def run_pipe(args) -> None:
         strategy = pyg_pipe.HybridStrategy(stages=2, ways=args.procs // 2, num_chunks=args.chunks,
                                            snapshot_period=args.snapshot_period or None, **memory, **fused)
     else:
-        strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks, snapshot_period=args.snapshot_period or None,
-                                            timeline_trace=args.trace or None, **memory, **fused)
+        grid = "auto" if args.chunks == "auto" else "pipeline"  # (a count given: the pipeline with that many chunks)
+        strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks, grid=grid,
+                                            snapshot_period=args.snapshot_period or None, timeline_trace=args.trace or None, **memory, **fused)
     timer = Timer()
     trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if CUDA else "cpu", devices=args.procs, max_epochs=args.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -48,10 +48,11 @@ class HybridStrategy(GNNPipeStrategy):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer (or None to derive it from the "
                                  f"devices).")
-        if kwargs.get("grid", "pipeline") != "pipeline":
-            raise ValueError(f"grid={kwargs['grid']!r}: {type(self).__name__} fixes the grid (stages=, ways=); pass "
-                             f"grid='auto' to pyg_pipe.GNNPipeStrategy to have stages x ways chosen.")
-        super().__init__(num_chunks=num_chunks, **kwargs)
+        grid = kwargs.pop("grid", "pipeline")
+        if grid != "pipeline":
+            raise ValueError(f"grid={grid!r}: {type(self).__name__} fixes the grid (stages=, ways=); "
+                             f"pyg_pipe.GNNPipeStrategy chooses stages x ways (grid='auto', its default).")
+        super().__init__(num_chunks=num_chunks, grid="pipeline", **kwargs)
         if ways is not None and isinstance(num_chunks, int):
             check_chunks_per_way(num_chunks, ways)
         self.stages, self.ways = stages, ways

@@ -87,6 +87,17 @@ def test_the_ring_halo_exchange_through_lightning(data, tmp_path):
     _fit_and_check(data, strategy, 3, 1, 3, tmp_path, ring=True)
 
 
+def test_who_chooses_the_grid():
+    """GNNPipeStrategy chooses stages x ways by default (grid="auto"); grid="pipeline" keeps one stage a device;
+    the strategies that fix a grid keep it and refuse to have it chosen."""
+    assert pyg_pipe.GNNPipeStrategy().config.grid == "auto"
+    assert pyg_pipe.GNNPipeStrategy(grid="pipeline").config.grid == "pipeline"
+    assert HybridStrategy(stages=2, ways=2).config.grid == "pipeline"
+    assert GraphParallelStrategy().config.grid == "pipeline"
+    with pytest.raises(ValueError, match="grid='auto': HybridStrategy fixes the grid"):
+        HybridStrategy(stages=2, ways=2, grid="auto")
+
+
 def test_hybrid_serves_a_shallow_model(data, tmp_path):
     """2 layers on 4 devices: the default grid is 2 stages x 2 ways; with several chunks per way the
     loss still falls, and validation (exact inference) equals the model's own plain forward."""

@@ -230,3 +230,21 @@ def test_halo_counts_and_the_part_a_rank_probes():
     assert counts.tolist() == [[0, 2], [1, 0]]
     perm, ptr = first_part(torch.tensor([5, 4, 3, 2, 1, 0]), torch.tensor([0, 2, 5, 6]), 1)
     assert perm.tolist() == [3, 2, 1, 5, 4, 0] and ptr.tolist() == [0, 3, 5, 6]
+
+
+def _swap_worker(rank, world):
+    from pyg_pipe.engine.plan.way_probe import Exchangers, _Swap
+    comm = Comm(torch.device("cpu"), timeout=60)
+    # way 0 holds one vertex that the three other ways all read; each of them holds two and reads one of way 0's
+    counts = torch.tensor([[0, 1, 1, 1], [1, 0, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0]])
+    rows = torch.ones(1 if rank == 0 else 2, 3, requires_grad=True)
+    halo = _Swap.apply(rows, Exchangers(comm, counts, 4), 0)
+    assert halo.shape == (int(counts[rank].sum()), 3)
+    (halo * 2).sum().backward()  # the gradients go back to the rows they were sent from, summed
+    assert rows.grad.shape == rows.shape and float(rows.grad.sum()) == 2 * 3 * int(counts[:, rank].sum())
+
+
+def test_the_probe_exchange_meets_its_peers_both_ways():
+    """The ways' timed pass exchanges the partition's counts forward and the gradients back, also where one way's
+    rows are read by more peers than it has rows."""
+    run_distributed(_swap_worker, 4, timeout=120)

@@ -61,9 +61,9 @@ class _Swap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         back = ctx.exchanger.swap(grad.contiguous(), ctx.vdim, backward=True)
-        out = grad.new_zeros(ctx.shape)
-        out.narrow(ctx.vdim, 0, back.size(ctx.vdim)).add_(back)
-        return out, None, None
+        out = grad.new_zeros(ctx.shape)  # (the rows sent, as the forward took them: several peers may read one)
+        idx = torch.arange(back.size(ctx.vdim), device=grad.device) % max(ctx.shape[ctx.vdim], 1)
+        return out.index_add_(ctx.vdim, idx, back), None, None
 
 
 class Exchangers:
@@ -107,9 +107,8 @@ def time_ways(seconds_of: Callable, partition: Callable, edge_index: Tensor, num
               comm, root: int) -> Tuple[dict, dict]:
     """``({W: H_W}, {W: t_W})`` for each way count: ``H_W`` the halo rows of the most loaded way, ``t_W`` the
     slowest rank's training pass over its way's part with the exchanges (module docstring; not timed where a way
-    reads no halo). ``seconds_of(perm,
-    ptr, halo)``: a pass over the first chunk of ``(perm, ptr)`` with ``halo`` joining its sources. Every rank
-    calls it; the partitions are the root's."""
+    reads no halo). ``seconds_of(perm, ptr, halo)``: a pass over the first chunk of ``(perm, ptr)`` with ``halo``
+    joining its sources. Every rank calls it; the partitions are the root's."""
     halos, times = {}, {}
     for W in ways:
         perm, ptr = shared_partition(partition, W, W, num_nodes, comm, root)

@@ -248,3 +248,48 @@ def test_the_probe_exchange_meets_its_peers_both_ways():
     """The ways' timed pass exchanges the partition's counts forward and the gradients back, also where one way's
     rows are read by more peers than it has rows."""
     run_distributed(_swap_worker, 4, timeout=120)
+
+
+def _failing_worker(rank, world):
+    """Faults injected into the measuring: the model failing on one rank's way part leaves graph parallelism out
+    (every rank agrees, the pipeline is chosen and trains); the chunk's pass failing on the measuring rank falls
+    back to one stage a device on every rank, said in one line. Neither hangs."""
+    from pyg_pipe.engine import profile
+    x, edge_index, y, mask = small_graph()
+    comm = Comm(torch.device("cpu"), timeout=60)
+    timed = profile.training_pass_seconds
+
+    def way_fails_on_rank_1(*args, **kwargs):
+        if rank == 1 and kwargs.get("halo") is None and args[6:] == (1,):  # (the one pass over a way's part)
+            raise RuntimeError("this way's part cannot run")
+        return timed(*args, **kwargs)
+    profile.training_pass_seconds = way_fails_on_rank_1
+    original = grid_cost.measure_pass
+    try:
+        torch.manual_seed(0)
+        engine = GNNPipeEngine(make_model("gcnii"), PipelineConfig(grid="auto"), comm)
+        engine.install()
+        _, loss = forward_backward(engine.module, torch.optim.SGD(engine.module.parameters(), lr=0.01), x,
+                                   edge_index, y, mask)
+        assert torch.isfinite(loss) and engine.grid_choice == (2, 1)
+        said = comm.all_gather_objects(engine.notes, "test")[0]
+        assert any("2 graph-parallel ways left out" in n and "this way's part cannot run" in n for n in said), said
+        engine.uninstall()
+        profile.training_pass_seconds = timed
+
+        def cannot_time(*_):
+            raise RuntimeError("no timing here")
+        grid_cost.measure_pass = cannot_time
+        engine = GNNPipeEngine(make_model("gcnii"), PipelineConfig(grid="auto"), comm)
+        engine.install()
+        _, loss = forward_backward(engine.module, torch.optim.SGD(engine.module.parameters(), lr=0.01), x,
+                                   edge_index, y, mask)
+        assert torch.isfinite(loss) and engine.grid_choice == (2, 1) and engine.plan.stages == 2
+        assert any("could not time a training pass" in n and "no timing here" in n for n in engine.notes)
+        engine.uninstall()
+    finally:
+        profile.training_pass_seconds, grid_cost.measure_pass = timed, original
+
+
+def test_a_failure_while_measuring_leaves_grids_out_or_falls_back():
+    run_distributed(_failing_worker, 2, timeout=240)

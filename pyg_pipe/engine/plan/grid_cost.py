@@ -252,9 +252,15 @@ def auto_grid(P: int, layers: int, inputs, config, seconds_of, memory_of, partit
     options = candidates(P, layers, N, chunks, not config.late_gradients)
     said: list = []
     src, dst, _ = graph_edges(inputs.primary)
-    halos, ways = time_ways(seconds_of, partition, torch.stack([src, dst]).cpu(), N,  # (every rank at once)
-                            sorted({o[1] for o in options} - {1}), comm, root)
+    halos, ways, refused = time_ways(seconds_of, partition, torch.stack([src, dst]).cpu(), N,  # (every rank)
+                                     sorted({o[1] for o in options} - {1}), comm, root)
     halos[1] = 0
+    options = [o for o in options if o[1] not in refused] or options  # (none left: the failure shows in the run)
+    for W, why in refused.items():
+        line = f"pyg_pipe: grid='auto': {W} graph-parallel ways left out: the model failed on a way's part ({why})"
+        log.info(line)
+        if notes is not None:
+            notes.append(line)
 
     def decide() -> Tensor:  # (the root alone: the other ranks idle while it times a chunk's pass)
         a, b = measure_pass(seconds_of, partition, N, P)
@@ -290,7 +296,7 @@ def regrid(shape, module: torch.nn.Module, fn, config, inputs, comm, saved_plan:
     choice, ``(C, predicted step, None)`` for ``num_chunks="auto"``, is ``None`` where nothing was measured or where
     a memory budget applies (the count is then fitted to it as ``num_chunks="auto"`` does). A shape that is not a
     traced pipeline stays as it is."""
-    from ..profile import training_pass_memory, training_pass_seconds
+    from ..profile import TRAINING_PASSES, training_pass_memory, training_pass_seconds
     from .plan import Shape
     P = comm.world_size
     if shape.program is None or shape.forced or shape.streaming or P == 1:
@@ -302,12 +308,21 @@ def regrid(shape, module: torch.nn.Module, fn, config, inputs, comm, saved_plan:
         S, W = chosen
     else:
         probe = (module, fn, shape.program, shape.groups, inputs, comm.device)
-        S, W, C, step, report = auto_grid(P, len(shape.groups), inputs, config,
-                                  lambda perm, ptr, halo=None: training_pass_seconds(*probe, chunking=(perm, ptr),
-                                                                                     halo=halo),
-                                  lambda *cuts: training_pass_memory(*probe, *cuts),
-                                  lambda ways, chunks: way_partition(config, inputs, ways, chunks), comm, 0,
-                                  notes)
+        try:  # (a failure on the measuring rank is raised on every rank: every rank falls back alike)
+            S, W, C, step, report = auto_grid(P, len(shape.groups), inputs, config,
+                                              lambda perm, ptr, halo=None, passes=TRAINING_PASSES:
+                                              training_pass_seconds(*probe, passes, chunking=(perm, ptr), halo=halo),
+                                              lambda *cuts: training_pass_memory(*probe, *cuts),
+                                              lambda ways, chunks: way_partition(config, inputs, ways, chunks),
+                                              comm, 0, notes)
+        except Exception as exc:  # noqa: BLE001 - a model the timing pass cannot run still trains, on one stage a
+            line = (f"pyg_pipe: grid='auto' could not time a training pass of the model ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); one stage a device, as grid='pipeline' "
+                    f"runs it.")  # device (whatever made the pass fail shows in the run, named)
+            log.info(line)
+            if notes is not None:
+                notes.append(line)
+            return shape, (shape.stages, shape.ways), None, None
         if config.num_chunks == "auto" and config.memory_budget is None and comm.device.type == "cpu":
             count = (C, step, None)
     if (S, W) != (shape.stages, shape.ways):

@@ -104,12 +104,14 @@ def shared_partition(partition: Callable, ways: int, chunks: int, num_nodes: int
 
 
 def time_ways(seconds_of: Callable, partition: Callable, edge_index: Tensor, num_nodes: int, ways: List[int],
-              comm, root: int) -> Tuple[dict, dict]:
-    """``({W: H_W}, {W: t_W})`` for each way count: ``H_W`` the halo rows of the most loaded way, ``t_W`` the
-    slowest rank's training pass over its way's part with the exchanges (module docstring; not timed where a way
-    reads no halo). ``seconds_of(perm, ptr, halo)``: a pass over the first chunk of ``(perm, ptr)`` with ``halo``
-    joining its sources. Every rank calls it; the partitions are the root's."""
-    halos, times = {}, {}
+              comm, root: int) -> Tuple[dict, dict, dict]:
+    """``({W: H_W}, {W: t_W}, {W: why})`` for each way count: ``H_W`` the halo rows of the most loaded way, ``t_W``
+    the slowest rank's training pass over its way's part with the exchanges (module docstring; not timed where a
+    way reads no halo), and the way counts whose part some rank's model could not run on (the first failure told;
+    those grids are left out of the choice, the others still run it). ``seconds_of(perm, ptr, halo, passes)``: the
+    smallest of ``passes`` passes over the first chunk of ``(perm, ptr)`` with ``halo`` joining its sources. Every
+    rank calls it; the partitions are the root's."""
+    halos, times, refused = {}, {}, {}
     for W in ways:
         perm, ptr = shared_partition(partition, W, W, num_nodes, comm, root)
         counts = halo_counts(perm, ptr, edge_index, num_nodes)
@@ -117,6 +119,15 @@ def time_ways(seconds_of: Callable, partition: Callable, edge_index: Tensor, num
         if int(counts.sum(1).min()) == 0:  # a way reading no halo runs no joins to meet its peers': not timed
             continue                          # (the step then adds the exchanges from the link's speed)
         mine = first_part(perm, ptr, comm.rank % W)
+        failed = None
+        try:  # one pass without exchanges first: a way's part the model cannot run on fails here, on its rank
+            seconds_of(*mine, None, 1)  # alone, not inside an exchange its peers wait on
+        except Exception as exc:  # noqa: BLE001 - told to every rank below; the grids without W ways remain
+            failed = f"{type(exc).__name__}: {exc}"
+        told = [f for f in comm.all_gather_objects(failed, "trying graph parallelism") if f is not None]
+        if told:
+            refused[W] = told[0]
+            continue
         seconds = torch.tensor([float(seconds_of(*mine, Exchangers(comm, counts, W)))], dtype=torch.float64)
         times[W] = float(comm.all_reduce(seconds, None, "timing graph parallelism", op="max"))
-    return halos, times
+    return halos, times, refused

@@ -38,7 +38,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
         else:
-            _trim()  # memory freed earlier but kept by malloc would be reused unseen: hand it back first
+            trim()  # memory freed earlier but kept by malloc would be reused unseen: hand it back first
             self.base = _resident()
             self.exact = _reset_high_water_mark()
         return self
@@ -57,7 +57,8 @@ class PeakMemory:
         return max(_high_water_mark() - self.base, 0)
 
 
-def _trim() -> None:
+def trim() -> None:
+    """Hands the memory glibc's malloc keeps after frees back to the system (a no-op elsewhere)."""
     try:
         import ctypes
         ctypes.CDLL("libc.so.6").malloc_trim(0)

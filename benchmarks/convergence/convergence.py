@@ -192,8 +192,9 @@ def _worker(rank, world, args, cases):
     for m, g, chunks, mode, seed in cases:
         data = graph(g, args.nodes)
         net = model(m, args.layers, seed)
-        cfg = PipelineConfig(num_chunks=chunks, balance="layers", seed=seed, **MODES[mode])
-        engine = GNNPipeEngine(net, cfg, Comm(torch.device("cpu"), timeout=600), num_stages=world)
+        cfg = PipelineConfig(num_chunks=chunks, balance="layers", seed=seed, grid=args.grid, **MODES[mode])
+        engine = GNNPipeEngine(net, cfg, Comm(torch.device("cpu"), timeout=600),  # ("auto": the grid chosen)
+                               num_stages=None if args.grid == "auto" else world)
         engine.install()
         torch.manual_seed(seed + 1)
         curve = train(net, data, args.epochs, engine)
@@ -204,10 +205,10 @@ def _worker(rank, world, args, cases):
         for r, d in zip(curve, drifts.tolist()):
             r["drift"] = d
         results.append({"model": m, "graph": g, "chunks": chunks, "mode": mode, "seed": seed, "curve": curve,
-                        "chose": engine.plan.num_chunks})
+                        "chose": engine.plan.num_chunks, "grid": [engine.plan.stages, engine.plan.ways]})
         if rank == 0:
-            print(f"{m} {g} {chunks} chunks (ran {engine.plan.num_chunks}) {mode} seed {seed}: {summary(curve)[0]:.3f}",
-                  flush=True)
+            print(f"{m} {g} {chunks} chunks (ran {engine.plan.num_chunks} on {engine.plan.stages} x {engine.plan.ways}) "
+                  f"{mode} seed {seed}: {summary(curve)[0]:.3f}", flush=True)
     if rank == 0:
         with open(args.tmp, "w") as f:
             json.dump(results, f)
@@ -233,6 +234,8 @@ def main():
     p.add_argument("--layers", type=int, default=16, help="GCNII / ResGCN+ layers (GAT: at most 8)")
     p.add_argument("--epochs", type=int, default=60)
     p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--grid", choices=["pipeline", "auto"], default="pipeline",
+                   help="the rank grid: one stage a process, or chosen by the cost model (GNNPipeStrategy's default)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(2)

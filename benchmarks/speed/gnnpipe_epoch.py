@@ -182,7 +182,8 @@ def run_pipe(args) -> None:
                 self.sizes = list(engine.plan.sizes)
             if engine is not None and engine.plan is not None:
                 self.chunks = engine.plan.num_chunks
-                self.notes = [n for n in engine.notes if "num_chunks='auto'" in n or "recompute='auto'" in n]
+                said = ("num_chunks='auto'", "recompute='auto'", "grid='auto'")
+                self.notes = [n for n in engine.notes if any(k in n for k in said)]
 
     memory = dict(recompute={"on": True, "off": False}.get(args.recompute, "auto"),
                   history_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.history_dtype),
@@ -196,8 +197,7 @@ def run_pipe(args) -> None:
         strategy = pyg_pipe.HybridStrategy(stages=2, ways=args.procs // 2, num_chunks=args.chunks,
                                            snapshot_period=args.snapshot_period or None, **memory, **fused)
     else:
-        grid = "auto" if args.chunks == "auto" else "pipeline"  # (a count given: the pipeline with that many chunks)
-        strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks, grid=grid,
+        strategy = pyg_pipe.GNNPipeStrategy(num_chunks=args.chunks, grid=args.grid,
                                             snapshot_period=args.snapshot_period or None, timeline_trace=args.trace or None, **memory, **fused)
     timer = Timer()
     trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if CUDA else "cpu", devices=args.procs, max_epochs=args.epochs,
@@ -217,7 +217,8 @@ def run_pipe(args) -> None:
 def launch(args, mode: str, **extra) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode]
     for k in ("graph", "model", "nodes", "degree", "features", "classes", "layers", "hidden", "epochs", "procs",
-              "threads_single", "snapshot_period", "trace", "device", "input", "fused_kernels", "history_dtype"):
+              "threads_single", "snapshot_period", "trace", "device", "input", "fused_kernels", "history_dtype",
+              "grid"):
         if hasattr(args, k):  # a caller without the option (benchmarks/memory/memory.py) gets the worker's default
             cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     for k, v in extra.items():
@@ -251,6 +252,8 @@ def main():
                    help="GNNPipeStrategy(snapshot_period=...), default: the strategy's; 0 turns snapshots off")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--worker", choices=["single", "pipe"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--grid", choices=["pipeline", "auto"], default="pipeline",
+                   help="GNNPipeStrategy(grid=...): one stage a process, or chosen by the cost model")
     p.add_argument("--strategy", choices=["gnnpipe", "graph_parallel", "hybrid"], default="gnnpipe",
                    help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
@@ -300,7 +303,7 @@ def main():
 
     results = {"setting": {k: getattr(args, k) for k in ("graph", "model", "nodes", "degree", "features", "classes", "layers",
                                                          "hidden", "epochs", "procs", "threads_single", "snapshot_period",
-                                                         "input", "fused_kernels")}}
+                                                         "input", "fused_kernels", "grid")}}
     single = json.loads(launch(args, "single").stdout.strip().splitlines()[-1])
     results["single"] = single
     single_k = json.loads(launch(args, "single", kernels=1).stdout.strip().splitlines()[-1])

@@ -23,12 +23,11 @@ class PipelineConfig:
             stage; streaming on one device: from memory). ``None``: 4 per stage for each way, one per way
             for a single stage. At most |V|. One chunk per way gives exact model parallelism; more chunks
             shrink the pipeline bubble but read neighbours from historical embeddings.
-        grid: the rank grid: ``"auto"`` (``GNNPipeStrategy``'s default since 2026-11-28): stages x ways and the
-            chunk count from a cost model of the step (a chunk's training pass timed on two sizes, graph
-            parallelism's pass timed with its halo exchanges, the link between two ranks timed;
-            :mod:`.plan.grid_cost`; the fewest chunks a way within 10 % of the fastest predicted step; logged,
-            saved in checkpoints); ``"pipeline"`` (this class's default, for the engine used directly): one
-            stage a device, with graph-parallel ways added when the model has fewer layer groups than devices.
+        grid: the rank grid: ``"pipeline"`` (the default): one stage a device, with graph-parallel ways added when
+            the model has fewer layer groups than devices; ``"auto"``: stages x ways from a cost model of the step
+            (a chunk's training pass timed on two sizes, graph parallelism's pass timed with its halo exchanges, the
+            link between two ranks timed; :mod:`.plan.grid_cost`; logged, saved in checkpoints; the chunk count is
+            then ``num_chunks``'s).
             ``HybridStrategy`` and ``GraphParallelStrategy`` fix their grid.
         shuffle_chunks: T1, a new chunk order every step (the same on every stage).
         snapshot_period: T2, historical embeddings snapshotted every this many steps and restored in

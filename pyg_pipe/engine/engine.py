@@ -55,7 +55,7 @@ from .reroute import Rerouted, caller
 from .tree import unpack_rows
 from .plan.plan import Plan, Shape, decide_shape, make_plan
 from .plan.grid_cost import regrid
-from .profile import layer_costs, training_pass_memory, training_pass_seconds
+from .profile import layer_costs, release, training_pass_memory, training_pass_seconds
 from .runtime.runtime import Runtime
 from .step.norms import StatisticsHooks
 from .runtime.weights import GradientSum
@@ -359,10 +359,9 @@ class GNNPipeEngine:
                                        self.config.split_points, self.config.streaming
                                        if self.config.streams(comm.world_size) else False, fn=self._fn)
             if self.config.grid == "auto" and self.requested in ((None, None), (None, 1)) and self.min_ways == 1:
-                self._shape, self.grid_choice, counted, self.grid_report = regrid(
+                self._shape, self.grid_choice, self.grid_report = regrid(
                     self._shape, self.module, self._fn, self.config, inputs, comm, (self._saved or {}).get("plan"),
                     self.grid_choice, self.notes)
-                self.chunk_choice = self.chunk_choice or counted
             self.notes += [n for n in self._shape.notes if n not in self.notes]
             self.grid = RankGrid(comm.rank, comm.world_size, self._shape.stages, self._shape.ways)
         shape, grid = self._shape, self.grid
@@ -372,6 +371,7 @@ class GNNPipeEngine:
                          costs=lambda perm, ptr: layer_costs(*probe, chunking=(perm, ptr)), saved=saved.get("plan"),
                          notes=self.notes, pass_seconds=lambda *cut: training_pass_seconds(*probe, chunking=cut),
                          chosen=self.chunk_choice, pass_memory=lambda *cuts: training_pass_memory(*probe, *cuts))
+        release(comm.device)  # (what the measuring passes left)
         self._sizes = plan.sizes
         if self._grads is None:
             self._grads = GradientSum(self.module, plan.param_stages, grid, comm)

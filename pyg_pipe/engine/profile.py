@@ -158,6 +158,19 @@ class _ChunkProbe:
                 p.grad = g
 
 
+def release(device) -> None:
+    """What the measuring passes leave behind once the plan is made: the fused kernels' cached transposes of the
+    probes' chunk graphs (each entry keeps its graph alive; the training graphs' are rebuilt at their first
+    backward) and, on a CPU, the memory malloc keeps after the probes' frees. Measured (16-layer GCNII, 20k
+    vertices, 2 processes, ``grid="auto"``): rank 0 held 86 MB more after planning than with ``grid="pipeline"``,
+    and peaked at 487 against 390 MB."""
+    from ..memory import trim
+    from ..ops.aggregate import clear_cache
+    clear_cache()
+    if torch.device(device).type == "cpu":
+        trim()
+
+
 def layer_costs(module: torch.nn.Module, fn: Callable, program: Program, groups: list, inputs: CallInputs,
                 device, passes: int = None, chunking: Optional[Tuple[Tensor, Tensor]] = None) -> List[float]:
     """Seconds per layer group of ``program`` (cut into ``groups``) for the call ``inputs``: the sum of its

@@ -68,7 +68,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
     def __init__(
         self,
         num_chunks: Optional[Union[int, str]] = "auto",
-        grid: str = "auto",
+        grid: str = "pipeline",
         shuffle_chunks: bool = True,
         snapshot_period: Optional[int] = 11,
         unbiased_gradients: bool = True,

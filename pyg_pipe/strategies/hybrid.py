@@ -51,7 +51,7 @@ class HybridStrategy(GNNPipeStrategy):
         grid = kwargs.pop("grid", "pipeline")
         if grid != "pipeline":
             raise ValueError(f"grid={grid!r}: {type(self).__name__} fixes the grid (stages=, ways=); "
-                             f"pyg_pipe.GNNPipeStrategy chooses stages x ways (grid='auto', its default).")
+                             f"pass grid='auto' to pyg_pipe.GNNPipeStrategy to have stages x ways chosen.")
         super().__init__(num_chunks=num_chunks, grid="pipeline", **kwargs)
         if ways is not None and isinstance(num_chunks, int):
             check_chunks_per_way(num_chunks, ways)

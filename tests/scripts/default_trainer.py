@@ -42,8 +42,8 @@ if __name__ == "__main__":
         return float((pred[mask] == data.y[mask]).float().mean())
 
     plain_before = accuracy(lit.model, data.val_mask)
-    if strategy == "gnnpipe_pipeline":  # one stage a device, not chosen by the cost model
-        strategy = pyg_pipe.GNNPipeStrategy(grid="pipeline")
+    if strategy == "gnnpipe_grid_auto":  # stages x ways chosen by the cost model
+        strategy = pyg_pipe.GNNPipeStrategy(grid="auto")
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=4)
     before = trainer.validate(lit, datamodule=dm, verbose=False)
     trainer.fit(lit, datamodule=dm)

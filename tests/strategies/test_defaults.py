@@ -20,7 +20,7 @@ def _ours(warning) -> bool:
             or "number of training batches" in warning["message"])
 
 
-@pytest.mark.parametrize("strategy", ["gnnpipe", "graph_parallel", "gnnpipe_hybrid", "gnnpipe_pipeline"])
+@pytest.mark.parametrize("strategy", ["gnnpipe", "graph_parallel", "gnnpipe_hybrid", "gnnpipe_grid_auto"])
 def test_a_default_trainer_just_works(strategy, tmp_path):
     out = subprocess.run([sys.executable, SCRIPT, strategy], capture_output=True, text=True, timeout=300,
                          cwd=str(tmp_path), env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
@@ -34,26 +34,22 @@ def test_a_default_trainer_just_works(strategy, tmp_path):
     assert result["history_in_checkpoint"], "trainer.save_checkpoint after fit must keep the pipeline state"
     buffers = result["history_buffers"]
     assert len(buffers) == 2, "every rank's part of the pipeline state is in the checkpoint"
-    pipeline = strategy in ("gnnpipe", "gnnpipe_pipeline") and result["grid"] == [2, 1]
-    if pipeline and result["num_chunks"] > 1:  # 2 stages with several chunks: each rank keeps
+    if strategy == "gnnpipe" and result["num_chunks"] > 1:  # 2 stages with several chunks: each rank keeps
         # the history of its call sites (the rows other chunks read: at most every vertex)
         assert any(buffers) and all(0 < n <= result["num_nodes"] for b in buffers for _, n in b), buffers
         assert not set(map(tuple, (k for k, _ in buffers[0]))) & set(map(tuple, (k for k, _ in buffers[1])))
-    elif pipeline:  # num_chunks="auto" chose one chunk (60 vertices: a chunk's fixed cost rules)
+    elif strategy == "gnnpipe":  # num_chunks="auto" chose one chunk (60 vertices: a chunk's fixed cost rules)
         assert buffers == [[], []], buffers
-    if strategy in ("gnnpipe", "gnnpipe_pipeline"):  # the prediction is checked against the steps after the first
+    if strategy == "gnnpipe":  # the cost model's prediction is checked against the steps after the first
         check = result["plan_check"]
         assert check is not None and check["num_chunks"] == result["num_chunks"] and check["steps"] == 3, check
         assert check["predicted_step_s"] > 0 and check["measured_step_s"] > 0, check
         assert any("the measured step is" in n and "against the predicted" in n for n in result["notes"])
         # what it chose is shown, as Lightning shows its own messages: once (rank 0; validate, fit, test and
-        # predict use the one choice), on stderr: the grid and the chunks by default, the chunks alone with
-        # grid="pipeline"
-        said = "pyg_pipe: grid='auto':" if strategy == "gnnpipe" else "pyg_pipe: num_chunks='auto':"
-        assert out.stderr.count(said) == 1, out.stderr[-3000:]
-    if strategy != "gnnpipe":  # a fixed grid: nothing chose it
-        assert "pyg_pipe: grid='auto':" not in out.stderr, out.stderr[-3000:]
-    if strategy == "gnnpipe":  # the grid: chosen once (validate, fit, test and predict use it), saved, told once
+        # predict use the one count), on stderr
+        assert out.stderr.count("pyg_pipe: num_chunks='auto':") == 1, out.stderr[-3000:]
+    if strategy == "gnnpipe_grid_auto":  # chosen once (validate, fit, test and predict use it), saved, told once
+        assert out.stderr.count("pyg_pipe: grid='auto':") == 1, out.stderr[-3000:]
         S, W = result["grid"]
         assert S * W == 2 and any(n.startswith(f"pyg_pipe: grid='auto': {S} stage") for n in result["notes"])
     assert result["checkpoints"], "the default ModelCheckpoint wrote nothing"

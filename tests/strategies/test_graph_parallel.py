@@ -88,10 +88,10 @@ def test_the_ring_halo_exchange_through_lightning(data, tmp_path):
 
 
 def test_who_chooses_the_grid():
-    """GNNPipeStrategy chooses stages x ways by default (grid="auto"); grid="pipeline" keeps one stage a device;
-    the strategies that fix a grid keep it and refuse to have it chosen."""
-    assert pyg_pipe.GNNPipeStrategy().config.grid == "auto"
-    assert pyg_pipe.GNNPipeStrategy(grid="pipeline").config.grid == "pipeline"
+    """GNNPipeStrategy runs one stage a device by default (grid="pipeline") and chooses stages x ways when asked
+    (grid="auto"); the strategies that fix a grid keep it and refuse to have it chosen."""
+    assert pyg_pipe.GNNPipeStrategy().config.grid == "pipeline"
+    assert pyg_pipe.GNNPipeStrategy(grid="auto").config.grid == "auto"
     assert HybridStrategy(stages=2, ways=2).config.grid == "pipeline"
     assert GraphParallelStrategy().config.grid == "pipeline"
     with pytest.raises(ValueError, match="grid='auto': HybridStrategy fixes the grid"):

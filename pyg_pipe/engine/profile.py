@@ -161,9 +161,10 @@ class _ChunkProbe:
 def release(device) -> None:
     """What the measuring passes leave behind once the plan is made: the fused kernels' cached transposes of the
     probes' chunk graphs (each entry keeps its graph alive; the training graphs' are rebuilt at their first
-    backward) and, on a CPU, the memory malloc keeps after the probes' frees. Measured (16-layer GCNII, 20k
-    vertices, 2 processes, ``grid="auto"``): rank 0 held 86 MB more after planning than with ``grid="pipeline"``,
-    and peaked at 487 against 390 MB."""
+    backward) and, on a CPU, the memory malloc keeps after the probes' frees. Measured before it (16-layer GCNII,
+    20k vertices, 2 processes, ``grid="auto"``): rank 0 held 86 MB more after planning than with
+    ``grid="pipeline"`` and peaked at 487 against 390 MB; with it, at 411 (that run chose 16 chunks) against 385.
+    A later run through Lightning still peaked 100 MB higher (docs/gnnpipe.md): not enough."""
     from ..memory import trim
     from ..ops.aggregate import clear_cache
     clear_cache()

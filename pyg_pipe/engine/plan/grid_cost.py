@@ -241,8 +241,8 @@ def measure_pass(seconds_of: Callable[[Tensor, Tensor], float], partition, num_n
 
 
 def auto_grid(P: int, layers: int, inputs, config, seconds_of, memory_of, partition, comm, root: int,
-              notes: Optional[List[str]] = None) -> Tuple[int, int, int, float, Optional[GridChoice]]:
-    """``grid="auto"``: ``(S, W, C, predicted step, the choice)`` measured and chosen on ``root``, broadcast, said
+              notes: Optional[List[str]] = None) -> Tuple[int, int, Optional[GridChoice]]:
+    """``grid="auto"``: ``(S, W, the choice)`` measured and chosen on ``root``, broadcast, said
     in one line (the :class:`GridChoice`, with every candidate's prediction, on ``root`` only).
     ``seconds_of(perm, ptr)`` / ``memory_of(chunking, way_chunking)``: a training pass's seconds and
     :class:`~.first_step.PassMemory` over a chunk; ``partition(ways, chunks)``: the plan's ``(perm, ptr)``.
@@ -281,15 +281,14 @@ def auto_grid(P: int, layers: int, inputs, config, seconds_of, memory_of, partit
                      for S, W, k in options}
         choice = choose(m, options, room, peaks)
         said.append(choice)
-        return torch.tensor([choice.stages, choice.ways, choice.ways * choice.per_way,
-                             choice.predicted[(choice.stages, choice.ways, choice.per_way)]], dtype=torch.float64)
+        return torch.tensor([choice.stages, choice.ways], dtype=torch.float64)
 
-    got = root_decides(decide, torch.zeros(4, dtype=torch.float64), comm, root, "choosing the grid").tolist()
+    got = root_decides(decide, torch.zeros(2, dtype=torch.float64), comm, root, "choosing the grid").tolist()
     for choice in said:
         log.info(choice.line())
         if notes is not None:
             notes.append(choice.line())
-    return int(got[0]), int(got[1]), int(got[2]), float(got[3]), (said[0] if said else None)
+    return int(got[0]), int(got[1]), (said[0] if said else None)
 
 
 def regrid(shape, module: torch.nn.Module, fn, config, inputs, comm, saved_plan: Optional[dict],
@@ -314,7 +313,7 @@ def regrid(shape, module: torch.nn.Module, fn, config, inputs, comm, saved_plan:
     else:
         probe = (module, fn, shape.program, shape.groups, inputs, comm.device)
         try:  # (a failure on the measuring rank is raised on every rank: every rank falls back alike)
-            S, W, _, _, report = auto_grid(P, len(shape.groups), inputs, config,
+            S, W, report = auto_grid(P, len(shape.groups), inputs, config,
                                               lambda perm, ptr, halo=None, passes=TRAINING_PASSES:
                                               training_pass_seconds(*probe, passes, chunking=(perm, ptr), halo=halo),
                                               lambda *cuts: training_pass_memory(*probe, *cuts),

@@ -354,3 +354,28 @@ def test_a_checkpoint_resumed_with_another_history_dtype_keeps_rows_in_the_new_o
     h16.load_state_dict(torch.load(buf))
     assert h16.initialised and h16.buffers[KEY].dtype == torch.bfloat16
     assert seen(h16, n=3) == [1.0, 2.0, 3.0]
+
+
+# ---------------------------------------------------------------------------------------------- pending parts
+def test_pending_parts_sum_as_a_buffer_of_every_held_row_does_folded_or_not():
+    """The one-way drain keeps the gradients of fresh reads as the rows read, one part per reader; an owner's
+    backward gets zeros plus each part in the order they came, the same bits as a buffer of every held row that
+    ``index_add``-s them in turn. Parts coming to more rows than the owner holds are folded into one buffer of its
+    held rows on the way (so an owner never costs more), with the same result; nothing is left held after."""
+    from pyg_pipe.engine.runtime.pending import Pending
+    g = torch.Generator().manual_seed(0)
+    held = 5
+    reads = [(torch.tensor([0, 3]), 1.0), (torch.tensor([1, 3, 4]), 0.5), (torch.tensor([0, 2, 3]), 1.0)]
+    grads = [torch.randn(r.numel(), 3, generator=g) for r, _ in reads]
+    dense = torch.zeros(held, 3)
+    for (rows, alpha), grad in zip(reads, grads):
+        dense.index_add_(0, rows, grad, alpha=alpha)
+    for fold_after in (None, 1):  # 2 + 3 + 3 rows > 5 held: the third part folds; held=8: never
+        p = Pending()
+        h = held if fold_after else 8
+        for (rows, alpha), grad in zip(reads, grads):
+            p.add("site", [(10, h, rows, grad)], alpha)
+        assert p.peak > 0 and ((p.parts[("site", 10)][0] is not None) == bool(fold_after))
+        got = p.take("site", 10, h, torch.zeros(1, 3))
+        assert torch.equal(got[:held], dense) and p.bytes == 0 and not p.parts
+    assert p.take("site", 10, held, torch.zeros(1, 3)) is None  # taken once

@@ -8,7 +8,8 @@ import torch
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
 from pyg_pipe.engine.plan import chunk_cost
 from pyg_pipe.engine.plan.memory_fit import fit_memory, probe_scale
-from pyg_pipe.engine.plan.first_step import PassMemory, chunking_bytes, first_step_peak, history_rows, stage_shares
+from pyg_pipe.engine.plan.first_step import (PassMemory, chunking_bytes, first_step_peak, fresh_reads, history_rows,
+                                             stage_shares)
 from pyg_pipe.engine.profile import training_pass_memory
 from pyg_pipe.engine.step.layers import LayerHooks
 from pyg_pipe.graph.partition import make_chunks
@@ -89,7 +90,8 @@ def _estimates(m, graphs, N, stages, counts, offloaded=False):
         perm, ptr = torch.arange(N), torch.linspace(0, N, k + 1).round().long()
         structures, edges = chunking_bytes(graphs, perm, ptr, 1)
         out[k] = first_step_peak(m, N, stages, 1, k, structures, edges, history_rows(graphs, perm, ptr, 1),
-                                 0 if offloaded else 2, offloaded=offloaded).peak
+                                 0 if offloaded else 2, offloaded=offloaded,
+                                 pending_rows=fresh_reads(graphs, perm, ptr)).peak  # (one way: fresh reads)
     return out
 
 

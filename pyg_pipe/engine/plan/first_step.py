@@ -75,6 +75,37 @@ def history_rows(graphs, perm: Tensor, ptr: Tensor, ways: int) -> int:
     return int(torch.bincount(held, minlength=ways).max())
 
 
+def fresh_reads(graphs, perm: Tensor, ptr: Tensor) -> int:
+    """One way's pending gradient rows at their peak for the chunking ``(perm, ptr)``, the chunks filled in their
+    order and drained in reverse (:mod:`..runtime.pending`): after chunk ``j`` drained,
+    every owner ``o < j`` waits for the rows its drained readers ``j' >= j`` read, at most the rows it holds::
+
+        pending = max_j  sum_{o < j}  min(held_o, sum_{j' >= j} reads[j', o])
+
+    ``reads[j', o]``: the distinct rows of chunk ``o`` that chunk ``j'`` reads (over ``graphs``, both edge
+    directions); ``held_o``: the rows of ``o`` with an edge to another chunk."""
+    from ...model.inputs import graph_edges
+    N, C = perm.numel(), ptr.numel() - 1
+    chunk = torch.empty(N, dtype=torch.long)
+    chunk[perm.cpu()] = torch.bucketize(torch.arange(N), ptr.cpu()[1:], right=True)
+    pairs = []
+    for g in graphs:
+        src, dst, _ = graph_edges(g)
+        src, dst = src.cpu(), dst.cpu()
+        cross = chunk[src] != chunk[dst]
+        src, dst = src[cross], dst[cross]
+        pairs += [chunk[dst] * N + src, chunk[src] * N + dst]
+    if not pairs:
+        return 0
+    read = torch.unique(torch.cat(pairs))
+    reader, v = read // N, read % N
+    reads = torch.bincount(reader * C + chunk[v], minlength=C * C).view(C, C)     # [reader, owner]
+    held = torch.bincount(chunk[torch.unique(v)], minlength=C)
+    later = reads.flip(0).cumsum(0).flip(0)                                           # [j, o]: readers j' >= j
+    waiting = torch.minimum(later, held.view(1, C)).tril(-1)                          # owners o < j
+    return int(waiting.sum(1).max())
+
+
 @dataclass(frozen=True)
 class PassDetail:
     """Where a training pass's bytes were, layer group by layer group: kept on the rank that measured (the estimate is
@@ -165,12 +196,13 @@ class FirstStep:
 
 def first_step_peak(m, num_nodes: int, stages: int, ways: int, per_way: int, structures: int, edges: int,
                     hist_rows: int, copies: int, replay: bool = True, offloaded: bool = False,
-                    shares: Optional[Sequence[StageShare]] = None) -> FirstStep:
+                    shares: Optional[Sequence[StageShare]] = None, pending_rows: Optional[int] = None) -> FirstStep:
     """The module docstring's counted peak (``resident + state + activations + transient``) of the first step of the
     widest stage, before it: the chunking's ``structures`` and ``edges`` a way and its ``hist_rows`` counted
     (:func:`chunking_bytes`, :func:`history_rows`), the rest from ``m`` (:class:`PassMemory`) as each stage's
     ``shares`` (:func:`stage_shares`; ``None``: the mean stage of ``stages``). ``offloaded``: the history, its
-    copies and the pending gradients are in the offload tier (``G`` off the device too)."""
+    copies and the pending gradients are in the offload tier (``G`` off the device too). ``pending_rows``: the rows
+    of ``G`` where they are not every held row (one way: :func:`fresh_reads`)."""
     if shares is None:
         shares = stage_shares(m, None, [m.params / stages] * stages)[:1]
     R = -(-num_nodes // ways)
@@ -179,6 +211,8 @@ def first_step_peak(m, num_nodes: int, stages: int, ways: int, per_way: int, str
     for s, share in enumerate(shares):
         G = 0.0 if offloaded else hist_rows * share.h
         resident = structures + (m.cache + m.way_cache) * edges + copies * G
+        if pending_rows is not None and not offloaded:
+            G = min(hist_rows, pending_rows) * share.h
         acts = (share.b * R + share.a * r if replay else share.a * R) + G
         got = FirstStep(per_way, int(resident), int(3 * share.params), int(acts), int(share.working * r), s)
         if best is None or got.peak > best.peak:

@@ -40,7 +40,7 @@ from torch import Tensor
 from ...graph.chunks import way_ptr
 from .chunk_cost import MAX_PER_WAY, PROBES
 from .decide import root_decides
-from .first_step import PassMemory, chunking_bytes, first_step_peak, history_rows, stage_shares
+from .first_step import PassMemory, chunking_bytes, first_step_peak, fresh_reads, history_rows, stage_shares
 from .memory_cost import MB
 
 log = logging.getLogger(__name__)
@@ -125,9 +125,10 @@ def first_step_estimate(m, config, inputs, stages: int, ways: int, per_way: int,
     activations, as one device's does)."""
     structures, edges = chunking_bytes(inputs.graphs, perm, ptr, ways)
     rows = history_rows(inputs.graphs, perm, ptr, ways) if per_way > 1 else 0
+    pending = fresh_reads(inputs.graphs, perm, ptr) if rows and ways == 1 and not config.late_gradients else None
     replay = config.recompute != False and (per_way > 1 or stages > 1)  # noqa: E712
     on = first_step_peak(m, inputs.num_nodes, stages, ways, per_way, structures, edges, rows, _copies(config),
-                         replay, offloaded=config.offload is not None, shares=shares)
+                         replay, offloaded=config.offload is not None, shares=shares, pending_rows=pending)
     off = first_step_peak(m, inputs.num_nodes, stages, ways, per_way, structures, edges, rows, 0, replay,
                           offloaded=True, shares=shares) if with_offload else on
     return on, off

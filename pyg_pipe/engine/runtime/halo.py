@@ -77,7 +77,9 @@ class _Routes:
     """Where one chunk's halo gradients go at one step (device index tensors)."""
 
     def __init__(self):
-        self.own_pos = self.own_scale = self.own_ids = None                 # fresh reads of this way's chunks
+        self.own_pos = self.own_scale = self.own_ids = None                 # fresh reads of this way's chunks,
+        self.parts: List[Tuple[int, int, slice, Tensor]] = []               # by owner: (its first row, rows it
+        #                                                    holds, which of the reads, the held rows they are)
         self.stale_pos = self.stale_ids = None                              # halo rows read stale
         self.sends: List[Tuple[int, Tensor, Tensor]] = []                   # (way, halo positions, scale)
         self.recvs: List[Tuple[int, int, Tensor, Tensor, Tensor, Tensor]] = []  # (way, n, cur sel, cur rows,
@@ -270,8 +272,19 @@ class HaloPass:
             r.stale_pos = stale.to(dev)
             r.stale_ids = lg.halo[r.stale_pos]
         if own.numel():
+            by = owner[own]
+            order = torch.argsort(by, stable=True)  # grouped by owner chunk: each owner's share is one slice
+            own, by = own[order], by[order]
             r.own_pos, r.own_scale = own.to(dev), _scale(scale[own], dev)
             r.own_ids = lg.halo[r.own_pos]
+            owners, counts = torch.unique_consecutive(by, return_counts=True)
+            a = 0
+            for o, n in zip(owners.tolist(), counts.tolist()):  # (the owner's held rows: history's span)
+                at = self.history.span(cg.chunks[o].start, cg.chunks[o].end, r.own_ids)[1]
+                ids, local = r.own_ids[a:a + n], self.history.local
+                held = (ids if local is None else local[ids]) - at.start
+                r.parts.append((cg.chunks[o].start, at.stop - at.start, slice(a, a + n), held))
+                a += n
         W = self.grid.ways
         fresh_ids: Dict[Tuple[int, int], Tensor] = {}   # (reader way, owner way) -> ids whose gradient goes there
         for w in range(W):
@@ -328,25 +341,25 @@ class HaloPass:
         return g_rows
 
     def _direct_backward(self, key: str, lg: LocalGraph, r: _Routes, g_rows: Tensor, g_halo: Tensor) -> Tensor:
-        """:meth:`backward` with one way and the pending gradients ``G`` on the device: ``g_rows`` plus what
-        later chunks' reads sent back, and the fresh reads' gradients (scaled by T3) added to ``G`` at their
-        owners' rows."""
+        """:meth:`backward` with one way, the pending gradients on the device: ``g_rows`` plus what later chunks'
+        fresh reads sent back, and this chunk's fresh reads' gradients (scaled by T3) kept for their owners as
+        parts, one per owner chunk, only the rows read (:mod:`.pending`)."""
         h = self.history
-        g = h.grads.get(key)
-        if g is not None and g.dtype == g_rows.dtype:
-            pos, at = h.span(lg.start, lg.end, g)
-            g_rows = g_rows + g[at] if pos is None else g_rows.index_add(0, pos, g[at])
-        else:
+        pos, at = h.span(lg.start, lg.end, g_rows)
+        back = h.pending.take(key, lg.start, at.stop - at.start, g_rows)
+        if back is None:
             g_rows = g_rows.clone()
-            if g is not None:
-                h.take_grad(key, lg.start, lg.end, g_rows)
+        else:  # (its held rows: all of them, or those at ``pos``)
+            g_rows = g_rows + back if pos is None else g_rows.index_add(0, pos, back)
         if r.own_pos is None:
             return g_rows
         fresh = g_halo.index_select(0, r.own_pos)
+        alpha = 1.0
         if isinstance(r.own_scale, float):  # T3's scale applied as the gradient is added (one call less)
-            h.add_grad(key, r.own_ids, fresh, alpha=r.own_scale)
+            alpha = r.own_scale
         else:
-            h.add_grad(key, r.own_ids, _scaled(fresh, r.own_scale))
+            fresh = _scaled(fresh, r.own_scale)
+        h.pending.add(key, [(start, held, rows, fresh[at]) for start, held, at, rows in r.parts], alpha)
         return g_rows
 
 

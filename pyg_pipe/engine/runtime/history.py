@@ -43,6 +43,7 @@ from typing import Dict, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from .pending import Pending
 from .tiers import Tiers
 
 
@@ -92,6 +93,7 @@ class CallHistory:
         self.snapshot: Dict[str, Tensor] = {}
         self.smooth: Dict[str, Tensor] = {}      # the moving average of the rows steps start with (smoothing)
         self.grads: Dict[str, Tensor] = {}
+        self.pending = Pending()                  # the one-way drain's pending gradients, as the rows read
         self.late: Dict[str, Tensor] = {}        # gradients of this step's stale reads (late_gradients) ...
         self.late_in: Dict[str, Tensor] = {}     # ... and of the last step's, which the owners take now
         self.start: Dict[str, Tensor] = {}       # the rows at the start of the step (for replays)
@@ -242,6 +244,7 @@ class CallHistory:
 
     def clear_grads(self) -> None:
         self.grads = {}
+        self.pending.end_drain()
 
     # ------------------------------------------------------------------ steps and snapshots
     def begin_step(self, step: int, period: Optional[int], keep_start: bool = False,
@@ -251,6 +254,7 @@ class CallHistory:
         the rows as they are now stay readable through the step (:meth:`read_start`); with snapshots and
         no smoothing they are the snapshot itself, otherwise they cost a copy."""
         self.grads, self.start = {}, {}
+        self.pending.reset()
         self.late_in, self.late = self.late, {}  # the last step's stale-read gradients are taken this step
         self._step = step
         refilled = self.written is None

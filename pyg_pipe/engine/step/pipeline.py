@@ -174,8 +174,9 @@ def drain(grad: Tensor, record: CallRecord) -> None:
     rt.comm.flush()
     rt.comm.counting, rt.comm.boundary_dtype = False, None
     if rt.memory.pending is None:  # the first drain: what the pending cross-chunk gradients took (..plan.memory_cost)
-        rt.memory.pending = sum(g.numel() * g.element_size() for g in record.run.history.grads.values()
-                                if g.device == rt.comm.device)
+        h = record.run.history
+        rt.memory.pending = h.pending.peak + sum(g.numel() * g.element_size() for g in h.grads.values()
+                                               if g.device == rt.comm.device)
     record.run.history.clear_grads()
 
 

@@ -1,8 +1,10 @@
 """Memory tiers of the history (:mod:`pyg_pipe.engine.runtime.tiers`): buffers on the device, in host memory or in
 memory-mapped files, within a byte budget. Training with history in any tier equals training with it on
 the device, bit for bit (a PyG ``GCN2Conv`` stack with dropout on a graph of several components, 2
-stages x 4 chunks, with and without snapshots, recompute on and off), and a run holds its buffers where
-the knobs say.
+stages x 4 chunks, with and without snapshots, recompute on and off; 2 graph-parallel ways x 2 chunks, with either
+halo exchange), and a run holds its buffers where the knobs say. On the device the gradients of fresh reads are
+kept as parts (:mod:`pyg_pipe.engine.runtime.pending`), in a tier as buffers: so this also checks that the two sum
+them alike.
 """
 import pytest
 import torch
@@ -47,12 +49,12 @@ def test_bad_offload_knobs_name_the_argument(tmp_path):
         PipelineConfig(offload="disk", offload_dir=str(tmp_path / "missing")).validate()
 
 
-def _train(x, ei, y, mask, **cfg):
+def _train(x, ei, y, mask, stages=2, ways=1, **cfg):
     torch.manual_seed(0)
     model = GCNII()
     sync_module_state(model, {}, [0])
     engine = GNNPipeEngine(model, PipelineConfig(num_chunks=4, balance="layers", **cfg),
-                           Comm(torch.device("cpu"), timeout=60), num_stages=2, ways=1)
+                           Comm(torch.device("cpu"), timeout=60), num_stages=stages, ways=ways)
     engine.install()
     try:
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -64,6 +66,8 @@ def _train(x, ei, y, mask, **cfg):
             opt.step()
         sync_module_state(model, engine.owners, engine.owner_ranks)
         tiers = engine.runtime.history.tiers
+        parts = engine.runtime.history.of(0).pending.peak  # (on the device: fresh reads' gradients kept as parts)
+        assert (parts > 0) == (cfg.get("offload") is None), (parts, cfg)
         return [p.detach().clone() for p in model.parameters()], len(tiers._maps), tiers.on_device
     finally:
         engine.uninstall()
@@ -72,7 +76,9 @@ def _train(x, ei, y, mask, **cfg):
 def _worker(rank, world, offload_dir):
     x, g, y, mask = zoo_graph(sizes=(24, 40, 40))
     ei = g["edge_index"]
-    for common in (dict(snapshot_period=2, recompute=True), dict(snapshot_period=None, recompute=False)):
+    for common in (dict(snapshot_period=2, recompute=True), dict(snapshot_period=None, recompute=False),
+                   dict(snapshot_period=2, recompute=False, stages=1, ways=2),     # 2 graph-parallel ways, 2 chunks
+                   dict(snapshot_period=2, recompute=False, stages=1, ways=2, halo_exchange="ring")):  # each
         want, maps, on_device = _train(x, ei, y, mask, **common)
         assert maps == 0 and on_device > 0
         for offload, budget in (("host", None), ("disk", None), ("disk", on_device // 2)):

@@ -17,10 +17,10 @@ every other way its messages in one grouped exchange) or ``"ring"`` (hop by hop 
 ways, :mod:`.ring`); both deliver the same rows and the same gradient sums.
 
 Backward (:class:`_HaloJoin`): the gradient of every fresh halo row goes back to its owner, scaled
-by T3: to the site's gradient buffer ``G`` when the owner is an earlier chunk of this way, over the
-wire otherwise (``halo_backward`` bytes); stale reads are dropped, or with ``late_gradients`` kept for
+by T3: kept for it (:mod:`.pending`; in an offload tier, a buffer ``G``) when it is an earlier chunk of this
+way, over the wire otherwise (``halo_backward`` bytes); stale reads are dropped, or with ``late_gradients`` kept for
 their owners' backward in the next step (one way only: :class:`HaloExchange`). The chunk's own rows receive what
-other ways send for them and, from ``G``, what later chunks of this way read from them. Every send
+other ways send for them and what later chunks of this way read from them. Every send
 and receive of one call site is posted together (``batch_isend_irecv``). All routes of a step are
 computed before its first chunk runs, so the per-chunk loop has no host synchronisation.
 
@@ -49,6 +49,7 @@ from ..comm import Comm
 from ..context import current, in_backward, leading_rows
 from ..plan.grid import RankGrid
 from .history import CallHistory
+from .pending import owner_parts
 from .ring import RingGrads, RingRows
 from ..plan.schedule import Schedule
 
@@ -82,8 +83,7 @@ class _Routes:
         #                                                    holds, which of the reads, the held rows they are)
         self.stale_pos = self.stale_ids = None                              # halo rows read stale
         self.sends: List[Tuple[int, Tensor, Tensor]] = []                   # (way, halo positions, scale)
-        self.recvs: List[Tuple[int, int, Tensor, Tensor, Tensor, Tensor]] = []  # (way, n, cur sel, cur rows,
-        #                                                                        other sel, other ids)
+        self.recvs: List[tuple] = []      # (way, n, cur sel, cur rows, other sel, other ids, their parts or None)
         self.ring: Optional[RingGrads] = None                               # halo_exchange="ring": the reduce
 
 
@@ -162,6 +162,9 @@ class HaloPass:
         # ... and the pending gradients on the device, none kept for the next step: a backward adds and takes
         # them in place (:meth:`_direct_backward`)
         self._direct_grads = own and history.tiers.offload is None and not self.late
+        # the fresh reads' gradients kept as parts wherever the history is on the device (:mod:`.pending`); with
+        # an offload tier they go into its buffers
+        self._parts = isinstance(history, CallHistory) and history.tiers.offload is None
         self._routes: Dict[Tuple[int, int], _Routes] = {}
         self.reads: Dict[str, List[Tuple[ChunkedGraph, LocalGraph]]] = {}  # site -> chunks that read history there
 
@@ -272,19 +275,12 @@ class HaloPass:
             r.stale_pos = stale.to(dev)
             r.stale_ids = lg.halo[r.stale_pos]
         if own.numel():
-            by = owner[own]
-            order = torch.argsort(by, stable=True)  # grouped by owner chunk: each owner's share is one slice
-            own, by = own[order], by[order]
+            order = torch.argsort(owner[own], stable=True)  # grouped by owner chunk: each owner's share one slice
+            own = own[order]
             r.own_pos, r.own_scale = own.to(dev), _scale(scale[own], dev)
             r.own_ids = lg.halo[r.own_pos]
-            owners, counts = torch.unique_consecutive(by, return_counts=True)
-            a = 0
-            for o, n in zip(owners.tolist(), counts.tolist()):  # (the owner's held rows: history's span)
-                at = self.history.span(cg.chunks[o].start, cg.chunks[o].end, r.own_ids)[1]
-                ids, local = r.own_ids[a:a + n], self.history.local
-                held = (ids if local is None else local[ids]) - at.start
-                r.parts.append((cg.chunks[o].start, at.stop - at.start, slice(a, a + n), held))
-                a += n
+            if self._parts:
+                r.parts = owner_parts(self.history, cg, r.own_ids, owner[own])
         W = self.grid.ways
         fresh_ids: Dict[Tuple[int, int], Tensor] = {}   # (reader way, owner way) -> ids whose gradient goes there
         for w in range(W):
@@ -305,6 +301,15 @@ class HaloPass:
         if self.exchange.ring:  # every reader's gradients of this way's rows arrive summed, in one bundle
             r.ring = RingGrads(fresh_ids, me, W, dev)
             _receive(r, -1, r.ring.final_ids, lg, dev)
+        starts = torch.tensor([c.start for c in cg.chunks[me * cpw:(me + 1) * cpw]])
+        for i, (w, n, cur_sel, cur_rows, other_sel, other_ids, ids) in enumerate(r.recvs):  # (ids: on the CPU)
+            parts = None
+            if self._parts and ids.numel():  # the rows of this way's other chunks, by owner chunk, kept as parts
+                owner_of = me * cpw + torch.bucketize(ids, starts, right=True) - 1
+                order = torch.argsort(owner_of, stable=True)
+                other_sel, other_ids = other_sel[order.to(dev)], other_ids[order.to(dev)]
+                parts = owner_parts(self.history, cg, other_ids, owner_of[order])
+            r.recvs[i] = (w, n, cur_sel, cur_rows, other_sel, other_ids, parts)
         self._routes[(id(cg), lg.index)] = r
         return r
 
@@ -313,15 +318,17 @@ class HaloPass:
         r = self._route(cg, lg)
         if self._direct_grads:
             return self._direct_backward(key, lg, r, g_rows, g_halo)
-        g_rows = g_rows.clone()
-        if self.history is not None:  # what other chunks' reads of these rows sent back
-            self.history.take_grad(key, lg.start, lg.end, g_rows)
+        g_rows = self._taken(key, lg, g_rows) if self._parts else g_rows.clone()
+        if self.history is not None:  # what other chunks' reads of these rows sent back (with parts: the late ones)
+            self.history.take_grad(key, lg.start, lg.end, g_rows, late_only=self._parts)
         if r.own_pos is not None:
             fresh = g_halo.index_select(0, r.own_pos)
-            if isinstance(r.own_scale, float):  # T3's scale applied as the gradient is added (one call less)
-                self.history.add_grad(key, r.own_ids, fresh, alpha=r.own_scale)
+            alpha = r.own_scale if isinstance(r.own_scale, float) else 1.0  # (T3's scale: as it is added)
+            fresh = fresh if isinstance(r.own_scale, float) else _scaled(fresh, r.own_scale)
+            if self._parts:
+                self.history.pending.add(key, [(a, held, rows, fresh[at]) for a, held, at, rows in r.parts], alpha)
             else:
-                self.history.add_grad(key, r.own_ids, _scaled(fresh, r.own_scale))
+                self.history.add_grad(key, r.own_ids, fresh, alpha=alpha)
         if self.late and r.stale_pos is not None:  # late_gradients: the owners take these next step
             self.history.add_grad(key, r.stale_ids, g_halo.index_select(0, r.stale_pos), late=True)
         if not r.sends and not r.recvs and r.ring is None:  # nothing crosses ways (one way, or no shared rows)
@@ -333,32 +340,35 @@ class HaloPass:
         else:
             recvs = [((n, *g_halo.shape[1:]), g_halo.dtype, ranks[w]) for w, n, *_ in r.recvs]
             got = self.comm.exchange([(g, ranks[w]) for w, g in own], recvs, "halo_backward")
-        for (w, n, cur_sel, cur_rows, other_sel, other_ids), g in zip(r.recvs, got):
+        for (w, n, cur_sel, cur_rows, other_sel, other_ids, parts), g in zip(r.recvs, got):
             if cur_sel.numel():
                 g_rows.index_add_(0, cur_rows, g[cur_sel])
-            if other_sel.numel():
+            if parts:
+                other = g[other_sel]
+                self.history.pending.add(key, [(a, held, rows, other[at]) for a, held, at, rows in parts], 1.0)
+            elif other_sel.numel():
                 self.history.add_grad(key, other_ids, g[other_sel])
         return g_rows
+
+    def _taken(self, key: str, lg: LocalGraph, g_rows: Tensor) -> Tensor:
+        """``g_rows`` (a new tensor) plus what later chunks' fresh reads of the chunk's rows sent back as parts."""
+        pos, at = self.history.span(lg.start, lg.end, g_rows)
+        back = self.history.pending.take(key, lg.start, at.stop - at.start, g_rows)
+        if back is None:
+            return g_rows.clone()
+        return g_rows + back if pos is None else g_rows.index_add(0, pos, back)  # (its held rows: all, or at pos)
 
     def _direct_backward(self, key: str, lg: LocalGraph, r: _Routes, g_rows: Tensor, g_halo: Tensor) -> Tensor:
         """:meth:`backward` with one way, the pending gradients on the device: ``g_rows`` plus what later chunks'
         fresh reads sent back, and this chunk's fresh reads' gradients (scaled by T3) kept for their owners as
         parts, one per owner chunk, only the rows read (:mod:`.pending`)."""
         h = self.history
-        pos, at = h.span(lg.start, lg.end, g_rows)
-        back = h.pending.take(key, lg.start, at.stop - at.start, g_rows)
-        if back is None:
-            g_rows = g_rows.clone()
-        else:  # (its held rows: all of them, or those at ``pos``)
-            g_rows = g_rows + back if pos is None else g_rows.index_add(0, pos, back)
+        g_rows = self._taken(key, lg, g_rows)
         if r.own_pos is None:
             return g_rows
         fresh = g_halo.index_select(0, r.own_pos)
-        alpha = 1.0
-        if isinstance(r.own_scale, float):  # T3's scale applied as the gradient is added (one call less)
-            alpha = r.own_scale
-        else:
-            fresh = _scaled(fresh, r.own_scale)
+        alpha = r.own_scale if isinstance(r.own_scale, float) else 1.0  # (T3's scale: as it is added)
+        fresh = fresh if isinstance(r.own_scale, float) else _scaled(fresh, r.own_scale)
         h.pending.add(key, [(start, held, rows, fresh[at]) for start, held, at, rows in r.parts], alpha)
         return g_rows
 
@@ -369,7 +379,7 @@ def _receive(r: _Routes, w: int, ids: Tensor, lg: LocalGraph, dev) -> None:
     if ids.numel():
         cur = (ids >= lg.start) & (ids < lg.end)
         r.recvs.append((w, ids.numel(), torch.nonzero(cur).view(-1).to(dev), (ids[cur] - lg.start).to(dev),
-                        torch.nonzero(~cur).view(-1).to(dev), ids[~cur].to(dev)))
+                        torch.nonzero(~cur).view(-1).to(dev), ids[~cur].to(dev), ids[~cur]))
 
 
 def _scale(scale: Tensor, device) -> object:

@@ -227,10 +227,10 @@ class CallHistory:
         g.index_add_(0, self.positions(ids, g), grad.to(g.device, g.dtype), alpha=alpha)
         self.tiers.release(g)
 
-    def take_grad(self, key: str, start: int, end: int, into: Tensor) -> None:
+    def take_grad(self, key: str, start: int, end: int, into: Tensor, late_only: bool = False) -> None:
         """Adds to ``into`` (the gradient of rows ``start .. end-1``) what reads by other chunks sent back: this
         step's fresh reads, and the last step's stale ones with ``late_gradients``."""
-        for store in (self.grads, self.late_in):
+        for store in (self.late_in,) if late_only else (self.grads, self.late_in):
             g = store.get(key)
             if g is None:
                 continue

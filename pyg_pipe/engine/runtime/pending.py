@@ -1,7 +1,8 @@
-"""Pending gradients of fresh cross-chunk reads, one way: kept as the rows read, until their owners' backward.
+"""Pending gradients of fresh cross-chunk reads: kept as the rows read, until their owners' backward.
 
 In the pipeline's drain (chunks in the reverse of the fill's order) a chunk's backward hands the gradients of the
-rows it read fresh (written this step by an earlier chunk of its way) to their owners, whose backward comes later.
+rows it read fresh (written this step by an earlier chunk of its way) to their owners, whose backward comes later;
+with graph-parallel ways, also the gradients other ways' chunks send back for this way's rows.
 Each reader's gradients are kept as they came, one part per owner chunk (the reads of that owner's rows, grouped by
 :meth:`~.halo.HaloPass._route`), not added into a buffer of every row the history holds: such a buffer per call
 site, zeroed every step, was 0.12 of a 2-stage pipeline's live peak and held rows nobody had read. An owner whose
@@ -12,13 +13,15 @@ parts come to more rows than it holds has them summed into one buffer of its hel
     its backward takes     zeros(held_o) + each part in turn                  (the same sum, in the same order)
 
 ``zeros + each part in turn`` is the order a buffer of every held row sums them in (:meth:`.CallHistory.add_grad`,
-still used with graph-parallel ways, late gradients and the offload tiers), so the gradients are the same bit for
-bit either way (tests/engine/test_tiers.py trains both and compares every parameter with ``torch.equal``).
+still used for late gradients and with the history in an offload tier), so the gradients are the same bit for bit
+either way (tests/engine/test_tiers.py trains both, one way and two, and compares every parameter with
+``torch.equal``).
 """
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+import torch
 from torch import Tensor
 
 
@@ -73,3 +76,18 @@ class Pending:
         whose backward never reaches the site (PyG's cached layers, ``SGConv(cached=True)``: from the second call
         on, its propagated rows come from the cache, with no gradient to its input) has nothing to add them to."""
         self.reset()
+
+
+def owner_parts(history, cg, ids: Tensor, owner: Tensor) -> List[Tuple[int, int, slice, Tensor]]:
+    """``ids`` (device; one way's rows) grouped by their ``owner`` chunks of ``cg`` (CPU, ascending) as
+    :meth:`Pending.add` takes them: per owner, its first row, the rows ``history`` holds of it (its span), which of
+    ``ids`` are its, and their places among its held rows."""
+    parts, a, local = [], 0, history.local
+    owners, counts = torch.unique_consecutive(owner, return_counts=True)
+    for o, n in zip(owners.tolist(), counts.tolist()):
+        at = history.span(cg.chunks[o].start, cg.chunks[o].end, ids)[1]
+        mine = ids[a:a + n]
+        parts.append((cg.chunks[o].start, at.stop - at.start, slice(a, a + n),
+                      (mine if local is None else local[mine]) - at.start))
+        a += n
+    return parts

@@ -51,22 +51,31 @@ def chunking_bytes(graphs, perm: Tensor, ptr: Tensor, ways: int) -> Tuple[int, i
     return sum(reachable([cgs, way]).values()) // ways, int(edges)
 
 
+def _cross_edges(graphs, perm: Tensor, ptr: Tensor) -> Tuple[Tensor, List[Tuple[Tensor, Tensor]]]:
+    """``(chunk of every vertex, [(src, dst) of the edges between chunks, per graph])`` for the chunking ``(perm,
+    ptr)`` (the user's ids, on the CPU)."""
+    from ...model.inputs import graph_edges
+    N = perm.numel()
+    chunk = torch.empty(N, dtype=torch.long)
+    chunk[perm.cpu()] = torch.bucketize(torch.arange(N), ptr.cpu()[1:], right=True)
+    cross = []
+    for g in graphs:
+        src, dst, _ = graph_edges(g)
+        src, dst = src.cpu(), dst.cpu()
+        between = chunk[src] != chunk[dst]
+        cross.append((src[between], dst[between]))
+    return chunk, cross
+
+
 def history_rows(graphs, perm: Tensor, ptr: Tensor, ways: int) -> int:
     """The rows a way's history holds for the chunking ``(perm, ptr)`` (:mod:`..runtime.history`): both ends of
     every edge between chunks (over ``graphs``, in the user's ids) with an end in the way's rows; the largest
     way's count."""
-    from ...model.inputs import graph_edges
-    N = perm.numel()
-    C = ptr.numel() - 1
-    chunk = torch.empty(N, dtype=torch.long)
-    chunk[perm.cpu()] = torch.bucketize(torch.arange(N), ptr.cpu()[1:], right=True)
+    N, C = perm.numel(), ptr.numel() - 1
+    chunk, cross = _cross_edges(graphs, perm, ptr)
     way_of = chunk // max(C // ways, 1)
     pairs = []
-    for g in graphs:
-        src, dst, _ = graph_edges(g)
-        src, dst = src.cpu(), dst.cpu()
-        cross = chunk[src] != chunk[dst]
-        src, dst = src[cross], dst[cross]
+    for src, dst in cross:
         for w in (way_of[src], way_of[dst]):
             pairs += [w * N + src, w * N + dst]
     if not pairs:
@@ -84,17 +93,9 @@ def fresh_reads(graphs, perm: Tensor, ptr: Tensor) -> int:
 
     ``reads[j', o]``: the distinct rows of chunk ``o`` that chunk ``j'`` reads (over ``graphs``, both edge
     directions); ``held_o``: the rows of ``o`` with an edge to another chunk."""
-    from ...model.inputs import graph_edges
     N, C = perm.numel(), ptr.numel() - 1
-    chunk = torch.empty(N, dtype=torch.long)
-    chunk[perm.cpu()] = torch.bucketize(torch.arange(N), ptr.cpu()[1:], right=True)
-    pairs = []
-    for g in graphs:
-        src, dst, _ = graph_edges(g)
-        src, dst = src.cpu(), dst.cpu()
-        cross = chunk[src] != chunk[dst]
-        src, dst = src[cross], dst[cross]
-        pairs += [chunk[dst] * N + src, chunk[src] * N + dst]
+    chunk, cross = _cross_edges(graphs, perm, ptr)
+    pairs = [p for src, dst in cross for p in (chunk[dst] * N + src, chunk[src] * N + dst)]
     if not pairs:
         return 0
     read = torch.unique(torch.cat(pairs))

@@ -3,7 +3,7 @@
 ``runtime.py``     :class:`~.runtime.Runtime`, built in one constructor from the plan
 ``program.py``     what a stage runs: the user's forward, or its part of the traced program
 ``history.py``     historical rows per call of the model and call site, T2 snapshots, pending gradients
-``pending.py``     one way's pending gradients of fresh reads, kept as the rows read until their owners' backward
+``pending.py``     pending gradients of fresh reads, kept as the rows read until their owners' backward
 ``tiers.py``       where buffers' bytes sit: the device, host memory or memory-mapped files
 ``store.py``       streaming: the values between layer groups
 ``halo.py``        halo rows at a call site: exchange among ways, history reads, gradient routes

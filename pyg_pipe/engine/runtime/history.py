@@ -93,7 +93,7 @@ class CallHistory:
         self.snapshot: Dict[str, Tensor] = {}
         self.smooth: Dict[str, Tensor] = {}      # the moving average of the rows steps start with (smoothing)
         self.grads: Dict[str, Tensor] = {}
-        self.pending = Pending()                  # the one-way drain's pending gradients, as the rows read
+        self.pending = Pending()                  # the drain's pending gradients of fresh reads, as the rows read
         self.late: Dict[str, Tensor] = {}        # gradients of this step's stale reads (late_gradients) ...
         self.late_in: Dict[str, Tensor] = {}     # ... and of the last step's, which the owners take now
         self.start: Dict[str, Tensor] = {}       # the rows at the start of the step (for replays)

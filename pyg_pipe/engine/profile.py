@@ -251,7 +251,7 @@ def training_pass_memory(module: torch.nn.Module, fn: Callable, program: Program
     group_widths: List[float] = []
     with probe.refusing(), probe.passes(params), torch.enable_grad():
         ctx, localize = probe.inputs()
-        with ctx, SavedBytes(True, exclude) as saved:
+        with ctx, SavedBytes(True, exclude, no_backward=True) as saved:
             args, kwargs = localize()
             env = probe.runner.bind(args, kwargs)
             for group in groups:

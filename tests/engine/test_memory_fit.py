@@ -83,6 +83,23 @@ def test_a_pass_measures_what_crosses_a_cut_and_the_sites_and_changes_nothing():
         assert torch.equal(v, before[k]), k
 
 
+def test_the_measuring_pass_leaves_no_activation_alive():
+    """The pass records a graph it never runs backward; the storages autograd saves are counted by a pack hook,
+    which must not hand back a saved output itself (it would hold its own ``grad_fn``: a cycle through autograd's
+    nodes that Python's collector cannot free, which kept a chunk's activations for the whole run)."""
+    import gc
+    x, g, _, _ = zoo_graph()
+    model = make_model("gcnii", c_in=x.size(1), c_out=3)  # (GCN2Conv stack: relu saves its output)
+
+    def graphs():
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+
+    before = graphs()
+    m, _ = _pass_memory(model, x, g["edge_index"])
+    assert m.saved > 0 and graphs() == before
+
+
 def _estimates(m, graphs, N, stages, counts, offloaded=False):
     """The first step's estimated peak for each count of chunks a way, contiguous chunks."""
     out = {}

@@ -322,12 +322,12 @@ class HaloPass:
         if self.history is not None:  # what other chunks' reads of these rows sent back (with parts: the late ones)
             self.history.take_grad(key, lg.start, lg.end, g_rows, late_only=self._parts)
         if r.own_pos is not None:
-            fresh = g_halo.index_select(0, r.own_pos)
-            alpha = r.own_scale if isinstance(r.own_scale, float) else 1.0  # (T3's scale: as it is added)
-            fresh = fresh if isinstance(r.own_scale, float) else _scaled(fresh, r.own_scale)
             if self._parts:
-                self.history.pending.add(key, [(a, held, rows, fresh[at]) for a, held, at, rows in r.parts], alpha)
+                self._keep_fresh(key, r, g_halo)
             else:
+                fresh = g_halo.index_select(0, r.own_pos)
+                alpha = r.own_scale if isinstance(r.own_scale, float) else 1.0  # (T3's scale: as it is added)
+                fresh = fresh if isinstance(r.own_scale, float) else _scaled(fresh, r.own_scale)
                 self.history.add_grad(key, r.own_ids, fresh, alpha=alpha)
         if self.late and r.stale_pos is not None:  # late_gradients: the owners take these next step
             self.history.add_grad(key, r.stale_ids, g_halo.index_select(0, r.stale_pos), late=True)
@@ -343,9 +343,9 @@ class HaloPass:
         for (w, n, cur_sel, cur_rows, other_sel, other_ids, parts), g in zip(r.recvs, got):
             if cur_sel.numel():
                 g_rows.index_add_(0, cur_rows, g[cur_sel])
-            if parts:
-                other = g[other_sel]
-                self.history.pending.add(key, [(a, held, rows, other[at]) for a, held, at, rows in parts], 1.0)
+            if parts:  # (each owner's rows a tensor of their own: freed when it takes them)
+                self.history.pending.add(key, [(a, held, rows, g.index_select(0, other_sel[at]))
+                                               for a, held, at, rows in parts], 1.0)
             elif other_sel.numel():
                 self.history.add_grad(key, other_ids, g[other_sel])
         return g_rows
@@ -360,17 +360,22 @@ class HaloPass:
 
     def _direct_backward(self, key: str, lg: LocalGraph, r: _Routes, g_rows: Tensor, g_halo: Tensor) -> Tensor:
         """:meth:`backward` with one way, the pending gradients on the device: ``g_rows`` plus what later chunks'
-        fresh reads sent back, and this chunk's fresh reads' gradients (scaled by T3) kept for their owners as
-        parts, one per owner chunk, only the rows read (:mod:`.pending`)."""
-        h = self.history
+        fresh reads sent back, and this chunk's fresh reads' gradients kept for their owners (:mod:`.pending`)."""
         g_rows = self._taken(key, lg, g_rows)
-        if r.own_pos is None:
-            return g_rows
-        fresh = g_halo.index_select(0, r.own_pos)
-        alpha = r.own_scale if isinstance(r.own_scale, float) else 1.0  # (T3's scale: as it is added)
-        fresh = fresh if isinstance(r.own_scale, float) else _scaled(fresh, r.own_scale)
-        h.pending.add(key, [(start, held, rows, fresh[at]) for start, held, at, rows in r.parts], alpha)
+        if r.own_pos is not None:
+            self._keep_fresh(key, r, g_halo)
         return g_rows
+
+    def _keep_fresh(self, key: str, r: _Routes, g_halo: Tensor) -> None:
+        """This chunk's fresh reads' gradients (scaled by T3) kept for their owners, one tensor each (freed when the
+        owner takes it: :mod:`.pending`)."""
+        scale = r.own_scale
+        if isinstance(scale, float):  # (T3's scale applied as the gradient is added)
+            parts = [(a, held, rows, g_halo.index_select(0, r.own_pos[at])) for a, held, at, rows in r.parts]
+        else:
+            parts = [(a, held, rows, _scaled(g_halo.index_select(0, r.own_pos[at]), scale[at]))
+                     for a, held, at, rows in r.parts]
+        self.history.pending.add(key, parts, scale if isinstance(scale, float) else 1.0)
 
 
 def _receive(r: _Routes, w: int, ids: Tensor, lg: LocalGraph, dev) -> None:

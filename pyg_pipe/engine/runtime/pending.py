@@ -3,8 +3,8 @@
 In the pipeline's drain (chunks in the reverse of the fill's order) a chunk's backward hands the gradients of the
 rows it read fresh (written this step by an earlier chunk of its way) to their owners, whose backward comes later;
 with graph-parallel ways, also the gradients other ways' chunks send back for this way's rows.
-Each reader's gradients are kept as they came, one part per owner chunk (the reads of that owner's rows, grouped by
-:meth:`~.halo.HaloPass._route`), not added into a buffer of every row the history holds: such a buffer per call
+Each reader's gradients are kept as they came, one part per owner chunk, a tensor of its own freed when the owner
+takes it (the reads of that owner's rows, grouped by :meth:`~.halo.HaloPass._route`), not added into a buffer of every row the history holds: such a buffer per call
 site, zeroed every step, was 0.12 of a 2-stage pipeline's live peak and held rows nobody had read. An owner whose
 parts come to more rows than it holds has them summed into one buffer of its held rows, so it never costs more::
 

@@ -164,7 +164,8 @@ def release(device) -> None:
     backward) and, on a CPU, the memory malloc keeps after the probes' frees. Measured before it (16-layer GCNII,
     20k vertices, 2 processes, ``grid="auto"``): rank 0 held 86 MB more after planning than with
     ``grid="pipeline"`` and peaked at 487 against 390 MB; with it, at 411 (that run chose 16 chunks) against 385.
-    A later run through Lightning still peaked 100 MB higher (docs/gnnpipe.md): not enough."""
+    A later run through Lightning still peaked 100 MB higher: most of that was :func:`training_pass_memory` keeping
+    its activations (fixed 2026-11-29, docs/gnnpipe.md)."""
     from ..memory import trim
     from ..ops.aggregate import clear_cache
     clear_cache()

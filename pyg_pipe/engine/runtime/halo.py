@@ -159,9 +159,6 @@ class HaloPass:
         # at places decided once (:meth:`CallHistory.slot`), so a join only copies and gathers
         own = self.grid.ways == 1 and isinstance(history, CallHistory)
         self._direct = own and read_history and write_history
-        # ... and the pending gradients on the device, none kept for the next step: a backward adds and takes
-        # them in place (:meth:`_direct_backward`)
-        self._direct_grads = own and history.tiers.offload is None and not self.late
         # the fresh reads' gradients kept as parts wherever the history is on the device (:mod:`.pending`); with
         # an offload tier they go into its buffers
         self._parts = isinstance(history, CallHistory) and history.tiers.offload is None
@@ -316,8 +313,6 @@ class HaloPass:
     def backward(self, token: tuple, g_rows: Tensor, g_halo: Tensor) -> Tensor:
         key, cg, lg = token
         r = self._route(cg, lg)
-        if self._direct_grads:
-            return self._direct_backward(key, lg, r, g_rows, g_halo)
         g_rows = self._taken(key, lg, g_rows) if self._parts else g_rows.clone()
         if self.history is not None:  # what other chunks' reads of these rows sent back (with parts: the late ones)
             self.history.take_grad(key, lg.start, lg.end, g_rows, late_only=self._parts)
@@ -357,14 +352,6 @@ class HaloPass:
         if back is None:
             return g_rows.clone()
         return g_rows + back if pos is None else g_rows.index_add(0, pos, back)  # (its held rows: all, or at pos)
-
-    def _direct_backward(self, key: str, lg: LocalGraph, r: _Routes, g_rows: Tensor, g_halo: Tensor) -> Tensor:
-        """:meth:`backward` with one way, the pending gradients on the device: ``g_rows`` plus what later chunks'
-        fresh reads sent back, and this chunk's fresh reads' gradients kept for their owners (:mod:`.pending`)."""
-        g_rows = self._taken(key, lg, g_rows)
-        if r.own_pos is not None:
-            self._keep_fresh(key, r, g_halo)
-        return g_rows
 
     def _keep_fresh(self, key: str, r: _Routes, g_halo: Tensor) -> None:
         """This chunk's fresh reads' gradients (scaled by T3) kept for their owners, one tensor each (freed when the

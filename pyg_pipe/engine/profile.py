@@ -167,7 +167,7 @@ def release(device) -> None:
     A later run through Lightning still peaked 100 MB higher: most of that was :func:`training_pass_memory` keeping
     its activations (fixed 2026-11-29, docs/gnnpipe.md)."""
     from ..memory import trim
-    from ..ops.aggregate import clear_cache
+    from ..ops.transpose import clear_cache
     clear_cache()
     if torch.device(device).type == "cpu":
         trim()

@@ -22,7 +22,7 @@ Backends, tried in this order for the device of ``x`` (``backend()`` says which 
 How the kernels are built, loaded and fallen back from is :mod:`.build`.
 
 Backward: ``sum``/``mean`` w.r.t. ``x`` run the same row-loop kernel over the transposed adjacency
-(counting sort, cached per graph by ``_transposed``), so no atomics and a deterministic result on both
+(counting sort, cached per graph: :mod:`.transpose`), so no atomics and a deterministic result on both
 CPU and CUDA; w.r.t. ``value`` a per-edge dot product ``<grad_out[i], x[col[e]]>`` (divided by the
 degree for ``mean``); ``max`` routes the gradient through the arg-max edge recorded in the forward
 (on CUDA with atomic adds, so that one is not deterministic).
@@ -41,18 +41,14 @@ Usage::
 
 from __future__ import annotations
 
-import os
-import threading
-from collections import OrderedDict
-
 import torch
 from torch import Tensor
 
 from . import build
+from .transpose import clear_cache, coefficients, inv_degree, transposed
 
 __all__ = ["clear_cache", "csr_aggregate", "csr_gated_aggregate"]
 
-_cache_lock = threading.Lock()  # the transposed adjacencies' cache
 _REDUCE_CODE = {"sum": 0, "mean": 1, "max": 2}
 _REDUCE_ALIASES = {"add": "sum", "sum": "sum", "mean": "mean", "max": "max", "amax": "max"}
 _KERNEL_DTYPES = (torch.float32, torch.float64)
@@ -62,96 +58,9 @@ _KERNEL_DTYPES = (torch.float32, torch.float64)
 # --------------------------------------------------------------------------------------------
 
 
-def clear_cache() -> None:
-    """Forget the cached transposed adjacencies (they are rebuilt on the next backward)."""
-    with _cache_lock:
-        _transpose_cache.clear()
-
-
-# --------------------------------------------------------------------------------------------
-# transposed adjacency, cached per graph
-# --------------------------------------------------------------------------------------------
-
-# Bounded by count and by bytes (the transposes and the index tensors they keep alive): a caller that
-# builds a new adjacency every step must not pile up dead graphs. The newest entry always stays.
-_TRANSPOSE_CACHE_SIZE = 64
-_TRANSPOSE_CACHE_BYTES = int(os.environ.get("PYG_PIPE_TRANSPOSE_CACHE_MB", "512")) * 2**20
-_transpose_cache: OrderedDict[tuple, tuple] = OrderedDict()
-
-
-def forget(*roots) -> None:
-    """Drops the cached transposes of the CSR adjacencies found in ``roots`` (tensors, or dicts, lists and tuples
-    holding them): graphs their owner is about to let go of, whose entries would keep them alive."""
-    held, stack = set(), list(roots)
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, Tensor):
-            if obj.layout == torch.sparse_csr:
-                held.add((obj.crow_indices().data_ptr(), obj.col_indices().data_ptr()))
-        elif isinstance(obj, dict):
-            stack += list(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            stack += list(obj)
-    with _cache_lock:
-        for key in [k for k in _transpose_cache if (k[1], k[4]) in held]:
-            del _transpose_cache[key]
-
-
-def _entry_bytes(entry: tuple) -> int:
-    return sum(t.numel() * t.element_size() for t in entry)
-
-
-def _transposed(rowptr: Tensor, col: Tensor, n_src: int, module) -> tuple:
-    """``(tptr, trow, tedge)``: the edges rowptr[0]..rowptr[-1] grouped by source.
-
-    ``tptr`` [n_src+1] offsets into ``trow`` (local destination row) and ``tedge`` (edge id into
-    ``col``/``value``). Cached by the identity of the index tensors' memory (address, length, version
-    counter); the entry keeps ``rowptr`` and ``col`` alive, so an address cannot be reused by another
-    graph while it is cached, and an in-place change bumps the version and misses. A fixed graph thus
-    pays the transposition (one counting sort) once, and each of a graph's chunks once. At most 64
-    entries and ``PYG_PIPE_TRANSPOSE_CACHE_MB`` (default 512) MiB are kept, least recently used first
-    out; ``clear_cache()`` empties it.
-    """
-    key = (rowptr.device, rowptr.data_ptr(), rowptr.numel(), rowptr._version,
-           col.data_ptr(), col.numel(), col._version, n_src)
-    with _cache_lock:
-        hit = _transpose_cache.get(key)
-        if hit is not None:
-            _transpose_cache.move_to_end(key)
-            return hit[2:]
-    if module is not None and rowptr.device.type == "cpu":
-        tptr, trow, tedge = module.transpose(rowptr, col, n_src)
-    else:
-        rows = rowptr.numel() - 1
-        base = int(rowptr[0])
-        deg = rowptr[1:] - rowptr[:-1]
-        c = col[base:base + int(rowptr[-1]) - base].long()
-        if c.numel() and (int(c.min()) < 0 or int(c.max()) >= n_src):
-            raise IndexError(f"csr_aggregate: a source id in col is outside [0, {n_src})")
-        perm = torch.argsort(c, stable=True)
-        row_of_edge = torch.repeat_interleave(torch.arange(rows, device=col.device), deg.long())
-        trow = row_of_edge[perm].to(rowptr.dtype)
-        tedge = (perm + base).to(rowptr.dtype)
-        counts = torch.bincount(c, minlength=n_src)
-        tptr = torch.zeros(n_src + 1, dtype=rowptr.dtype, device=col.device)
-        tptr[1:] = torch.cumsum(counts, 0)
-    with _cache_lock:
-        _transpose_cache[key] = (rowptr, col, tptr, trow, tedge)
-        total = sum(_entry_bytes(e) for e in _transpose_cache.values())
-        while len(_transpose_cache) > 1 and (len(_transpose_cache) > _TRANSPOSE_CACHE_SIZE
-                                             or total > _TRANSPOSE_CACHE_BYTES):
-            total -= _entry_bytes(_transpose_cache.popitem(last=False)[1])
-    return tptr, trow, tedge
-
-
 # --------------------------------------------------------------------------------------------
 # autograd around the compiled kernels
 # --------------------------------------------------------------------------------------------
-
-
-def _inv_degree(rowptr: Tensor, dtype) -> Tensor:
-    deg = (rowptr[1:] - rowptr[:-1]).to(dtype)
-    return 1.0 / deg.clamp(min=1)
 
 
 class _CompiledAggregate(torch.autograd.Function):
@@ -182,13 +91,10 @@ class _CompiledAggregate(torch.autograd.Function):
             grad_x, grad_value_part = module.max_backward(rowptr, col, value, x, g, arg, ctx.n_src,
                                                           need_x, need_value)
         else:
-            inv_deg = _inv_degree(rowptr, g.dtype) if reduce == "mean" else None
+            inv_deg = inv_degree(rowptr, g.dtype) if reduce == "mean" else None
             if need_x:
-                tptr, trow, tedge = _transposed(rowptr, col, ctx.n_src, module)
-                coef = value[tedge.long()] if value is not None else None
-                if inv_deg is not None:
-                    coef = inv_deg[trow.long()] if coef is None else coef * inv_deg[trow.long()]
-                grad_x = module.forward(tptr, trow, coef.contiguous() if coef is not None else None, g, 0)[0]
+                tptr, trow, coef = coefficients(rowptr, col, ctx.n_src, module, value, reduce, g.dtype)
+                grad_x = module.forward(tptr, trow, coef, g, 0)[0]
             if need_value:
                 grad_value_part = module.edge_dot(rowptr, col, x, g)
                 if inv_deg is not None:
@@ -234,7 +140,7 @@ def _torch_aggregate(rowptr: Tensor, col: Tensor, value: Tensor | None, x: Tenso
             return torch.sparse.mm(adj, x, {"sum": "sum", "mean": "mean", "max": "amax"}[reduce])
         out = torch.sparse.mm(adj, x)
         if reduce == "mean":
-            out = out * _inv_degree(rp, out.dtype).unsqueeze(1)
+            out = out * inv_degree(rp, out.dtype).unsqueeze(1)
         return out
     # generic edge-list path (max on CUDA, half precision): builds the [E, d] messages
     deg = (rp[1:] - rp[:-1]).long()
@@ -332,9 +238,9 @@ class _CompiledGated(torch.autograd.Function):
         module = ctx.module
         g = grad_out
         if ctx.mean:
-            g = g * _inv_degree(rowptr, g.dtype).unsqueeze(1)
+            g = g * inv_degree(rowptr, g.dtype).unsqueeze(1)
         need_a, need_bc = ctx.needs_input_grad[2], ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
-        tptr, trow, _ = _transposed(rowptr, col, b.size(0), module) if need_bc else (rowptr, col, None)
+        tptr, trow, _ = transposed(rowptr, col, b.size(0), module) if need_bc else (rowptr, col, None)
         ga, gb, gc = module.gated_backward(rowptr, col, tptr, trow, a, b, c, g.contiguous(), need_a, need_bc)
         return (None, None, ga if need_a else None, gb if ctx.needs_input_grad[3] else None,
                 gc if ctx.needs_input_grad[4] else None, None, None)
@@ -348,7 +254,7 @@ def _torch_gated(rowptr: Tensor, col: Tensor, a: Tensor, b: Tensor, c: Tensor, m
     src = cc.long()
     msg = torch.sigmoid(a.index_select(0, dst) + b.index_select(0, src)) * c.index_select(0, src)
     out = c.new_zeros(rows, c.size(1)).index_add_(0, dst, msg)
-    return out * _inv_degree(rp, out.dtype).unsqueeze(1) if mean else out
+    return out * inv_degree(rp, out.dtype).unsqueeze(1) if mean else out
 
 
 def csr_gated_aggregate(rowptr: Tensor, col: Tensor, a: Tensor, b: Tensor, c: Tensor, reduce: str = "sum") -> Tensor:

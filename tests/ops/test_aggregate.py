@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pyg_pipe import ops
-from pyg_pipe.ops import aggregate, build
+from pyg_pipe.ops import build, transpose
 from tests.ops.graphs import REDUCES, reference, small_csr
 
 N = 23
@@ -135,7 +135,7 @@ def test_transpose_cache_follows_the_graph():
     for _ in range(2):
         ops.csr_aggregate(rowptr, col, x, reduce="mean").sum().backward()
     if ops.backend() in ("cpp", "cuda"):
-        assert len(aggregate._transpose_cache) == 1
+        assert len(transpose._cache) == 1
     col[0] = (col[0] + 1) % N  # same memory, new version: must not reuse the old transpose
     x.grad = None
     out = ops.csr_aggregate(rowptr, col, x, reduce="mean")
@@ -143,7 +143,38 @@ def test_transpose_cache_follows_the_graph():
     (want,) = torch.autograd.grad(reference(rowptr, col, x, reduce="mean").sum(), x)
     torch.testing.assert_close(got, want)
     ops.clear_cache()
-    assert len(aggregate._transpose_cache) == 0
+    assert len(transpose._cache) == 0
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_backward_weights_cached_follow_the_values(reduce):
+    """The transposed edge weights the backward gathers are kept for the same ``value`` object, and gathered anew
+    for a value changed in place, for another tensor (even at the same address) and for none: every gradient
+    equals the reference's."""
+    if ops.backend() not in ("cpp", "cuda"):
+        pytest.skip("the transposes are cached by the compiled kernels' backward only")
+    ops.clear_cache()
+    rowptr, col = small_csr(N)
+    x = torch.randn(N, 4, dtype=torch.float64, requires_grad=True)
+    value = torch.rand(col.numel(), dtype=torch.float64)
+
+    def check(v):
+        out = ops.csr_aggregate(rowptr, col, x, value=v, reduce=reduce)
+        (got,) = torch.autograd.grad(out.sum(), x)
+        (want,) = torch.autograd.grad(reference(rowptr, col, x, v, reduce).sum(), x)
+        torch.testing.assert_close(got, want)
+
+    check(value)
+    slot = transpose._cache[next(iter(transpose._cache))][5]
+    check(value)  # reused: the very tensor kept
+    assert transpose._cache[next(iter(transpose._cache))][5][2] is slot[2]
+    value.mul_(3.0)  # the same object changed in place
+    check(value)
+    check(value.clone())  # another tensor with the same values
+    del value
+    check(torch.rand(col.numel(), dtype=torch.float64))  # a new one, perhaps at the freed address
+    check(None)
+    ops.clear_cache()
 
 
 @pytest.mark.parametrize("reduce", REDUCES)
@@ -255,11 +286,11 @@ def test_cuda_backend_and_gradcheck():
 def test_transpose_cache_is_bounded(monkeypatch):
     """Graphs built anew every step do not pile up: the cache keeps within its byte budget."""
     ops.clear_cache()
-    monkeypatch.setattr(aggregate, "_TRANSPOSE_CACHE_BYTES", 1)
+    monkeypatch.setattr(transpose, "_BYTES", 1)
     x = torch.randn(N, 4, requires_grad=True)
     for seed in range(3):
         rowptr, col = small_csr(N, seed=seed)
         ops.csr_aggregate(rowptr, col, x).sum().backward()
     if ops.backend() in ("cpp", "cuda"):
-        assert len(aggregate._transpose_cache) == 1  # only the newest
+        assert len(transpose._cache) == 1  # only the newest
     ops.clear_cache()

@@ -92,7 +92,7 @@ class DirectCalls:
         self.halos.clear()  # (the first chunks' whole local graphs extended every node argument)
         if not any(self.seen.values()):
             return False
-        from ...ops.aggregate import forget
+        from ...ops.transpose import forget
         forget(layer_cache)
         layer_cache.clear()
         return True

@@ -120,10 +120,10 @@ class StalenessMeter:
         t0 = time.perf_counter()
         last = self._probed.get(call)
         if last is not None:
-            for key, now in rows.items():
-                before = last.get(key)
-                if before is not None and before.shape == now.shape:
-                    self.add(key, (now - before).pow(2).sum(), now.pow(2).sum())
+            keys = [k for k, now in rows.items() if k in last and last[k].shape == now.shape]
+            if keys:
+                now = [rows[k] for k in keys]
+                self._add_all(keys, torch._foreach_sub(now, [last[k] for k in keys]), now)
         self._probed[call] = rows
         self.probes += 1
         self.seconds += time.perf_counter() - t0
@@ -137,6 +137,7 @@ class StalenessMeter:
         t0 = time.perf_counter()
         age = history.age()
         sampled: Dict[tuple, tuple] = {}  # sites read by the same chunks (every layer of a model) share their rows
+        keys, fresh, stale = [], [], []
         for key, chunks in run.reads.items():
             which = tuple((id(cg), lg.index) for cg, lg in chunks)
             hit = sampled.get(which)
@@ -149,12 +150,19 @@ class StalenessMeter:
             if ids is None or key not in history.buffers or self.random:  # (random: dropout noise, see probes)
                 continue
             like = history.buffers[key]
-            fresh = history.read(key, ids, like).double()
-            stale = history.read_start(key, ids, like).to(fresh.device).double()
-            sq = torch.stack([(fresh - stale).pow(2).sum(), fresh.pow(2).sum()])
+            f, s = history.read(key, ids, like), history.read_start(key, ids, like)
+            keys.append(key), fresh.append(f), stale.append(s if s.device == f.device else s.to(f.device))
+        if keys:  # every site at once: a few multi-tensor kernels a step, not a dozen small ones a site
+            self._add_all(keys, torch._foreach_sub(fresh, stale), fresh)
+        self.seconds += time.perf_counter() - t0
+
+    def _add_all(self, keys: List[str], diffs: List[Tensor], fresh: List[Tensor]) -> None:
+        """The sites ``keys``' ``Σ‖fresh − stale‖²`` and ``Σ‖fresh‖²`` (norms accumulated in float64)."""
+        norms = torch.stack([torch.stack(torch._foreach_norm(diffs, 2, dtype=torch.float64)),
+                             torch.stack(torch._foreach_norm(fresh, 2, dtype=torch.float64))], 1).square_()
+        for key, sq in zip(keys, norms.unbind(0)):
             acc = self._sq.get(key)
             self._sq[key] = sq if acc is None else acc + sq
-        self.seconds += time.perf_counter() - t0
 
     def _sampled(self, run, chunks) -> tuple:
         """The stale reads of ``chunks`` at one site: the ids measured (at most ``SAMPLE``, evenly spaced over each
@@ -182,7 +190,8 @@ class StalenessMeter:
         if not self._sq and not self._reads[1]:
             return
         t0 = time.perf_counter()
-        sites = {k: tuple(v.tolist()) for k, v in self._sq.items()}
+        sums = torch.stack(list(self._sq.values())).tolist() if self._sq else []   # (one copy to the host)
+        sites = {k: tuple(v) for k, v in zip(self._sq, sums)}
         self.last_drift = max([(d / f) ** 0.5 if f > 0 else 0.0 for d, f in sites.values()], default=0.0)
         if self.random and sites:  # a probe's step: the drift over the last period
             self.rate = self.last_drift / self.period

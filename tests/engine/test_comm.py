@@ -118,9 +118,10 @@ def _collectives(comm, rank, world, pair):
     if rank in (1, 2):
         assert comm.rank_in(pair) == rank - 1
 
-    # barrier: nobody leaves before every rank arrived (each marks its arrival in the store first)
+    # barrier: nobody leaves before every rank arrived (each marks its arrival in the store first, with add, which
+    # waits for the store's answer: a set is sent without one, so it may land after the barrier on a loaded machine)
     store = dist.distributed_c10d._get_default_store()
-    store.set(f"test/arrived/{rank}", "1")
+    store.add(f"test/arrived/{rank}", 1)
     comm.barrier()
     assert store.check([f"test/arrived/{r}" for r in range(world)]), "left the barrier before every rank got there"
     comm.barrier()  # (again: the store keys above were read before anyone goes on)

@@ -79,8 +79,8 @@ class _Routes:
 
     def __init__(self):
         self.own_pos = self.own_scale = self.own_ids = None                 # fresh reads of this way's chunks,
-        self.parts: List[Tuple[int, int, slice, Tensor]] = []               # by owner: (its first row, rows it
-        #                                                    holds, which of the reads, the held rows they are)
+        self.parts: List[Tuple[int, int, slice, Tensor, Tensor]] = []       # by owner: (its first row, rows it
+        #                     holds, which of the reads, the held rows they are, their places in the halo)
         self.stale_pos = self.stale_ids = None                              # halo rows read stale
         self.sends: List[Tuple[int, Tensor, Tensor]] = []                   # (way, halo positions, scale)
         self.recvs: List[tuple] = []      # (way, n, cur sel, cur rows, other sel, other ids, their parts or None)
@@ -277,7 +277,7 @@ class HaloPass:
             r.own_pos, r.own_scale = own.to(dev), _scale(scale[own], dev)
             r.own_ids = lg.halo[r.own_pos]
             if self._parts:
-                r.parts = owner_parts(self.history, cg, r.own_ids, owner[own])
+                r.parts = [(*p, r.own_pos[p[2]]) for p in owner_parts(self.history, cg, r.own_ids, owner[own])]
         W = self.grid.ways
         fresh_ids: Dict[Tuple[int, int], Tensor] = {}   # (reader way, owner way) -> ids whose gradient goes there
         for w in range(W):
@@ -305,7 +305,7 @@ class HaloPass:
                 owner_of = me * cpw + torch.bucketize(ids, starts, right=True) - 1
                 order = torch.argsort(owner_of, stable=True)
                 other_sel, other_ids = other_sel[order.to(dev)], other_ids[order.to(dev)]
-                parts = owner_parts(self.history, cg, other_ids, owner_of[order])
+                parts = [(*p, other_sel[p[2]]) for p in owner_parts(self.history, cg, other_ids, owner_of[order])]
             r.recvs[i] = (w, n, cur_sel, cur_rows, other_sel, other_ids, parts)
         self._routes[(id(cg), lg.index)] = r
         return r
@@ -339,8 +339,8 @@ class HaloPass:
             if cur_sel.numel():
                 g_rows.index_add_(0, cur_rows, g[cur_sel])
             if parts:  # (each owner's rows a tensor of their own: freed when it takes them)
-                self.history.pending.add(key, [(a, held, rows, g.index_select(0, other_sel[at]))
-                                               for a, held, at, rows in parts], 1.0)
+                self.history.pending.add(key, [(a, held, rows, g.index_select(0, sel))
+                                               for a, held, _, rows, sel in parts], 1.0)
             elif other_sel.numel():
                 self.history.add_grad(key, other_ids, g[other_sel])
         return g_rows
@@ -358,10 +358,10 @@ class HaloPass:
         owner takes it: :mod:`.pending`)."""
         scale = r.own_scale
         if isinstance(scale, float):  # (T3's scale applied as the gradient is added)
-            parts = [(a, held, rows, g_halo.index_select(0, r.own_pos[at])) for a, held, at, rows in r.parts]
+            parts = [(a, held, rows, g_halo.index_select(0, pos)) for a, held, _, rows, pos in r.parts]
         else:
-            parts = [(a, held, rows, _scaled(g_halo.index_select(0, r.own_pos[at]), scale[at]))
-                     for a, held, at, rows in r.parts]
+            parts = [(a, held, rows, _scaled(g_halo.index_select(0, pos), scale[at]))
+                     for a, held, at, rows, pos in r.parts]
         self.history.pending.add(key, parts, scale if isinstance(scale, float) else 1.0)
 
 

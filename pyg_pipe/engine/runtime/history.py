@@ -195,7 +195,8 @@ class CallHistory:
         if out is not None and buf.device == out.device and buf.dtype == out.dtype:
             rows = torch.index_select(buf, 0, at, out=out)
         else:
-            rows = self.tiers.to_device(buf.index_select(0, at)).to(like.dtype)
+            rows = self.tiers.to_device(buf.index_select(0, at))
+            rows = rows if rows.dtype == like.dtype else rows.to(like.dtype)
             if out is not None:
                 rows = out.copy_(rows)
         self.tiers.release(buf)
@@ -207,7 +208,8 @@ class CallHistory:
         start = self.start.get(key)
         if start is None:
             return like.new_zeros((ids.numel(), *like.shape[1:]))
-        rows = self.tiers.to_device(start.index_select(0, self.positions(ids, start))).to(like.dtype)
+        rows = self.tiers.to_device(start.index_select(0, self.positions(ids, start)))
+        rows = rows if rows.dtype == like.dtype else rows.to(like.dtype)
         self.tiers.release(start)
         return rows
 

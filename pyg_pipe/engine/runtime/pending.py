@@ -4,9 +4,10 @@ In the pipeline's drain (chunks in the reverse of the fill's order) a chunk's ba
 rows it read fresh (written this step by an earlier chunk of its way) to their owners, whose backward comes later;
 with graph-parallel ways, also the gradients other ways' chunks send back for this way's rows.
 Each reader's gradients are kept as they came, one part per owner chunk, a tensor of its own freed when the owner
-takes it (the reads of that owner's rows, grouped by :meth:`~.halo.HaloPass._route`), not added into a buffer of every row the history holds: such a buffer per call
-site, zeroed every step, was 0.12 of a 2-stage pipeline's live peak and held rows nobody had read. An owner whose
-parts come to more rows than it holds has them summed into one buffer of its held rows, so it never costs more::
+takes it (the reads of that owner's rows, grouped by :meth:`~.halo.HaloPass._route`), not added into a buffer of
+every row the history holds: such a buffer per call site, zeroed every step, was 0.12 of a 2-stage pipeline's live
+peak and held rows nobody had read. An owner whose parts come to more rows than it holds has them summed into one
+buffer of its held rows, so it never costs more::
 
     owner o's parts        [(held rows read, gradients, T3 scale), ...]      while their rows <= held_o
                            else  zeros(held_o) + each part in turn            (folded)
@@ -45,7 +46,7 @@ class Pending:
                 entry[1] = []
                 self.bytes += entry[0].numel() * entry[0].element_size()
             if entry[0] is not None:
-                entry[0].index_add_(0, rows, grad.to(entry[0].dtype), alpha=alpha)
+                entry[0].index_add_(0, rows, _as(grad, entry[0].dtype), alpha=alpha)
             else:
                 entry[1].append((rows, grad, alpha))
                 entry[2] += rows.numel()
@@ -62,11 +63,11 @@ class Pending:
         if out is None:
             out = like.new_zeros((held, *like.shape[1:]))
             for rows, grad, alpha in parts:
-                out.index_add_(0, rows, grad.to(out.dtype), alpha=alpha)
+                out.index_add_(0, rows, _as(grad, out.dtype), alpha=alpha)
                 self.bytes -= grad.numel() * grad.element_size()
         else:
             self.bytes -= out.numel() * out.element_size()
-        return out.to(like.dtype)
+        return _as(out, like.dtype)
 
     def reset(self) -> None:
         self.parts, self.bytes = {}, 0
@@ -76,6 +77,11 @@ class Pending:
         whose backward never reaches the site (PyG's cached layers, ``SGConv(cached=True)``: from the second call
         on, its propagated rows come from the cache, with no gradient to its input) has nothing to add them to."""
         self.reset()
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype`` (no call where it is already: a few of these a chunk and layer add up on a GPU's host)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def owner_parts(history, cg, ids: Tensor, owner: Tensor) -> List[Tuple[int, int, slice, Tensor]]:

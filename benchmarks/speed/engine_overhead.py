@@ -14,12 +14,19 @@
    ``gcn_norm`` every call, which the engine does once per chunk; the split is also given against
    per-chunk copies whose layers cache it (``cached=True``), the fairer reference.
 
+   The operations too (``--ops``): the tensor operations one step dispatches (each a kernel launch or at least a
+   trip through PyTorch's dispatcher on a GPU's host), counted by the profiler at the top level (an operation
+   called inside another, as ``index_select`` calls ``select`` on the CPU, not counted again), the engine's step
+   against the per-chunk copies with cached normalisation, per (chunk, layer), with the operations the engine
+   adds, by name.
+
 2. Setup: building the chunk-local graphs of a 200,000-vertex / 4,000,000-edge random graph in 32
    chunks (and the mirror sets of 4 ways), median of 3.
 
     python benchmarks/speed/engine_overhead.py                  # both
     python benchmarks/speed/engine_overhead.py --skip-setup     # the fixed cost only
     python benchmarks/speed/engine_overhead.py --skip-setup --fused   # with the strategies' default fused kernels
+    python benchmarks/speed/engine_overhead.py --skip-setup --chunks 4 --ops   # and the operations a step
 """
 import argparse
 import copy
@@ -32,7 +39,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def fixed_cost(nodes: int, layers: int, chunks: int, steps: int, fused: bool = False) -> dict:
+def fixed_cost(nodes: int, layers: int, chunks: int, steps: int, fused: bool = False, ops: bool = False) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -47,7 +54,8 @@ def fixed_cost(nodes: int, layers: int, chunks: int, steps: int, fused: bool = F
     if fused:  # the strategies' default (fused_kernels=True): the compiled Gather in every layer, plain PyG too
         from pyg_pipe.ops import fuse_messages
         fuse_messages(model), fuse_messages(plain)
-    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=chunks, balance="layers", streaming=False), Comm(torch.device("cpu")),
+    config = PipelineConfig(num_chunks=chunks, balance="layers", streaming=False)
+    engine = GNNPipeEngine(model, config, Comm(torch.device("cpu")),
                            num_stages=1, ways=1)
 
     def step(m):
@@ -85,10 +93,12 @@ def fixed_cost(nodes: int, layers: int, chunks: int, steps: int, fused: bool = F
         times["per_chunk_cached"].append(per_chunk(copies))
         engine.install()
         times["engine"].append(step(model))
+    counted = _operations(lambda: step(model), lambda: per_chunk(copies)) if ops else None
     engine.uninstall()
     t = {k: statistics.median(v) for k, v in times.items()}
     cl = chunks * layers
-    return {"nodes": nodes, "edges": data.num_edges, "layers": layers, "chunks": chunks, "fused": fused,
+    return {"operations": counted, "nodes": nodes, "edges": data.num_edges, "layers": layers, "chunks": chunks,
+            "fused": fused,
             "plain_step_ms": 1e3 * t["plain"], "per_chunk_calls_step_ms": 1e3 * t["per_chunk"],
             "engine_step_ms": 1e3 * t["engine"],
             "per_chunk_layer_ms": 1e3 * (t["engine"] - t["plain"]) / cl,
@@ -97,6 +107,29 @@ def fixed_cost(nodes: int, layers: int, chunks: int, steps: int, fused: bool = F
             "per_chunk_cached_calls_step_ms": 1e3 * t["per_chunk_cached"],
             "pyg_cached_calls_per_chunk_layer_ms": 1e3 * (t["per_chunk_cached"] - t["plain"]) / cl,
             "engine_net_of_cached_per_chunk_layer_ms": 1e3 * (t["engine"] - t["per_chunk_cached"]) / cl}
+
+
+def _operations(engine_step, per_chunk_step) -> dict:
+    """Top-level tensor operations of one engine step and of the per-chunk calls (module docstring)."""
+    import collections
+
+    from torch.profiler import profile
+
+    def count(fn) -> collections.Counter:
+        with profile() as prof:
+            fn()
+        top = collections.Counter()
+        for e in prof.events():
+            parent = e.cpu_parent
+            if e.name.startswith("aten::") and not (parent is not None and parent.name.startswith("aten::")):
+                top[e.name] += 1
+        return top
+
+    engine, plain = count(engine_step), count(per_chunk_step)
+    added = engine.copy()
+    added.subtract(plain)
+    return {"engine": sum(engine.values()), "per_chunk_cached": sum(plain.values()),
+            "added": dict(sorted(((k, v) for k, v in added.items() if v), key=lambda kv: -kv[1]))}
 
 
 def setup_cost(nodes: int, edges: int, chunks: int, ways: int) -> dict:
@@ -126,11 +159,12 @@ def main():
     p.add_argument("--skip-setup", action="store_true")
     p.add_argument("--fused", action="store_true", help="route every layer through pyg_pipe.ops.fuse_messages "
                    "(what the strategies do by default), in the plain model too")
+    p.add_argument("--ops", action="store_true", help="count the tensor operations a step dispatches, too")
     p.add_argument("--out", default=None, help="write the results as JSON")
     args = p.parse_args()
     import torch
     torch.set_num_threads(1)
-    result = {"fixed": fixed_cost(args.nodes, args.layers, args.chunks, args.steps, args.fused)}
+    result = {"fixed": fixed_cost(args.nodes, args.layers, args.chunks, args.steps, args.fused, args.ops)}
     f = result["fixed"]
     print(f"fixed cost: {f['layers']}-layer GCNII, {f['nodes']} vertices / {f['edges']} edges, {f['chunks']} chunks: "
           f"plain {f['plain_step_ms']:.1f} ms, PyG's layers called per chunk {f['per_chunk_calls_step_ms']:.1f} ms, "
@@ -141,6 +175,13 @@ def main():
     print(f"  with the layers' normalisation cached per chunk (as the engine does): PyG's per-call cost "
           f"{f['pyg_cached_calls_per_chunk_layer_ms']:.3f} ms, the engine's machinery "
           f"{f['engine_net_of_cached_per_chunk_layer_ms']:.3f} ms")
+    if f["operations"] is not None:
+        o, cl = f["operations"], f["chunks"] * f["layers"]
+        print(f"  operations a step: engine {o['engine']}, PyG's layers called per chunk (cached) "
+              f"{o['per_chunk_cached']}; per (chunk, layer) {o['engine'] / cl:.1f} against "
+              f"{o['per_chunk_cached'] / cl:.1f}, "
+              f"the engine's own {(o['engine'] - o['per_chunk_cached']) / cl:.1f}; the most added: "
+              + ", ".join(f"{k[6:]} {v}" for k, v in list(o["added"].items())[:8]))
     if not args.skip_setup:
         result["setup"] = setup_cost(200_000, 4_000_000, 32, 4)
         s = result["setup"]

@@ -111,7 +111,7 @@ class HaloExchange:
         self.grid, self.comm, self.schedule = grid, comm, schedule
         self.ring = mode == "ring" and grid.ways > 1
         self.ranks = [grid.rank_of(grid.stage, w) for w in range(grid.ways)]
-        self._static: Dict[Tuple[int, int, int], Tensor] = {}
+        self._static: Dict[tuple, object] = {}   # per (graph, chunk, what): index tensors that stay the same
         self._rings: Dict[Tuple[int, int], RingRows] = {}
 
     def begin(self, history: Optional[CallHistory], clock: Tensor, read_history: bool,
@@ -134,6 +134,15 @@ class HaloExchange:
         hit = self._rings.get(key)
         if hit is None:
             hit = self._rings[key] = RingRows(cg, lg, self.grid.way, self.grid.ways)
+        return hit
+
+    def on_host(self, cg: ChunkedGraph, lg: LocalGraph) -> Tuple[Tensor, Tensor]:
+        """``lg``'s halo owners and halo ids in host memory, copied once (each step's routes read them on the host:
+        from a GPU, a copy and a wait every step otherwise)."""
+        key = (id(cg), lg.index, "host")
+        hit = self._static.get(key)
+        if hit is None:
+            hit = self._static[key] = (lg.halo_chunk.cpu(), lg.halo.cpu())
         return hit
 
     def positions(self, cg: ChunkedGraph, lg: LocalGraph, w: int, ids: Tensor) -> Tensor:
@@ -262,7 +271,7 @@ class HaloPass:
         dev, cpw, me = lg.halo.device, cg.chunks_per_way, self.grid.way
         clock, schedule = self.clock, self.schedule
         r = _Routes()
-        owner = lg.halo_chunk.cpu()
+        owner = self.exchange.on_host(cg, lg)[0]
         fresh = schedule.fresh(clock, owner, lg.index)
         scale = schedule.gradient_scale(owner, lg.index)
         owner_way = owner // cpw
@@ -282,7 +291,7 @@ class HaloPass:
         fresh_ids: Dict[Tuple[int, int], Tensor] = {}   # (reader way, owner way) -> ids whose gradient goes there
         for w in range(W):
             reader = cg.chunks[w * cpw + lg.index % cpw]
-            o2, halo = reader.halo_chunk.cpu(), reader.halo.cpu()
+            o2, halo = self.exchange.on_host(cg, reader)
             read = schedule.fresh(clock, o2, reader.index)
             for o in range(W) if self.exchange.ring else (me,):
                 if o != w:

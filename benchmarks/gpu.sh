@@ -14,13 +14,16 @@
 #      the largest graph plain PyG and streaming train under a memory cap, 2 processes on one GPU);
 #   4. benchmarks/speed/copies.py on the GPU: the row copies of one uncaptured streamed step and one with history, by
 #      the line that made them (seconds; the profile counts the captured step's copies, not where they come from);
+#   5. benchmarks/speed/grid_choice.py on the GPU: grid="auto" (opt-in until measured on a GPU) with 2 processes
+#      sharing it over gloo, every candidate grid timed beside the cost model's prediction and its choice
+#      (added 2026-11-29, not yet run: about a minute expected);
 #   the default steps took 387 s on an H100 in the eighth run (the build about 110 s, the tests 106 s in 4
 #   processes, the summary 163 s with GPU_SWEEP_SECONDS=60); with GPU_FULL=1 also (not yet timed together):
-#   5. benchmarks/gpu/host_tier.py: streaming with every value in pinned host memory at 200k vertices against
+#   6. benchmarks/gpu/host_tier.py: streaming with every value in pinned host memory at 200k vertices against
 #      plain PyG, profiled (where the host's time goes: the halo gathers and gradient adds, the waits);
-#   6. the fused kernels against cuSPARSE (torch.sparse.mm) and PyG's scatter path, with the kernel's
+#   7. the fused kernels against cuSPARSE (torch.sparse.mm) and PyG's scatter path, with the kernel's
 #      achieved bandwidth (benchmarks/kernels/aggregate.py --device cuda);
-#   7. one engine epoch on CUDA (benchmarks/speed/gnnpipe_epoch.py) and a profile of one GPU's step
+#   8. one engine epoch on CUDA (benchmarks/speed/gnnpipe_epoch.py) and a profile of one GPU's step
 #      (benchmarks/gpu/gpu_profile.py: wall time against GPU busy time, host synchronisations and copies).
 # A failing step does not stop the later ones (the script exits non-zero at the end if one failed).
 # Results go to $OUT (default docs/results/gpu). Without a CUDA device it says so and exits 0.
@@ -52,6 +55,9 @@ step bash -c "set -o pipefail; PYTHONUNBUFFERED=1 python benchmarks/gpu/gpu_summ
     --sweep-seconds ${GPU_SWEEP_SECONDS:-90} 2>&1 | tee '$out/summary.txt'"
 step bash -c "set -o pipefail; python benchmarks/speed/copies.py --adj-t --device cuda --out '$out/copies_cuda.json' \
     2>&1 | tee '$out/copies_cuda.txt'"
+step bash -c "set -o pipefail; python benchmarks/speed/grid_choice.py --device cuda --cases gcnii:community:2:0 \
+    --nodes 20000 --steps 4 --max-per-way 8 --timeout 300 --out '$out/grid_choice_cuda.json' 2>&1 \
+    | tee '$out/grid_choice_cuda.txt'"
 if [ "${GPU_FULL:-0}" = "1" ]; then
     step bash -c "set -o pipefail; PYTHONUNBUFFERED=1 python benchmarks/gpu/host_tier.py --nodes 200000 --chunks 4 \
         --out '$out/host_tier_200k.json' 2>&1 | tee '$out/host_tier_200k.txt'"

@@ -31,6 +31,14 @@ def clear_cache() -> None:
         _cache.clear()
 
 
+def held() -> list:
+    """Every tensor the cache holds now (transposes, the graphs they came from, edge weights and the values those
+    came from): what a CUDA graph captured now may read at its address, to keep alive as long as the graph is
+    (an entry evicted or a weights' slot replaced later would otherwise free memory a replay still reads)."""
+    with _cache_lock:
+        return [t for entry in _cache.values() for t in entry[:5] + list(entry[5] or ()) if isinstance(t, Tensor)]
+
+
 def forget(*roots) -> None:
     """Drops the cached transposes of the CSR adjacencies found in ``roots`` (tensors, or dicts, lists and tuples
     holding them): graphs their owner is about to let go of, whose entries would keep them alive."""

@@ -177,6 +177,23 @@ def test_backward_weights_cached_follow_the_values(reduce):
     ops.clear_cache()
 
 
+def test_held_lists_every_tensor_a_capture_may_read():
+    """``transpose.held()`` (what a captured CUDA graph keeps alive) holds each entry's graph, transpose, edge
+    weights and the value they came from: evicting the entry later must not free memory a replay reads."""
+    if ops.backend() not in ("cpp", "cuda"):
+        pytest.skip("the transposes are cached by the compiled kernels' backward only")
+    ops.clear_cache()
+    rowptr, col = small_csr(N)
+    x = torch.randn(N, 4, requires_grad=True)
+    ops.csr_aggregate(rowptr, col, x, value=torch.rand(col.numel()), reduce="mean").sum().backward()
+    entry = next(iter(transpose._cache.values()))
+    kept = transpose.held()
+    for t in entry[:5] + [entry[5][0], entry[5][2]]:
+        assert any(k is t for k in kept)
+    ops.clear_cache()
+    assert transpose.held() == [] and kept  # (the list still holds them)
+
+
 @pytest.mark.parametrize("reduce", REDUCES)
 def test_torch_fallback_matches_reference(reduce, monkeypatch):
     """Without the compiled kernel (``backend() == 'torch'``) the same call gives the same results."""

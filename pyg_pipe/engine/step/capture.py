@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from ...model.inputs import CallInputs, same_graph
+from ...ops import transpose
 from ..context import autocast_state
 from ..runtime.runtime import Runtime
 from ..runtime.store import Store
@@ -168,9 +169,10 @@ class CapturedStep:
         self.grads = [(p, a.grad) for p, a in leaves.pairs if a.grad is not None]
         self.out, self.structure, self.graphs = out, record.structure, (fwd, bwd)
         # the graphs read tensors made before the capture at their addresses (cached cuts, normalisations, index
-        # tensors): hold every one the record and the runtime's caches hold now, so none is freed and reused
+        # tensors, the kernels' transposes and edge weights): hold every one the record and the caches hold now, so
+        # none is freed and reused
         self._alive = (record, leaves, dict(rt.layer_cache), {k: (dict(v) if isinstance(v, dict) else v)
-                                                              for k, v in rt.adjacency.items()})
+                                                              for k, v in rt.adjacency.items()}, transpose.held())
         self.captures += 1
         self._signature = self._now()
         log.info("pyg_pipe: the streamed step is captured as CUDA graphs (%d chunks; replays from the next call; "

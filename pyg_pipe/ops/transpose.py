@@ -103,8 +103,7 @@ def transposed(rowptr: Tensor, col: Tensor, n_src: int, module) -> tuple:
     with _cache_lock:
         _cache[key] = [rowptr, col, tptr, trow, tedge, None]   # (the last: coefficients')
         total = sum(_entry_bytes(e) for e in _cache.values())
-        while len(_cache) > 1 and (len(_cache) > _SIZE
-                                             or total > _BYTES):
+        while len(_cache) > 1 and (len(_cache) > _SIZE or total > _BYTES):
             total -= _entry_bytes(_cache.popitem(last=False)[1])
     return tptr, trow, tedge
 

@@ -90,19 +90,18 @@ def fingerprint(value: Tensor) -> tuple:
         parts = [v.crow_indices(), v.col_indices(), v.values().reshape(-1)]
     else:
         parts = [v.reshape(-1)]
-    bad, total, weighted, offset = 0, 0.0, 0.0, 0
+    sums, offset = torch.zeros(3, dtype=torch.float64, device=v.device), 0   # non-finite, sum, weighted sum
     for part in parts:
         for start in range(0, part.numel(), 1 << 20):
             flat = part[start:start + (1 << 20)].double()
-            if flat.is_floating_point():
-                bad += int((~torch.isfinite(flat)).sum())
-                flat = torch.nan_to_num(flat, nan=0.5, posinf=1.5, neginf=-1.5)
+            bad = (~torch.isfinite(flat)).sum()
+            flat = torch.nan_to_num(flat, nan=0.5, posinf=1.5, neginf=-1.5)
             pos = torch.arange(offset + 1, offset + flat.numel() + 1, dtype=torch.float64, device=flat.device) % 997
-            total += float(flat.sum())
-            weighted += float((flat * pos).sum())
+            sums += torch.stack([bad.double(), flat.sum(), (flat * pos).sum()])
             offset += flat.numel()
+    bad, total, weighted = sums.tolist()   # (one read on the host, after every block)
     # 12 significant digits: a sum's last bits may differ with the order a reduction runs in
-    return (tuple(value.shape), str(value.dtype), bad, float(f"{total:.12g}"), float(f"{weighted:.12g}"))
+    return (tuple(value.shape), str(value.dtype), int(bad), float(f"{total:.12g}"), float(f"{weighted:.12g}"))
 
 
 def _untyped(value):
@@ -186,26 +185,28 @@ class CallInputs:
                 return v.size(0)
         return int(g.max()) + 1 if g.numel() else 0
 
-    def edge_tensors(self) -> List[Tensor]:
-        """The call's per-edge inputs (edge weights, attributes, sparse adjacency values), in order."""
+    def edge_tensors(self, holders: bool = False) -> List[Tensor]:
+        """The call's per-edge inputs (edge weights, attributes, sparse adjacency values), in order; ``holders``:
+        a sparse adjacency itself instead of its values (the same object from call to call, its version counter
+        shared with its values and indices, where its values come out as a new tensor each time)."""
         out: List[Tensor] = []
         for v in list(self.args) + list(self.kwargs.values()):
-            self._edge_tensors(v, out)
+            self._edge_tensors(v, out, holders)
         return out
 
-    def _edge_tensors(self, v, out: List[Tensor]) -> None:
+    def _edge_tensors(self, v, out: List[Tensor], holders: bool) -> None:
         from torch_geometric.data import Data
         if isinstance(v, Tensor) and v.layout != torch.strided:
-            out.append(graph_edges(v)[2])
+            out.append(v if holders else graph_edges(v)[2])
         elif isinstance(v, Tensor) and v.dim() > 0 and not is_graph_tensor(v) and v.size(0) in self.edge_counts \
                 and v.size(0) != self.num_nodes:
             out.append(v)
         elif isinstance(v, Data):
             for _, a in v.items():
-                self._edge_tensors(a, out)
+                self._edge_tensors(a, out, holders)
         elif isinstance(v, (tuple, list)):
             for a in v:
-                self._edge_tensors(a, out)
+                self._edge_tensors(a, out, holders)
 
     def requires_grad(self) -> Optional[str]:
         """The name of an input that requires grad (pyg_pipe does not back-propagate into inputs)."""

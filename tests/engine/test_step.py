@@ -104,6 +104,28 @@ def test_only_the_same_live_unchanged_objects_skip_the_digest():
     assert not step._same_objects(seen, [w, w]) and not step._same_objects((), [])
 
 
+def test_a_sparse_adjacency_is_known_by_itself_not_by_its_values():
+    """A sparse ``adj_t`` hands out its values as a new tensor at every call, so compared by those it was digested
+    again every step (converted, summed, read on the host); the adjacency itself is the same object, and its
+    version counter (shared with its values and indices) says whether it changed in place."""
+    from torch_geometric.utils import to_torch_csr_tensor
+    x = torch.rand(3, 2)
+    adj = to_torch_csr_tensor(torch.tensor([[0, 1, 2], [1, 2, 0]]), torch.rand(3), size=(3, 3))
+    inputs = CallInputs((x, adj), {})
+    holders = inputs.edge_tensors(holders=True)
+    assert len(holders) == 1 and holders[0] is adj
+    assert torch.equal(inputs.edge_tensors()[0], adj.to_sparse_coo().coalesce().values())  # (what is digested)
+    seen = tuple((weakref.ref(t), t._version) for t in holders) + ("digest",)
+    assert step._same_objects(seen, CallInputs((x, adj), {}).edge_tensors(holders=True))  # the next call
+    adj.values().mul_(2)                        # its values changed in place: the adjacency's version moves
+    assert not step._same_objects(seen, inputs.edge_tensors(holders=True))
+    seen = tuple((weakref.ref(t), t._version) for t in inputs.edge_tensors(holders=True)) + ("digest",)
+    adj.col_indices()[0] = 2                    # its edges changed in place too
+    assert not step._same_objects(seen, inputs.edge_tensors(holders=True))
+    other = to_torch_csr_tensor(torch.tensor([[0, 1, 2], [1, 2, 0]]), torch.rand(3), size=(3, 3))
+    assert not step._same_objects(seen, CallInputs((x, other), {}).edge_tensors(holders=True))
+
+
 def test_a_new_tensor_at_a_freed_tensors_address_is_not_the_same_object():
     """A sparse input's values are taken anew each call and die at once, so the next call's tensor
     usually gets the same ``id`` and version: that identity must not pass for "unchanged" (it once

@@ -219,12 +219,12 @@ def prepare_history(rt: Runtime, inputs: CallInputs, call: int, step: int = 0) -
     history = rt.history.of(call)
     if rt.meter.probe_due(step):
         probe(rt, inputs, history, call)
-    tensors = inputs.edge_tensors()
+    holders = inputs.edge_tensors(holders=True)
     refill = False
-    if not (history.initialised and _same_objects(history.edge_inputs, tensors)):
-        digest = tuple(fingerprint(t) for t in tensors)
+    if not (history.initialised and _same_objects(history.edge_inputs, holders)):
+        digest = tuple(fingerprint(t) for t in inputs.edge_tensors())
         refill = not history.initialised or bool(history.edge_inputs and digest != history.edge_inputs[-1])
-        history.edge_inputs = tuple((weakref.ref(t), t._version) for t in tensors) + (digest,)
+        history.edge_inputs = tuple((weakref.ref(t), t._version) for t in holders) + (digest,)
     if not refill and (history.refresh_due or (rt.config.max_age is not None
                                                and history.age_at(step, rt.config.snapshot_period)
                                                > rt.config.max_age)):
@@ -257,9 +257,11 @@ def probe(rt: Runtime, inputs: CallInputs, history: CallHistory, call: int) -> N
 
 def _same_objects(seen: tuple, tensors: List[Tensor]) -> bool:
     """Whether ``tensors`` are the very objects of the last call, unchanged in place (alive, same version):
-    then their values are the same and the digest need not be taken again. Held by weak reference, as an
-    ``id`` alone is reused once a tensor is freed (a sparse input's values, taken anew each call, die at
-    once): matching a new tensor by a reused ``id`` would skip a refill on one rank and not another."""
+    then their values are the same and the digest need not be taken again. A sparse adjacency is the adjacency
+    itself, whose version counter its values and indices share (its values come out as a new tensor each call:
+    compared by those, it was digested again every step, a conversion and a pass over its edges with the
+    host reading each sum). Held by weak reference, as an ``id`` alone is reused once a tensor is freed: matching
+    a new tensor by a reused ``id`` would skip a refill on one rank and not another."""
     if not seen or len(seen) - 1 != len(tensors):
         return False
     return all(ref() is t and version == t._version for (ref, version), t in zip(seen[:-1], tensors))

@@ -83,7 +83,10 @@ class SameGraph:
         seen, self._seen = self._seen, key
         return key != seen
 
-    def check(self, batch: Data, comm: Comm) -> None:
+    def check(self, batch: Data, comm: Comm, moved: Optional[Data] = None) -> None:
+        """``batch``: the graph as the loader gave it, whose tensors are the same objects epoch after epoch
+        (FullGraphDataModule), so it is compared once; ``moved``: the same on the device (a new copy every step on
+        a GPU), which is what is digested when it is compared (default: ``batch``)."""
         if comm.world_size == 1:
             return
         key = tuple((k, id(v), v._version) for k, v in batch.items() if isinstance(v, Tensor))
@@ -91,7 +94,8 @@ class SameGraph:
         comm.all_reduce(same, None, "checking the graph", op="min")
         if float(same) == 1.0:  # skipped only where every rank can skip (a collective follows otherwise)
             return
-        mine = {k: (fingerprint(v) if isinstance(v, Tensor) else (v,)) for k, v in batch.items()
+        digested = batch if moved is None else moved
+        mine = {k: (fingerprint(v) if isinstance(v, Tensor) else (v,)) for k, v in digested.items()
                 if isinstance(v, (Tensor, int, float, str, bool))}
         gathered: List[dict] = comm.all_gather_objects(mine, "checking the graph")
         bad = sorted({k for other in gathered for k in set(other) | set(mine) if other.get(k) != gathered[0].get(k)})

@@ -287,10 +287,10 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         check_batch(batch)
         if self._same_graph.new(batch):  # (once per graph object: the id range costs a pass over the edges)
             check_graph(batch)
-        batch = super().batch_to_device(batch, device, dataloader_idx)
-        if self.comm is not None:
-            self._same_graph.check(batch, self.comm)
-        return batch
+        moved = super().batch_to_device(batch, device, dataloader_idx)
+        if self.comm is not None:  # (known by the loader's objects: a GPU copy is new every step, digested once)
+            self._same_graph.check(batch, self.comm, moved)
+        return moved
 
     def _training_step(self, *args: Any, **kwargs: Any):
         """The training step (:class:`PostsErrors` wraps it): Lightning's, marked for the engine."""

@@ -157,3 +157,29 @@ def _refusals(rank, world):
 def test_pipeline_refusals_on_every_rank():
     """Two stages requested explicitly: each case fails on both ranks with the same message, no hang."""
     run_distributed(_refusals, 2, timeout=120)
+
+
+def _same_graph_worker(rank, world):
+    from pyg_pipe.strategies import batch as batch_module
+    from tests.models import as_data
+    digests = []
+    fingerprint = batch_module.fingerprint
+    batch_module.fingerprint = lambda t: digests.append(1) or fingerprint(t)
+    try:
+        loaded, check = as_data(*small_graph(seed=0)), batch_module.SameGraph()
+        tensors = sum(isinstance(v, torch.Tensor) for _, v in loaded.items())
+        for _ in range(3):  # the loader's graph, and a new copy of it each step (as a GPU gets it from Lightning)
+            check.check(loaded, Comm(torch.device("cpu")), loaded.clone())
+        assert len(digests) == tensors, f"rank {rank}: {len(digests)} digests for {tensors} tensors in 3 steps"
+        loaded.x.mul_(1.0)  # the loaded graph changed in place: compared again
+        check.check(loaded, Comm(torch.device("cpu")), loaded.clone())
+        assert len(digests) == 2 * tensors
+    finally:
+        batch_module.fingerprint = fingerprint
+
+
+def test_every_rank_loaded_the_same_graph_is_checked_once_not_every_step():
+    """The check that every rank loaded the same graph digests it when the loader hands out another graph (or the
+    same one changed), not at every step's copy to the device (on a GPU a pass over the whole graph, every
+    step)."""
+    run_distributed(_same_graph_worker, 2, timeout=120)

@@ -159,15 +159,15 @@ class _ChunkProbe:
 
 
 def release(device) -> None:
-    """What the measuring passes leave behind once the plan is made: the fused kernels' cached transposes of the
-    probes' chunk graphs (each entry keeps its graph alive; the training graphs' are rebuilt at their first
+    """What the measuring passes leave behind once the plan is made: the fused kernels' cached transposes (and CSRs)
+    of the probes' chunk graphs (each entry keeps its graph alive; the training graphs' are rebuilt at their first
     backward) and, on a CPU, the memory malloc keeps after the probes' frees. Measured before it (16-layer GCNII,
     20k vertices, 2 processes, ``grid="auto"``): rank 0 held 86 MB more after planning than with
     ``grid="pipeline"`` and peaked at 487 against 390 MB; with it, at 411 (that run chose 16 chunks) against 385.
     A later run through Lightning still peaked 100 MB higher: most of that was :func:`training_pass_memory` keeping
     its activations (fixed 2026-11-29, docs/gnnpipe.md)."""
     from ..memory import trim
-    from ..ops.transpose import clear_cache
+    from ..ops import clear_cache
     clear_cache()
     if torch.device(device).type == "cpu":
         trim()

@@ -7,10 +7,19 @@
 is the source row, optionally weighted per edge (see :mod:`pyg_pipe.ops.messages`).
 """
 
-from pyg_pipe.ops.aggregate import clear_cache, csr_aggregate, csr_gated_aggregate
+from pyg_pipe.ops import messages, transpose
+from pyg_pipe.ops.aggregate import csr_aggregate, csr_gated_aggregate
 from pyg_pipe.ops.build import ENV_DISABLE, backend, extensions_enabled
 from pyg_pipe.ops.messages import fuse_messages
 from pyg_pipe.ops.pyg import fused_kernels, install, installed, uninstall
+
+
+def clear_cache() -> None:
+    """Forget what the kernels keep per graph: the transposed adjacencies and their edge weights
+    (:mod:`.transpose`), the CSRs of ``edge_index`` graphs and their weights in CSR order (:mod:`.messages`);
+    each is rebuilt at its next use."""
+    transpose.clear_cache()
+    messages.clear_cache()
 
 __all__ = [
     "ENV_DISABLE",

@@ -91,6 +91,44 @@ def csr_of(index_i: Tensor, index_j: Tensor, size_i: int) -> Tuple[Tensor, Tenso
     return rowptr, col, perm
 
 
+_ORDERED: "OrderedDict[tuple, tuple]" = OrderedDict()
+_ORDERED_BYTES = 256 * 2**20   # (weights kept in CSR order, beside the layers' own: at most this many bytes)
+
+
+def clear_cache() -> None:
+    """Forget the cached CSRs of the graphs layers saw and the weights put in their order."""
+    _CSR_CACHE.clear()
+    _ORDERED.clear()
+
+
+def held() -> list:
+    """Every tensor these caches hold now (as :func:`.transpose.held`: for a CUDA graph captured now to keep)."""
+    return [t for cache in (_CSR_CACHE, _ORDERED) for entry in cache.values() for t in entry]
+
+
+def in_csr_order(w: Tensor, perm: Tensor) -> Tensor:
+    """``w[perm]``: per-edge weights in the CSR's order, kept for the same ``w`` and ``perm`` (the entry holds
+    both, so the same address, shape, strides and version counter mean the same weights): a layer's constant
+    weights (GCN's normalisation, cached, or the engine's per chunk) are permuted once, not at every call, and the
+    kernel's backward then finds its own weights' cache for them (:mod:`.transpose`). At most 64 entries and 256 MiB,
+    least recently used out first. Weights that require a gradient are permuted at every call (a result kept would
+    carry an old autograd graph)."""
+    if w.requires_grad and torch.is_grad_enabled():
+        return w.index_select(0, perm)
+    key = (w.device, w.data_ptr(), w.shape, w.stride(), w.dtype, w._version, perm.data_ptr(), perm.numel())
+    hit = _ORDERED.get(key)
+    if hit is not None:
+        _ORDERED.move_to_end(key)
+        return hit[2]
+    out = w.detach().index_select(0, perm)
+    _ORDERED[key] = (w, perm, out)
+    total = sum(e[2].numel() * e[2].element_size() for e in _ORDERED.values())
+    while len(_ORDERED) > 1 and (len(_ORDERED) > _CSR_CACHE_SIZE or total > _ORDERED_BYTES):
+        old = _ORDERED.popitem(last=False)[1][2]
+        total -= old.numel() * old.element_size()
+    return out
+
+
 def per_head(fn: Callable[[Tensor, Optional[Tensor]], Tensor], s: Tensor, w: Optional[Tensor]) -> Tensor:
     """``fn(values [N, C], weights [E] or None)`` for 2-D ``s``, or once per head of ``s [N, H, C]``
     (``w``: ``[E, H]``)."""
@@ -113,7 +151,7 @@ def gather(s: Tensor, w: Optional[Tensor], index_i: Tensor, index_j: Tensor, siz
             return None
     rowptr, col, perm = csr_of(index_i, index_j, size_i)
     if w is not None:
-        w = w.reshape(w.size(0), heads).index_select(0, perm)
+        w = in_csr_order(w.reshape(w.size(0), heads), perm)
     return per_head(lambda t, wh: csr_aggregate(rowptr, col, t, value=wh, reduce=reduce), s, w)
 
 

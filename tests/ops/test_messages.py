@@ -99,3 +99,25 @@ def test_sparse_adjacency_keeps_its_own_path():
     out = model[1](model[0](x, adj_t), g["edge_index"])
     torch.testing.assert_close(out, ref[1](ref[0](x, adj_t), g["edge_index"]), atol=1e-10, rtol=0)
     assert handle.fused_calls == 1   # GATConv's, not GCNConv's
+
+
+def test_weights_in_csr_order_are_kept_only_while_they_are_the_same():
+    """``in_csr_order`` keeps ``w[perm]`` for the same weights (the very tensor kept), permutes anew after an
+    in-place change and for another tensor, and never keeps weights that require a gradient in a grad-enabled
+    call (their result carries this call's autograd graph)."""
+    from pyg_pipe.ops import messages
+    messages.clear_cache()
+    perm = torch.randperm(40)
+    w = torch.rand(40, 1)
+    first = messages.in_csr_order(w, perm)
+    assert torch.equal(first, w[perm]) and messages.in_csr_order(w, perm) is first
+    assert any(t is first for t in messages.held())
+    w.mul_(2.0)  # changed in place: permuted again
+    assert torch.equal(messages.in_csr_order(w, perm), w[perm]) and messages.in_csr_order(w, perm) is not first
+    learned = torch.rand(40, 1, requires_grad=True)
+    a, b = messages.in_csr_order(learned, perm), messages.in_csr_order(learned, perm)
+    assert a is not b and a.grad_fn is not None
+    a.sum().backward()
+    assert torch.equal(learned.grad, torch.ones(40, 1))
+    messages.clear_cache()
+    assert messages.held() == []

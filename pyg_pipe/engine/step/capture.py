@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from ...model.inputs import CallInputs, same_graph
-from ...ops import transpose
+from ...ops import messages, transpose
 from ..context import autocast_state
 from ..runtime.runtime import Runtime
 from ..runtime.store import Store
@@ -172,7 +172,8 @@ class CapturedStep:
         # tensors, the kernels' transposes and edge weights): hold every one the record and the caches hold now, so
         # none is freed and reused
         self._alive = (record, leaves, dict(rt.layer_cache), {k: (dict(v) if isinstance(v, dict) else v)
-                                                              for k, v in rt.adjacency.items()}, transpose.held())
+                                                              for k, v in rt.adjacency.items()},
+                       transpose.held(), messages.held())
         self.captures += 1
         self._signature = self._now()
         log.info("pyg_pipe: the streamed step is captured as CUDA graphs (%d chunks; replays from the next call; "

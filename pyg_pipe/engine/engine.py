@@ -55,7 +55,8 @@ from .reroute import Rerouted, caller
 from .tree import unpack_rows
 from .plan.plan import Plan, Shape, decide_shape, make_plan
 from .plan.grid_cost import regrid
-from .profile import layer_costs, release, training_pass_memory, training_pass_seconds
+from .pass_memory import measuring_passes
+from .profile import layer_costs, release
 from .runtime.runtime import Runtime
 from .step.norms import StatisticsHooks
 from .runtime.weights import GradientSum
@@ -369,8 +370,7 @@ class GNNPipeEngine:
         probe = (self.module, self._fn, shape.program, shape.groups, inputs, comm.device)  # (timed on a chunk)
         plan = make_plan(self.module, self.config, shape, inputs, comm, grid.rank_of(0, 0), sizes=self._sizes,
                          costs=lambda perm, ptr: layer_costs(*probe, chunking=(perm, ptr)), saved=saved.get("plan"),
-                         notes=self.notes, pass_seconds=lambda *cut: training_pass_seconds(*probe, chunking=cut),
-                         chosen=self.chunk_choice, pass_memory=lambda *cuts: training_pass_memory(*probe, *cuts))
+                         notes=self.notes, chosen=self.chunk_choice, **measuring_passes(probe))
         release(comm.device)  # (what the measuring passes left)
         self._sizes = plan.sizes
         if self._grads is None:

@@ -1,7 +1,8 @@
 """Passes over a chunk that measure the model and change nothing: the cost model of ``balance="time"``
 (seconds each layer group takes in one no-grad pass over a chunk, :func:`layer_costs`), and the seconds of a
-whole training pass over a chunk that ``num_chunks="auto"`` fits (:func:`training_pass_seconds`,
-:mod:`.plan.chunk_cost`).
+whole training pass over a chunk that ``num_chunks="auto"`` fits (:func:`training_pass_seconds`; over one chunk
+a way, a layer group at a time, :func:`grouped_pass_seconds`; :mod:`.plan.chunk_cost`). What such a pass holds
+is measured in :mod:`.pass_memory`.
 
 Measured once per model, on one rank, in no-grad passes of the traced program over the first chunk of
 the plan's chunking, run as the pipeline runs a chunk: the layer hooks cut the inputs to the chunk, a
@@ -53,7 +54,6 @@ from ..model.localize import Localizer
 from ..model.split import Stage
 from ..model.trace import Program
 from .context import ChunkContext, leading_rows
-from .plan.first_step import PassDetail, PassMemory
 from .runtime.program import StageProgram
 from .runtime.runtime import chunk_graphs
 from .runtime.statistics import Statistics
@@ -164,8 +164,8 @@ def release(device) -> None:
     backward) and, on a CPU, the memory malloc keeps after the probes' frees. Measured before it (16-layer GCNII,
     20k vertices, 2 processes, ``grid="auto"``): rank 0 held 86 MB more after planning than with
     ``grid="pipeline"`` and peaked at 487 against 390 MB; with it, at 411 (that run chose 16 chunks) against 385.
-    A later run through Lightning still peaked 100 MB higher: most of that was :func:`training_pass_memory` keeping
-    its activations (fixed 2026-11-29, docs/gnnpipe.md)."""
+    A later run through Lightning still peaked 100 MB higher: most of that was
+    :func:`~.pass_memory.training_pass_memory` keeping its activations (fixed 2026-11-29, docs/gnnpipe.md)."""
     from ..memory import trim
     from ..ops import clear_cache
     clear_cache()
@@ -226,81 +226,61 @@ def training_pass_seconds(module: torch.nn.Module, fn: Callable, program: Progra
     return best
 
 
-def training_pass_memory(module: torch.nn.Module, fn: Callable, program: Program, groups: list,
-                         inputs: CallInputs, device, chunking: Tuple[Tensor, Tensor],
-                         way_chunking: Tuple[Tensor, Tensor]) -> PassMemory:
-    """:class:`PassMemory` from one training pass of the whole model over the first chunk of ``chunking``, run
-    as :func:`training_pass_seconds` runs it, step by step: the storages autograd saves are counted
-    (:class:`~.step.chunk.SavedBytes`, as the first training fill counts a kept chunk), each step's value is
-    kept to measure what crosses each cut between ``groups``, and the halo joins report their sites' widths;
-    then a no-grad pass over the first chunk of ``way_chunking`` (one chunk a way, as the exact passes run) for
-    what the layers cache there. Changes nothing (the gradients, buffers and random streams are put back)."""
-    from .plan.memory_cost import reachable, storages
-    from .step.chunk import SavedBytes, input_storages
+def grouped_pass_seconds(module: torch.nn.Module, fn: Callable, program: Program, groups: list,
+                         inputs: CallInputs, device, chunking: Tuple[Tensor, Tensor]) -> float:
+    """Seconds of one training pass of the whole model over the first chunk of ``chunking``, taken one layer group
+    at a time (``num_chunks="auto"``'s one chunk a way, :mod:`.plan.chunk_cost`): each group's forward with
+    autograd from its inputs detached, then its backward from what it hands on (a gradient of ones), so that only
+    one group's activations are held, as a stage holding its groups over the same rows holds more. The sum over the
+    groups, the smaller of two passes (the first caches the layers' normalisations). Changes nothing, as
+    :func:`training_pass_seconds`."""
+    cuda = torch.device(device).type == "cuda"
     probe = _ChunkProbe(module, fn, program, groups, inputs, device, chunking)
-    params = list(module.parameters())
-    exclude = input_storages(module, inputs)
-    for d in inputs.data:  # (and what ``Data`` arguments carry)
-        for _, v in d.items():
-            if isinstance(v, Tensor):
-                exclude |= storages(v)
-    widths: Dict[str, float] = {}
-    if probe.halo is not None:
-        probe.halo = _Fillers(widths)
-    rows = probe.lg.rows
-    by_group: List[Dict[int, int]] = []   # every storage each group's steps saved
-    group_widths: List[float] = []
-    with probe.refusing(), probe.passes(params), torch.enable_grad():
-        ctx, localize = probe.inputs()
-        with ctx, SavedBytes(True, exclude, no_backward=True) as saved:
-            args, kwargs = localize()
-            env = probe.runner.bind(args, kwargs)
-            for group in groups:
-                saved.storages, sites = {}, len(widths)
-                for node in group:
-                    env[node.name] = probe.runner.step(node, env)
-                by_group.append(saved.storages)
-                group_widths.append(sum(list(widths.values())[sites:]))
-            out = fx.node.map_arg(program.output.args[0], lambda n, values=env: values[n.name])
-        kept: Dict[int, int] = {}
-        for found in by_group:
-            kept.update(found)
-        output: Dict[int, int] = {}
-        for t in flatten(out)[0]:
-            if isinstance(t, Tensor):
-                output.update(reachable([t], exclude))
-        kept.update(output)
-        crossing = _crossing(program, groups, env, exclude)
-    del env, out, saved  # (before the way's pass)
-    cache = reachable([probe.cache, probe.localizer._adjacency], exclude | set(reachable([probe.cgs])))
-    way = _ChunkProbe(module, fn, program, groups, inputs, device, way_chunking)
-    with way.refusing(), way.passes(), torch.no_grad():
-        ctx, localize = way.inputs()
-        with ctx:
-            args, kwargs = localize()
-            way.runner.run(args, kwargs, {})
-        way_cache = reachable([way.cache, way.localizer._adjacency], exclude | set(reachable([way.cgs])))
-    return PassMemory(sum(kept.values()) / rows, max((sum(c.values()) for c in crossing), default=0.0) / rows,
-                      sum(widths.values()), sum(cache.values()) / max(probe.lg.num_edges, 1),
-                      sum(way_cache.values()) / max(way.lg.num_edges, 1),
-                      float(sum(p.numel() * p.element_size() for p in params)),
-                      PassDetail(rows, by_group, group_widths, crossing, output))
-
-
-def _crossing(program: Program, groups: list, env: dict, exclude) -> List[Dict[int, int]]:
-    """Per cut between consecutive ``groups``: the storages of the values made before it and used after it."""
-    from .plan.memory_cost import reachable
+    runner, params, best = probe.runner, list(module.parameters()), float("inf")
     group_of = {n.name: i for i, g in enumerate(groups) for n in g}
-    last = len(groups)
-    cuts: List[Dict[int, int]] = [dict() for _ in range(max(len(groups) - 1, 0))]
-    for i, g in enumerate(groups):
-        for n in g:
-            used = max((group_of.get(u.name, last) for u in n.users), default=i)
-            if used > i and i < last - 1:  # (its storages found once, for every cut it crosses)
-                found = reachable([env.get(n.name)], exclude)
-                for cut in range(i, min(used, last - 1)):
-                    cuts[cut].update(found)
-    return cuts
+    last = {n.name: max((group_of.get(u.name, len(groups)) for u in n.users), default=-1)
+            for g in groups for n in g}
+    with probe.refusing(), probe.passes(params), torch.enable_grad():
+        for _ in range(2):
+            ctx, localize = probe.inputs()
+            total = 0.0
+            with ctx:
+                env = runner.bind(*localize())
+                for i, group in enumerate(groups):
+                    for name in {a.name for n in group for a in n.all_input_nodes if group_of.get(a.name) != i}:
+                        env[name] = _detached(env[name])
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                    t0 = time.perf_counter()
+                    for node in group:
+                        env[node.name] = runner.step(node, env)
+                    roots = [t for n in group if last[n.name] > i for t in flatten(env[n.name])[0]
+                             if isinstance(t, Tensor) and t.requires_grad and t.is_floating_point()]
+                    if roots:
+                        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                    total += time.perf_counter() - t0
+                    for name in [k for k, g in group_of.items() if g <= i and last.get(k, -1) <= i and k in env]:
+                        del env[name]  # (values no later group reads: freed as the pass goes)
+                    del roots
+            best = min(best, total)
+            del env
+    return best
+
+
+def _detached(value):
+    """``value`` (a tensor, or a structure of them) with its tensors that ask for gradients cut from the autograd
+    graph, still asking for them: a group's inputs, so that its backward stops there (the others are left as they
+    are: the hooks know the model's inputs and graphs by identity)."""
+    if isinstance(value, Tensor):
+        return value.detach().requires_grad_() if value.requires_grad else value
+    if isinstance(value, (tuple, list)):
+        items = [_detached(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
 
 
 def _timed_pass(runner: StageProgram, steps: list, inputs: tuple, times: Dict[str, List[float]],

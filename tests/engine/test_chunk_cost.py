@@ -49,6 +49,36 @@ def test_processes_sharing_cores_make_the_bubble_no_idle_time():
     assert "share the cores" in choose(a, b, N, 4, 1, shared=0.5).line(4, 1)
 
 
+def test_one_chunk_a_way_is_predicted_from_its_own_pass():
+    """The probes' line through small chunks' rows leaves out their halo rows, which one chunk of the whole graph
+    does not read: on a 2-layer GCN and a random 20k-vertex graph (docs/gnnpipe.md) it put one chunk at 35.7 ms
+    against a measured pass of 13.6 – 16.2 ms, and chose 4 chunks, 1.5 – 1.9 x slower than one. With the pass over
+    one chunk a way measured, ``k = 1`` is predicted from it (the others still from the line)."""
+    a, b, N = 1.11e-3, 1.73e-6, 20000
+    assert choose(a, b, N, 2, 1).per_way == 4
+    c = choose(a, b, N, 2, 1, whole=16.2e-3)
+    assert c.per_way == 1 and c.predicted[1] == pytest.approx(16.2e-3)
+    assert c.predicted[4] == pytest.approx(choose(a, b, N, 2, 1).predicted[4])
+    assert "one chunk a way 16.2 ms, measured" in c.line(2, 1)
+    # a deep model, where one chunk's pass is long: the bubble is worth chunks (the 16-layer GCNII's fit and pass)
+    assert choose(8.92e-3, 9.74e-6, N, 2, 1, whole=0.262).per_way == 4
+    # measured over the first of W contiguous chunks (a way's share), where it runs; a failure leaves the line
+    seen = []
+    assert chunk_cost.measure_whole(lambda perm, ptr: seen.append(ptr.tolist()) or 0.5, 100, 4) == 0.5
+    assert seen == [[0, 25, 50, 75, 100]]
+
+    def fails(perm, ptr):
+        raise RuntimeError("out of memory")
+    assert chunk_cost.measure_whole(fails, 100, 1) is None and chunk_cost.measure_whole(None, 100, 1) is None
+    chunks, line, predicted = chunk_cost.auto_chunks(lambda perm, ptr: a + b * int(ptr[1] - ptr[0]), N, 2, 1, 8,
+                                                     whole_of=lambda perm, ptr: 16.2e-3)
+    assert (chunks, predicted) == (1, pytest.approx(16.2e-3)) and "one chunk a way" in line
+    # under a memory budget that scales the probes down (scale > 1) the whole way's pass is not run
+    chunks, line, _ = chunk_cost.auto_chunks(lambda perm, ptr: a + b * int(ptr[1] - ptr[0]), N, 2, 1, 8, scale=2,
+                                             whole_of=fails)
+    assert "one chunk a way" not in line
+
+
 def test_a_model_that_cannot_be_timed_gets_the_fixed_rule():
     def costs(perm, ptr):
         raise RuntimeError("cannot time this layer")

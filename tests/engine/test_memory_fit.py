@@ -10,7 +10,7 @@ from pyg_pipe.engine.plan import chunk_cost
 from pyg_pipe.engine.plan.memory_fit import fit_memory, probe_scale
 from pyg_pipe.engine.plan.first_step import (PassMemory, chunking_bytes, first_step_peak, fresh_reads, history_rows,
                                              stage_shares)
-from pyg_pipe.engine.profile import training_pass_memory
+from pyg_pipe.engine.pass_memory import training_pass_memory
 from pyg_pipe.engine.step.layers import LayerHooks
 from pyg_pipe.graph.partition import make_chunks
 from pyg_pipe.model.inputs import CallInputs

@@ -8,7 +8,8 @@ from torch import nn
 from torch_geometric.nn import GCNConv
 
 from pyg_pipe.engine.step.layers import LayerHooks
-from pyg_pipe.engine.profile import layer_costs, pooled, step_signature, training_pass_seconds
+from pyg_pipe.engine.profile import (grouped_pass_seconds, layer_costs, pooled, step_signature,
+                                     training_pass_seconds)
 from pyg_pipe.graph.partition import make_chunks
 from pyg_pipe.model.inputs import CallInputs
 from pyg_pipe.model.split import stage_groups
@@ -139,6 +140,46 @@ def test_a_training_pass_on_a_chunk_changes_nothing_and_runs_its_backward():
         hooks.remove()
         handle.remove()
     assert seconds > 0 and used and used[0] == model.convs[0].lin.weight.shape   # the backward reached layer 1
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("which", ["gcnii", "gat_jk"])
+def test_the_pass_over_one_chunk_a_way_runs_a_layer_group_at_a_time_and_changes_nothing(which):
+    """``num_chunks="auto"`` times one chunk a way's training pass one layer group at a time (so that no more than a
+    group's activations are held): every parameter gets its gradient once per pass (each group's backward stops
+    at its inputs, or earlier groups would get theirs again from later groups), with values that cross several
+    groups (GCNII's ``x_0``; PyG's ``GAT`` with ``jk="cat"``, every layer's output read at the end); and it
+    changes nothing (no ``.grad``, state or random stream)."""
+    from torch_geometric.nn.models import GAT
+    from tests.models import make_model
+    x, g, _, _ = zoo_graph()
+    ei = g["edge_index"]
+    torch.manual_seed(0)
+    model = make_model("gcnii", c_in=x.size(1)) if which == "gcnii" else GAT(x.size(1), 12, 3, 3, jk="cat")
+    before = copy.deepcopy(model.state_dict())
+    inputs = CallInputs((x, ei), {})
+    program = trace(model, inputs.args, inputs.kwargs)
+    groups, _ = stage_groups(program)
+    assert len(groups) >= 3
+    calls = {n: 0 for n, p in model.named_parameters() if p.requires_grad}
+    handles = [p.register_hook(lambda grad, n=n: calls.__setitem__(n, calls[n] + 1))
+               for n, p in model.named_parameters() if p.requires_grad]
+    hooks = LayerHooks(model)
+    hooks.install()
+    rng = torch.get_rng_state()
+    try:
+        whole = (torch.arange(x.size(0)), torch.tensor([0, x.size(0)]))
+        seconds = grouped_pass_seconds(model, forward_function(model), program, groups, inputs, torch.device("cpu"),
+                                       chunking=whole)
+    finally:
+        hooks.remove()
+        for h in handles:
+            h.remove()
+    assert seconds > 0
+    assert set(calls.values()) == {2}, calls   # two passes, each parameter's gradient once in each
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in model.parameters())
     for k, v in model.state_dict().items():

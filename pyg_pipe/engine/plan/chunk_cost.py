@@ -29,7 +29,15 @@ rows holds half the activations a stage holds over its ``N / W`` rows, so the pr
 does. The other ranks wait while the rank that measures runs it (:func:`~.decide.root_decides`): the probe
 times the model on a machine that is otherwise idle. The choice is the fewest
 chunks a way, among 1, 2, 4, ... (at most ``N / W``), whose predicted step is within ``SLACK`` of the
-fastest: the least stale history for nearly the best time. Transfers are left out (the stage link sends
+fastest: the least stale history for nearly the best time.
+
+One chunk a way (``k = 1``, exact: no history) is not predicted from the line but timed itself, ``t(N / W)``
+(:func:`measure_whole`): a training pass over the way's whole share, one layer group at a time so that it holds
+one group's activations, not a stage's (:func:`~..profile.grouped_pass_seconds`). The line through two small
+chunks counts their halo rows (neighbours outside the chunk, which a small chunk reads for up to several times
+its own rows on a graph without locality) as the cost of their own rows, and one chunk of a way's whole share
+reads none: on a 2-layer GCN over a random 20k-vertex graph it put one chunk at 2x its pass and chose 4 chunks,
+1.5 - 1.9x slower than one (docs/gnnpipe.md). Under a memory budget that scales the probes down it is not run. Transfers are left out (the stage link sends
 every row once a step whatever ``k``; the halo exchange between ways does not depend on ``k`` either).
 
 Under a memory budget (``memory_budget``; on an accelerator the least free memory of the ranks) the count is
@@ -71,6 +79,7 @@ class ChunkChoice:
     per_row_s: float            # b
     predicted: dict             # chunks a way -> predicted step seconds
     shared: float = 0.0         # u: the share of all the work a core of this machine does (0: not shared)
+    whole: Optional[float] = None   # t(N / W): one chunk a way's pass, measured (None: from a and b)
 
     def line(self, stages: int, ways: int) -> str:
         fastest = min(self.predicted, key=self.predicted.get)
@@ -80,13 +89,14 @@ class ChunkChoice:
                 f"{self.predicted[fastest]:.3g} s at {fastest * ways}; the fewest chunks within {SLACK:.0%} of it "
                 f"read the least stale history (a chunk {self.per_chunk_s * 1e3:.3g} ms + "
                 f"{self.per_row_s * 1e6:.3g} us a row, measured"
+                f"{'' if self.whole is None else f'; one chunk a way {self.whole * 1e3:.3g} ms, measured'}"
                 f"{'; the processes share the cores' if self.shared else ''}; num_chunks=<int> overrides).")
 
 
 def predicted_step(a: float, b: float, num_nodes: int, stages: int, ways: int, per_way: int,
-                   shared: float = 0.0) -> float:
-    """``step(k)`` of the module docstring (``shared``: ``u``)."""
-    t = a + b * num_nodes / (ways * per_way)
+                   shared: float = 0.0, whole: Optional[float] = None) -> float:
+    """``step(k)`` of the module docstring (``shared``: ``u``; ``whole``: ``t(N / W)`` measured, for ``k = 1``)."""
+    t = whole if per_way == 1 and whole is not None else a + b * num_nodes / (ways * per_way)
     return max(t / stages * (per_way + stages - 1), shared * ways * per_way * t)
 
 
@@ -98,8 +108,10 @@ def shared_cores(local: int, world: int, threads: int, cores: int) -> float:
     return local / world * threads / max(cores, 1)
 
 
-def choose(a: float, b: float, num_nodes: int, stages: int, ways: int, shared: float = 0.0) -> ChunkChoice:
-    """The fewest chunks a way whose predicted step is within :data:`SLACK` of the fastest."""
+def choose(a: float, b: float, num_nodes: int, stages: int, ways: int, shared: float = 0.0,
+           whole: Optional[float] = None) -> ChunkChoice:
+    """The fewest chunks a way whose predicted step is within :data:`SLACK` of the fastest (``whole``: the
+    pass over one chunk a way, measured)."""
     cap = max(1, min(MAX_PER_WAY, num_nodes // ways))
     ks, k = [], 1
     while k <= cap:
@@ -107,10 +119,10 @@ def choose(a: float, b: float, num_nodes: int, stages: int, ways: int, shared: f
         k *= 2
     if stages == 1:
         ks = [1]
-    predicted = {k: predicted_step(a, b, num_nodes, stages, ways, k, shared) for k in ks}
+    predicted = {k: predicted_step(a, b, num_nodes, stages, ways, k, shared, whole) for k in ks}
     best = min(predicted.values())
     per_way = next(k for k in ks if predicted[k] <= (1.0 + SLACK) * best)
-    return ChunkChoice(per_way, a, b, predicted, shared)
+    return ChunkChoice(per_way, a, b, predicted, shared, whole)
 
 
 def fit(samples: List[tuple]) -> tuple:
@@ -137,11 +149,30 @@ def measure(seconds_of: Callable[[Tensor, Tensor], float], num_nodes: int, stage
     return fit(samples)
 
 
+def measure_whole(whole_of: Optional[Callable[[Tensor, Tensor], float]], num_nodes: int, ways: int) -> Optional[float]:
+    """``t(N / W)``, one chunk a way's training pass, measured (:func:`~..profile.grouped_pass_seconds`: one layer
+    group's activations held at a time, fewer than a stage holds with one chunk), or ``None`` (not measured, or it
+    failed: then ``a + b N / W`` stands). The two probes' line through their chunks' rows leaves out that a chunk
+    reads its neighbours' rows from outside it, which a small chunk does for many more rows than its own (halo
+    rows, up to several times its rows on a graph without locality) and one chunk of the whole graph does for
+    none: on a 2-layer GCN and a random graph the line put one chunk at 2x its measured pass, and ``"auto"``
+    chose 4 chunks where one was 1.53x faster (docs/gnnpipe.md)."""
+    if whole_of is None:
+        return None
+    ptr = torch.linspace(0, num_nodes, ways + 1).round().long()
+    try:
+        return float(whole_of(torch.arange(num_nodes), ptr))
+    except Exception:  # noqa: BLE001 - the probes' line stands (a failure the run would meet shows in the run)
+        return None
+
+
 def auto_chunks(seconds_of: Callable[[Tensor, Tensor], float], num_nodes: int, stages: int, ways: int,
-                fallback: int, shared: float = 0.0, scale: int = 1) -> Tuple[int, str, Optional[float]]:
+                fallback: int, shared: float = 0.0, scale: int = 1,
+                whole_of: Optional[Callable[[Tensor, Tensor], float]] = None) -> Tuple[int, str, Optional[float]]:
     """``num_chunks="auto"`` on the rank that measures: ``(chunks, the line that says why, the predicted step
     in seconds)``; ``fallback`` chunks (the rule of ``num_chunks=None``, no prediction) where the layers cannot
-    be timed; ``shared``: ``u`` (:func:`shared_cores`). (The plan broadcasts it.)"""
+    be timed; ``shared``: ``u`` (:func:`shared_cores`); ``whole_of``: the pass over one chunk a way, layer group
+    by layer group (:func:`measure_whole`). (The plan broadcasts it.)"""
     if stages == 1:
         return ways, "", None
     try:
@@ -151,13 +182,14 @@ def auto_chunks(seconds_of: Callable[[Tensor, Tensor], float], num_nodes: int, s
                           f"({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0][:160]}); using {fallback} chunks (the rule of num_chunks=None: 4 "
                           f"per stage a way). Pass num_chunks=<int> to choose."), None
-    choice = choose(a, b, num_nodes, stages, ways, shared)
+    whole = measure_whole(whole_of, num_nodes, ways) if scale == 1 else None
+    choice = choose(a, b, num_nodes, stages, ways, shared, whole)
     return choice.per_way * ways, choice.line(stages, ways), choice.predicted[choice.per_way]
 
 
 def choose_chunks(pass_seconds: Optional[Callable[[Tensor, Tensor], float]], num_nodes: int, stages: int, ways: int,
-                  fixed: int, comm, root: int, notes: Optional[List[str]] = None,
-                  scale: int = 1) -> Tuple[int, Optional[float]]:
+                  fixed: int, comm, root: int, notes: Optional[List[str]] = None, scale: int = 1,
+                  whole_seconds: Optional[Callable[[Tensor, Tensor], float]] = None) -> Tuple[int, Optional[float]]:
     """``num_chunks="auto"`` (:mod:`.chunk_cost`): measured and chosen on ``root``, broadcast, said in one line.
     Returns the count and the step predicted for it (seconds; ``None`` when nothing was measured). ``scale``: of
     :func:`measure`."""
@@ -167,7 +199,8 @@ def choose_chunks(pass_seconds: Optional[Callable[[Tensor, Tensor], float]], num
     shared = machine_share(comm, root)
 
     def decide() -> Tensor:
-        chunks, line, predicted = auto_chunks(pass_seconds, num_nodes, stages, ways, fixed, shared, scale)
+        chunks, line, predicted = auto_chunks(pass_seconds, num_nodes, stages, ways, fixed, shared, scale,
+                                              whole_seconds)
         said.append(line)
         return torch.tensor([chunks, -1.0 if predicted is None else predicted], dtype=torch.float64)
 

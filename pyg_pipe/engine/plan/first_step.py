@@ -5,7 +5,7 @@ nothing has run yet, so the parts come from where they are known before a step:
 * counted from the candidate partition (built on the host as the runtime builds it): the chunked graphs with their
   one-chunk-a-way chunking and a way's local edges (:func:`chunking_bytes`), the rows its history holds
   (:func:`history_rows`);
-* measured in one training pass of the whole model over a small chunk (:func:`~..profile.training_pass_memory`):
+* measured in one training pass of the whole model over a small chunk (:func:`~..pass_memory.training_pass_memory`):
   per layer group, what its steps saved for the backward, the widths of its halo joins, and what crosses each cut
   between groups (:class:`PassMemory`).
 
@@ -121,7 +121,7 @@ class PassDetail:
 
 @dataclass(frozen=True)
 class PassMemory:
-    """What a training pass of the whole model holds over a chunk (:func:`~..profile.training_pass_memory`), for
+    """What a training pass of the whole model holds over a chunk (:func:`~..pass_memory.training_pass_memory`), for
     the estimate of the first step (:func:`first_step_peak`). Bytes a row of the chunk, but the caches' (a local
     edge) and ``params``."""
 

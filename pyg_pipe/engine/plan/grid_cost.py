@@ -300,7 +300,8 @@ def regrid(shape, module: torch.nn.Module, fn, config, inputs, comm, saved_plan:
     measured within 10 % of the fastest in 6 of 8 settings, where this model's, which leaves out the engine's cost per
     chunk, chose 16 chunks where 4 were faster: docs/gnnpipe.md). A shape that is not a traced pipeline stays as it
     is."""
-    from ..profile import TRAINING_PASSES, training_pass_memory, training_pass_seconds
+    from ..pass_memory import training_pass_memory
+    from ..profile import TRAINING_PASSES, training_pass_seconds
     from .plan import Shape
     P = comm.world_size
     if shape.program is None or shape.forced or shape.streaming or P == 1:

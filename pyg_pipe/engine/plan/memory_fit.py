@@ -4,7 +4,7 @@ The time model (:mod:`.chunk_cost`) picks the fewest chunks near the fastest ste
 (:func:`memory_room`: ``memory_budget``, or on an accelerator the least free memory of the ranks less
 :data:`~.memory_cost.MARGIN`) the first step's counted peak per process is then estimated before it
 (:func:`~.first_step.first_step_peak`: the candidate partition's structures and history rows counted, the
-rest from one training pass of the model over a chunk, :func:`~..profile.training_pass_memory`), and::
+rest from one training pass of the model over a chunk, :func:`~..pass_memory.training_pass_memory`), and::
 
     k = the time model's chunks a way
     while the estimate at k does not fit and 2k <= min(64, N / W):   k = 2k, partition again
@@ -73,7 +73,7 @@ def memory_room(config, comm) -> Optional[int]:
 
 def measure_memory(pass_memory: Callable[[tuple, tuple], object], num_nodes: int, stages: int, ways: int, comm,
                    root: int) -> PassMemory:
-    """:class:`~.first_step.PassMemory` from ``pass_memory`` (:func:`~..profile.training_pass_memory` on the
+    """:class:`~.first_step.PassMemory` from ``pass_memory`` (:func:`~..pass_memory.training_pass_memory` on the
     chunkings it is given) on ``root``, on the smaller probe chunk of the time model (``N / (8 S W)`` rows: a
     quarter of what its larger one holds), broadcast."""
     N = num_nodes

@@ -171,26 +171,25 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
               saved: Optional[dict] = None, notes: Optional[List[str]] = None,
               pass_seconds: Optional[Callable[[Tensor, Tensor], float]] = None,
               chosen: Optional[Tuple[int, Optional[float]]] = None,
-              pass_memory: Optional[Callable[[tuple, tuple], object]] = None) -> Plan:
+              pass_memory: Optional[Callable[[tuple, tuple], object]] = None, whole_seconds=None) -> Plan:
     """The plan for ``inputs`` on the grid ``shape``.
 
     Args:
         comm: the transport (decisions made on ``root`` are broadcast with it).
         root: the rank that partitions and measures.
-        sizes: the stage split, when already decided (by an earlier plan: it is a property of the
-            model, made once); else decided here.
+        sizes: the stage split, when already decided (by an earlier plan: a property of the model); else here.
         costs: per layer group, seconds of one pass over a chunk of the chunking ``(perm, ptr)`` it is given
             (called on ``root`` for ``balance="time"``).
         saved: a checkpoint's :meth:`Plan.state` to resume from (checked against this run).
         notes: where decisions pyg_pipe made on its own are told (also logged).
         pass_seconds: seconds of one training pass of the model over the first chunk of the chunking
-            ``(perm, ptr)`` it is given (called on ``root`` for ``num_chunks="auto"``).
+            ``(perm, ptr)`` it is given (on ``root`` for ``num_chunks="auto"``; ``whole_seconds``: over one chunk a
+            way, a layer group at a time, :func:`.chunk_cost.measure_whole`).
         chosen: ``num_chunks="auto"``'s ``(count, predicted step, offload)`` from an earlier engine of the same
             strategy (fit, then test): taken instead of measuring again, unless a checkpoint's plan is resumed.
-        pass_memory: what one training pass of the model over the first chunk of the chunking it is given holds,
-            and what the layers cache on the first chunk of the one-chunk-a-way chunking given second
-            (:class:`~.first_step.PassMemory`; called on ``root`` for ``num_chunks="auto"`` under a memory budget:
-            :func:`~.memory_fit.fit_memory`).
+        pass_memory: what one training pass over the first chunk of the chunking it is given holds, and what the
+            layers cache on the first chunk of the one-chunk-a-way chunking given second (a
+            :class:`~.first_step.PassMemory`, on ``root`` under a memory budget: :func:`~.memory_fit.fit_memory`).
     """
     S, W = shape.stages, shape.ways
     auto = config.num_chunks == "auto"
@@ -208,7 +207,8 @@ def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inp
                 else None
             measured = None if room is None else measure_memory(pass_memory, inputs.num_nodes, S, W, comm, root)
             scale = 1 if measured is None else probe_scale(measured, room, inputs.num_nodes, S, W, notes)
-            wanted, predicted = choose_chunks(pass_seconds, inputs.num_nodes, S, W, fixed, comm, root, notes, scale)
+            wanted, predicted = choose_chunks(pass_seconds, inputs.num_nodes, S, W, fixed, comm, root, notes, scale,
+                                              whole_seconds)
             fresh = pass_seconds is not None
     else:
         wanted = chunk_count(config, S, W, inputs.num_nodes, shape.ways_added, notes)

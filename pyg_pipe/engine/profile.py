@@ -230,8 +230,8 @@ def grouped_pass_seconds(module: torch.nn.Module, fn: Callable, program: Program
                          inputs: CallInputs, device, chunking: Tuple[Tensor, Tensor]) -> float:
     """Seconds of one training pass of the whole model over the first chunk of ``chunking``, taken one layer group
     at a time (``num_chunks="auto"``'s one chunk a way, :mod:`.plan.chunk_cost`): each group's forward with
-    autograd from its inputs detached, then its backward from what it hands on (a gradient of ones), so that only
-    one group's activations are held, as a stage holding its groups over the same rows holds more. The sum over the
+    autograd from its inputs detached, then its backward from what it hands on (a gradient of ones), so that it
+    holds one group's activations at a time (a stage running one chunk holds all of its groups'). The sum over the
     groups, the smaller of two passes (the first caches the layers' normalisations). Changes nothing, as
     :func:`training_pass_seconds`."""
     cuda = torch.device(device).type == "cuda"

@@ -240,6 +240,11 @@ def grouped_pass_seconds(module: torch.nn.Module, fn: Callable, program: Program
     group_of = {n.name: i for i, g in enumerate(groups) for n in g}
     last = {n.name: max((group_of.get(u.name, len(groups)) for u in n.users), default=-1)
             for g in groups for n in g}
+    reads = [{a.name for n in g for a in n.all_input_nodes if group_of.get(a.name) != i} for i, g in enumerate(groups)]
+    dies: List[List[str]] = [[] for _ in groups]   # per group, the values no later group reads (freed after it)
+    for name, used in last.items():
+        if used < len(groups):
+            dies[max(used, group_of[name])].append(name)
     with probe.refusing(), probe.passes(params), torch.enable_grad():
         for _ in range(2):
             ctx, localize = probe.inputs()
@@ -247,7 +252,7 @@ def grouped_pass_seconds(module: torch.nn.Module, fn: Callable, program: Program
             with ctx:
                 env = runner.bind(*localize())
                 for i, group in enumerate(groups):
-                    for name in {a.name for n in group for a in n.all_input_nodes if group_of.get(a.name) != i}:
+                    for name in reads[i]:
                         env[name] = _detached(env[name])
                     if cuda:
                         torch.cuda.synchronize(device)
@@ -261,8 +266,8 @@ def grouped_pass_seconds(module: torch.nn.Module, fn: Callable, program: Program
                     if cuda:
                         torch.cuda.synchronize(device)
                     total += time.perf_counter() - t0
-                    for name in [k for k, g in group_of.items() if g <= i and last.get(k, -1) <= i and k in env]:
-                        del env[name]  # (values no later group reads: freed as the pass goes)
+                    for name in dies[i]:
+                        env.pop(name, None)
                     del roots
             best = min(best, total)
             del env

@@ -37,8 +37,9 @@ one group's activations, not a stage's (:func:`~..profile.grouped_pass_seconds`)
 chunks counts their halo rows (neighbours outside the chunk, which a small chunk reads for up to several times
 its own rows on a graph without locality) as the cost of their own rows, and one chunk of a way's whole share
 reads none: on a 2-layer GCN over a random 20k-vertex graph it put one chunk at 2x its pass and chose 4 chunks,
-1.5 - 1.9x slower than one (docs/gnnpipe.md). Under a memory budget that scales the probes down it is not run. Transfers are left out (the stage link sends
-every row once a step whatever ``k``; the halo exchange between ways does not depend on ``k`` either).
+1.5 - 1.9x slower than one (docs/gnnpipe.md). Under a memory budget that scales the probes down it is not run.
+Transfers are left out (the stage link sends every row once a step whatever ``k``; the halo exchange between ways
+does not depend on ``k`` either).
 
 Under a memory budget (``memory_budget``; on an accelerator the least free memory of the ranks) the count is
 then doubled until the first step's peak, estimated before it, fits (:mod:`.memory_fit`; docs/memory.md).
@@ -150,13 +151,9 @@ def measure(seconds_of: Callable[[Tensor, Tensor], float], num_nodes: int, stage
 
 
 def measure_whole(whole_of: Optional[Callable[[Tensor, Tensor], float]], num_nodes: int, ways: int) -> Optional[float]:
-    """``t(N / W)``, one chunk a way's training pass, measured (:func:`~..profile.grouped_pass_seconds`: one layer
-    group's activations held at a time, fewer than a stage holds with one chunk), or ``None`` (not measured, or it
-    failed: then ``a + b N / W`` stands). The two probes' line through their chunks' rows leaves out that a chunk
-    reads its neighbours' rows from outside it, which a small chunk does for many more rows than its own (halo
-    rows, up to several times its rows on a graph without locality) and one chunk of the whole graph does for
-    none: on a 2-layer GCN and a random graph the line put one chunk at 2x its measured pass, and ``"auto"``
-    chose 4 chunks where one was 1.53x faster (docs/gnnpipe.md)."""
+    """``t(N / W)``, one chunk a way's training pass over the first of ``W`` contiguous chunks, measured
+    (:func:`~..profile.grouped_pass_seconds`; why: the module docstring), or ``None`` (not measured, or it failed:
+    then ``a + b N / W`` stands)."""
     if whole_of is None:
         return None
     ptr = torch.linspace(0, num_nodes, ways + 1).round().long()

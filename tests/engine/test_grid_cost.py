@@ -26,30 +26,33 @@ def costs(halo=(0, 1000, 1500), **kw):
 def test_the_step_formula():
     m = costs()
     t = lambda r: m.a + m.b * r  # noqa: E731
-    # one stage, two ways: the ways' pass as timed (with its exchanges), the weight all-reduce
-    assert predicted_step(m, 1, 2, 1) == pytest.approx(m.ways[2] + 2 * 0.5 * m.p / m.beta)
-    # two stages of two ways, two chunks a way (not timed): a chunk's pass and its share of the halo exchanges
+    # one stage, two ways: the ways' pass as timed (with its exchanges and the weight gradients')
+    assert predicted_step(m, 1, 2, 1) == pytest.approx(m.ways[2])
+    # two stages of two ways, two chunks a way (not timed): a chunk's pass and its share of the halo exchanges,
+    # the first chunk's values crossing the cut, the weight all-reduce
     halo = 2 * (15 / 2) * m.alpha + 2 * (1000 / 2) * (3840 / 2) / m.beta
+    cut = 2 * (m.alpha + 2500 * 512 / m.beta)
     assert predicted_step(costs(halo=(0, 1000, 1000)), 2, 2, 2) == pytest.approx(
-        (t(2500) / 2 + halo) * 3 + 2 * 0.5 * (m.p / 2) / m.beta)
+        (t(2500) / 2 + halo) * 3 + cut + 2 * 0.5 * (m.p / 2) / m.beta)
     # ... where the ways' timed pass showed what an exchanging call costs beyond its compute and bytes, that
     call = grid_cost.exchange_call(m.ways[2] + 0.03, m.a + m.b * 5000, 1000 * 3840 / m.beta, 15, m.alpha)
     assert call > m.alpha
     e = 2 * (15 / 2) * call + 2 * (1000 / 2) * (3840 / 2) / m.beta
     assert predicted_step(costs(halo=(0, 1000, 1000), calls={2: call}), 2, 2, 2) == pytest.approx(
-        (t(2500) / 2 + e) * 3 + 2 * 0.5 * (m.p / 2) / m.beta)
+        (t(2500) / 2 + e) * 3 + cut + 2 * 0.5 * (m.p / 2) / m.beta)
     assert grid_cost.exchange_call(0.01, 0.02, 0.0, 15, m.alpha) == m.alpha  # (never below the link's latency)
     # processes sharing cores: at least the machine's share of all the work (a timed way's pass shared it already)
     assert predicted_step(costs(shared=1.0), 2, 1, 4) == pytest.approx(1 * 4 * t(2500))
     assert predicted_step(costs(shared=1.0), 1, 2, 1) == pytest.approx(predicted_step(m, 1, 2, 1))
-    # two stages, one way, four chunks: 5 ticks of half a chunk's pass (the link is shorter: overlapped)
-    assert predicted_step(m, 2, 1, 4) == pytest.approx(t(2500) / 2 * 5)
-    # without overlap the link adds to every tick
+    # two stages, one way, four chunks: 5 ticks of half a chunk's pass (the link is shorter: overlapped), and the
+    # first chunk's crossing of the cut, forward and backward
     link = 2 * (m.alpha + 2500 * 512 / m.beta)
+    assert predicted_step(m, 2, 1, 4) == pytest.approx(t(2500) / 2 * 5 + link)
+    # without overlap the link adds to every tick
     assert predicted_step(costs(overlap=False), 2, 1, 4) == pytest.approx((t(2500) / 2 + link) * 5)
     # a link slower than the compute sets the pace
     slow = costs(beta=1e6)
-    assert predicted_step(slow, 2, 1, 4) == pytest.approx(2 * (slow.alpha + 2500 * 512 / 1e6) * 5)
+    assert predicted_step(slow, 2, 1, 4) == pytest.approx(2 * (slow.alpha + 2500 * 512 / 1e6) * 6)
 
 
 def test_candidates():
@@ -242,11 +245,22 @@ def _swap_worker(rank, world):
     assert halo.shape == (int(counts[rank].sum()), 3)
     (halo * 2).sum().backward()  # the gradients go back to the rows they were sent from, summed
     assert rows.grad.shape == rows.shape and float(rows.grad.sum()) == 2 * 3 * int(counts[:, rank].sum())
+    # the step's own exchanges: every way's output rows in its own count, then the gradients (one parameter has
+    # one on one rank only); a count or size that did not match its peer's would fail gloo's receive
+    ends = Exchangers(comm, counts, 4, torch.tensor([1, 2, 2, 2]))
+    ends.output([torch.ones(1 if rank == 0 else 2, 5)])
+    used, unused = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    used.grad = torch.ones(3)
+    if rank == 0:
+        unused.grad = torch.ones(2)
+    ends.gradients([used, unused])
+    assert comm.all_gather_objects("met", "test") == ["met"] * 4
 
 
 def test_the_probe_exchange_meets_its_peers_both_ways():
     """The ways' timed pass exchanges the partition's counts forward and the gradients back, also where one way's
-    rows are read by more peers than it has rows."""
+    rows are read by more peers than it has rows, and then the step's own exchanges (the output rows, in each way's
+    count, and the weight gradients)."""
     run_distributed(_swap_worker, 4, timeout=120)
 
 

@@ -6,10 +6,11 @@ vertices, a chunk has ``r = N / (W k)`` rows. Measured once::
     t(r)    = a + b r        one training pass of the whole model over a chunk of r rows: the first chunk of
                              the plan's partition into 2P and into 8P chunks, timed on the planning rank while
                              the others wait (:func:`measure_pass`)
-    t_W                      graph parallelism's pass, W ways: every rank at once runs a training pass over its
+    t_W                      graph parallelism's step, W ways: every rank at once runs a training pass over its
                              way's part of the plan's partition with the halo rows exchanged at every propagate,
-                             forward and backward, in the partition's counts; the slowest rank's time, for each
-                             W > 1 (:mod:`.way_probe`; not timed where a way reads no halo)
+                             forward and backward, in the partition's counts, its output rows sent to the other
+                             ways and the weight gradients exchanged as the step sends them; the slowest rank's
+                             time, for each W > 1 (:mod:`.way_probe`; not timed where a way reads no halo)
     link(n) = α + n / β      one exchange of n bytes each way between ranks 0 and 1 (:func:`measure_link`)
 
 Counted from one training pass over a chunk and from the graph, not timed::
@@ -25,7 +26,9 @@ A stage runs its share of a chunk per tick, ``k + S - 1`` ticks a step (fill and
     link     2 (α + r c / β)                               activations forward, gradients back (S > 1)
     tick     = max(compute + halo, link)   with overlap (the next chunk's receive is posted ahead),
                compute + halo + link       without
-    step     = tick (k + S - 1) + 2 (W - 1) / W · (p / S) / β      (the weight all-reduce over the ways)
+    step     = tick (k + S - 1) + (S - 1) link  (with overlap: a stage starts the first chunk once its values
+                                                 crossed the cuts before it, forward and backward)
+               + 2 (W - 1) / W · (p / S) / β    (the weight all-reduce over the ways; in t_W where that is timed)
 
 and, with processes sharing cores, at least ``u W k t`` (:mod:`.chunk_cost`; not for a timed t_W, which ran
 with every rank computing). Every way's halo is exchanged once a step whatever k (a chunk sends the rows other
@@ -35,8 +38,11 @@ timed whole, since its halo can make it cost nearly the whole graph's pass. Why 
 with their exchanges and a pipeline's chunk alone: measured in docs/gnnpipe.md (``grid="auto"``) and in
 :mod:`.way_probe`'s docstring.
 
-Left out: the output sent to every rank (the same bytes in every grid), and partial overlap of the halo
-exchange with compute (it is waited on inside the layer).
+Left out: the output a pipeline's last stage sends to every rank (timed in t_W with the step's other exchanges,
+whose waits were half of graph parallelism's step on a 2-layer GCN: docs/gnnpipe.md), the loss and the optimizer
+(the same in every grid), the engine's own cost per chunk (history, links, hooks: pipelines with several chunks are
+predicted at 0.34 - 0.8 of their step), and partial overlap of the halo exchange with compute (it is waited on
+inside the layer).
 
 **Memory.** Where a process's room is known (``memory_budget``, or on an accelerator the least free memory of the
 ranks less 10 %: :func:`~.memory_fit.memory_room`), each candidate's first step is estimated before any step as
@@ -115,7 +121,8 @@ def predicted_step(m: GridCosts, S: int, W: int, k: int) -> float:
                                         + 2 * (m.halos[W] / k) * (m.h / S) / m.beta)
     link = 0.0 if S == 1 else 2 * (m.alpha + r * m.c / m.beta)
     tick = max(compute + halo, link) if m.overlap else compute + halo + link
-    step = tick * (k + S - 1) + (2 * (W - 1) / W * (m.p / S) / m.beta if W > 1 else 0.0)
+    exposed = (S - 1) * link if m.overlap else 0.0  # (the first chunk's values crossing every cut, both ways)
+    step = tick * (k + S - 1) + exposed + (2 * (W - 1) / W * (m.p / S) / m.beta if W > 1 and not timed else 0.0)
     return step if timed else max(step, m.shared * W * k * t)  # (a timed way's pass shared the machine already)
 
 

@@ -11,8 +11,15 @@ So each candidate way count ``W`` is timed as it runs: the plan's partition into
 broadcast), rank ``r`` in group ``r // W`` runs the part ``r % W`` (its rows and its halo, the first chunk of the
 probe), and at every halo join it exchanges rows with the other ways of its group in the counts the partition gives
 (way ``i`` receives from way ``j`` the rows of ``j`` it reads; :func:`halo_counts`), and the gradients back in the
-backward. Every rank runs the same passes, so the joins meet; the step's time is the slowest rank's (an all-reduce of
-the maximum).
+backward. After the forward each way sends its output rows to the others and the loss check's two numbers, after
+the backward which parameters have gradients and the gradients (:meth:`Exchangers.output`,
+:meth:`Exchangers.gradients`), as the step does. Every rank runs the same :data:`WAY_PASSES` passes, so the
+exchanges meet; its time is the median pass, and the step's the slowest rank's (an all-reduce of the maximum).
+
+Until 2026-11-29 the pass ended at its backward and its time was the smallest of three. On a 2-layer GCN (20,000
+vertices, 2 processes) graph parallelism's step was then predicted at 0.48 - 0.60 of its measured one: of a 25 - 28 ms
+step, about 10 ms was waiting at the step's nine exchanges, which a pass with three of them, and its luckiest of
+three, left out (the passes with exchanges took 16 - 38 ms, their median about 22).
 
 A pipeline's chunk is still timed on one rank with the others idle (:func:`.grid_cost.measure_pass`): its stages
 are busy at different moments of fill and drain. Timed by every rank at once, 4 processes sharing 2 cores predicted
@@ -20,13 +27,16 @@ the pipelines with few chunks 1.6 - 1.9x too slow and chose 32 chunks where 2 we
 """
 from __future__ import annotations
 
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..context import leading_rows
 from .decide import root_decides
+
+#: the ways' passes timed, each rank's median taken (a step pays the typical wait at its exchanges)
+WAY_PASSES = 5
 
 
 def halo_counts(perm: Tensor, ptr: Tensor, edge_index: Tensor, num_nodes: int) -> Tensor:
@@ -70,11 +80,12 @@ class Exchangers:
     """A probe's halo (in place of :class:`~..profile._Fillers`' zeros): each join exchanges rows with the other
     ways of this rank's group, ``counts[i, j]`` rows from way ``j`` to way ``i`` (``i``: this rank's way)."""
 
-    def __init__(self, comm, counts: Tensor, ways: int):
+    def __init__(self, comm, counts: Tensor, ways: int, sizes: Optional[Tensor] = None):
         self.comm, W = comm, ways
         group, self.way = divmod(comm.rank, W)
         self.peers = [(group * W + j, int(counts[self.way, j]), int(counts[j, self.way]))
                       for j in range(W) if j != self.way]
+        self.sizes = {group * W + j: int(sizes[j]) for j in range(W)} if sizes is not None else {}
 
     def swap(self, rows: Tensor, vdim: int, backward: bool) -> Tensor:
         """Sends each peer the rows it reads from this way (taken from ``rows``; in the backward, the gradients of
@@ -93,6 +104,29 @@ class Exchangers:
     def join(self, key: str, cg, lg, t: Tensor, vdim: int) -> Tensor:
         rows = leading_rows(t, vdim, lg.rows)
         return torch.cat([rows, _Swap.apply(rows, self, vdim)], dim=vdim)
+
+    def output(self, roots: List[Tensor]) -> None:
+        """The step's exchanges after the forward: the way's output rows to every other way, the peers' rows
+        back (``sizes``: each way's rows; every rank receives the whole output), then the loss check (two
+        numbers)."""
+        for t in roots:
+            self.comm.exchange([(t.detach(), peer) for peer, _, _ in self.peers],
+                               [((self.sizes.get(peer, t.size(0)), *t.shape[1:]), t.dtype, peer)
+                                for peer, _, _ in self.peers], "other")
+        self._each_peer(torch.zeros(2, dtype=torch.float64, device=roots[0].device if roots else None))
+
+    def gradients(self, params: List[torch.nn.Parameter]) -> None:
+        """The step's exchanges after the backward: which parameters have gradients (a byte each) and the
+        gradients, flattened, as the ways sum them (:class:`~..runtime.weights.GradientSum`). With two ways one
+        exchange is the all-reduce; with more it sends each peer the whole (a ring sends ``2 (W - 1) / W`` of it)."""
+        if params:  # (a parameter without a gradient on this rank sends zeros, as the step's sum does)
+            self._each_peer(torch.zeros(len(params), dtype=torch.uint8, device=params[0].device))
+            self._each_peer(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                                       .to(params[0].dtype) for p in params]))
+
+    def _each_peer(self, t: Tensor) -> None:
+        self.comm.exchange([(t, peer) for peer, _, _ in self.peers], [(t.shape, t.dtype, peer)
+                                                                      for peer, _, _ in self.peers], "other")
 
 
 def shared_partition(partition: Callable, ways: int, chunks: int, num_nodes: int, comm, root: int) \
@@ -128,6 +162,7 @@ def time_ways(seconds_of: Callable, partition: Callable, edge_index: Tensor, num
         if told:
             refused[W] = told[0]
             continue
-        seconds = torch.tensor([float(seconds_of(*mine, Exchangers(comm, counts, W)))], dtype=torch.float64)
+        seconds = torch.tensor([float(seconds_of(*mine, Exchangers(comm, counts, W, ptr.diff()), WAY_PASSES))],
+                               dtype=torch.float64)
         times[W] = float(comm.all_reduce(seconds, None, "timing graph parallelism", op="max"))
     return halos, times, refused

@@ -16,6 +16,7 @@ gradient scaling)::
     t1-t3     the defaults
     none      shuffle_chunks=False, snapshot_period=None, unbiased_gradients=False
     t1 / t2 / t3   one trick alone
+    noT3      the defaults without T3 (unbiased_gradients=False: T1 and T2 on)
     bound     the defaults and max_staleness=0.1 (refresh when a step's drift passes 10 %; with dropout,
               since 2026-11-26, when the probes' drift per update times the age of the next step's reads
               does: runtime/staleness.py); bound0.03 / bound0.3 the same with 0.03 / 0.3
@@ -68,6 +69,7 @@ MODES = {
     "t1": dict(snapshot_period=None, unbiased_gradients=False),
     "t2": dict(shuffle_chunks=False, unbiased_gradients=False),
     "t3": dict(shuffle_chunks=False, snapshot_period=None),
+    "noT3": dict(unbiased_gradients=False),
     "bound": dict(max_staleness=0.1),
     "bound0.03": dict(max_staleness=0.03),
     "bound0.3": dict(max_staleness=0.3),

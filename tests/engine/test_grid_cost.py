@@ -249,6 +249,7 @@ def _swap_worker(rank, world):
     # one on one rank only); a count or size that did not match its peer's would fail gloo's receive
     ends = Exchangers(comm, counts, 4, torch.tensor([1, 2, 2, 2]))
     ends.output([torch.ones(1 if rank == 0 else 2, 5)])
+    ends.output([torch.ones(3 if rank == 1 else 1, 2, 2)])  # (rows other than the way's count: still meets)
     used, unused = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
     used.grad = torch.ones(3)
     if rank == 0:

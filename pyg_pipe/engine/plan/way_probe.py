@@ -109,10 +109,13 @@ class Exchangers:
         """The step's exchanges after the forward: the way's output rows to every other way, the peers' rows
         back (``sizes``: each way's rows; every rank receives the whole output), then the loss check (two
         numbers)."""
-        for t in roots:
-            self.comm.exchange([(t.detach(), peer) for peer, _, _ in self.peers],
-                               [((self.sizes.get(peer, t.size(0)), *t.shape[1:]), t.dtype, peer)
-                                for peer, _, _ in self.peers], "other")
+        for t in roots:  # (each way sends exactly its count, so the receives match whatever the root's rows)
+            t = t.detach().reshape(t.size(0) if t.dim() else 1, -1)
+            n = self.sizes.get(self.comm.rank, t.size(0))
+            mine = t[:n] if t.size(0) >= n else torch.cat([t, t.new_zeros(n - t.size(0), t.size(1))])
+            self.comm.exchange([(mine, peer) for peer, _, _ in self.peers],
+                               [((self.sizes.get(peer, n), t.size(1)), t.dtype, peer) for peer, _, _ in self.peers],
+                               "other")
         self._each_peer(torch.zeros(2, dtype=torch.float64, device=roots[0].device if roots else None))
 
     def gradients(self, params: List[torch.nn.Parameter]) -> None:

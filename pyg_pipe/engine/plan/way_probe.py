@@ -116,14 +116,14 @@ class Exchangers:
             self.comm.exchange([(mine, peer) for peer, _, _ in self.peers],
                                [((self.sizes.get(peer, n), t.size(1)), t.dtype, peer) for peer, _, _ in self.peers],
                                "other")
-        self._each_peer(torch.zeros(2, dtype=torch.float64, device=roots[0].device if roots else None))
+        self._each_peer(torch.zeros(2, dtype=torch.float64, device=self.comm.device))
 
     def gradients(self, params: List[torch.nn.Parameter]) -> None:
         """The step's exchanges after the backward: which parameters have gradients (a byte each) and the
         gradients, flattened, as the ways sum them (:class:`~..runtime.weights.GradientSum`). With two ways one
         exchange is the all-reduce; with more it sends each peer the whole (a ring sends ``2 (W - 1) / W`` of it)."""
         if params:  # (a parameter without a gradient on this rank sends zeros, as the step's sum does)
-            self._each_peer(torch.zeros(len(params), dtype=torch.uint8, device=params[0].device))
+            self._each_peer(torch.zeros(len(params), dtype=torch.uint8, device=self.comm.device))
             self._each_peer(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                                        .to(params[0].dtype) for p in params]))
 

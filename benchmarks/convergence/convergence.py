@@ -128,11 +128,73 @@ class TutorialGCN(torch.nn.Module):
         return self.convs[-1](x, edge_index)
 
 
+class _LinearsAround(torch.nn.Module):
+    """PyG's examples' shape of a propagation between two linear maps (``agnn.py``, ``citation/appnp.py``): dropout,
+    ``lin1``, ReLU, the ``props`` (each a layer on ``(x, edge_index)``), dropout, ``lin2``."""
+
+    def __init__(self, hidden: int, props, dropout: float):
+        super().__init__()
+        self.lin1, self.lin2 = torch.nn.Linear(32, hidden), torch.nn.Linear(hidden, 8)
+        self.props, self.dropout = torch.nn.ModuleList(props), dropout
+
+    def forward(self, x, edge_index):
+        x = F.relu(self.lin1(F.dropout(x, self.dropout, self.training)))
+        for prop in self.props:
+            x = prop(x, edge_index)
+        return self.lin2(F.dropout(x, self.dropout, self.training))
+
+
+class _TwoConvs(torch.nn.Module):
+    """PyG's examples' two-layer shape (``arma.py``, ``tagcn.py``): dropout, conv, ReLU, dropout, conv."""
+
+    def __init__(self, first, second, dropout: float = 0.5):
+        super().__init__()
+        self.conv1, self.conv2, self.dropout = first, second, dropout
+
+    def forward(self, x, edge_index):
+        x = F.relu(self.conv1(F.dropout(x, self.dropout, self.training), edge_index))
+        return self.conv2(F.dropout(x, self.dropout, self.training), edge_index)
+
+
+def pyg_example(name: str):
+    """The models of PyG's node-classification examples as the examples build them (their widths, depths and
+    dropouts; 32 features in, 8 classes out for the generated graph)."""
+    from torch_geometric import nn as gnn
+    if name == "pyg-gcn":      # gcn.py
+        return gnn.GCN(32, 16, 2, 8, dropout=0.5)
+    if name == "pyg-gat":      # gat.py: 8 heads of 8, then one head
+        return gnn.GAT(32, 64, 2, 8, heads=8, dropout=0.6)
+    if name == "pyg-sage":     # graph_sage_unsup-like full-graph SAGE
+        return gnn.GraphSAGE(32, 64, 2, 8, dropout=0.5)
+    if name == "pyg-appnp":    # citation/appnp.py: K = 10, alpha = 0.1
+        return _LinearsAround(64, [gnn.APPNP(10, 0.1)], 0.5)
+    if name == "pyg-agnn":     # agnn.py: a fixed and a learned attention temperature
+        return _LinearsAround(16, [gnn.AGNNConv(requires_grad=False), gnn.AGNNConv(requires_grad=True)], 0.5)
+    if name == "pyg-arma":     # arma.py
+        return _TwoConvs(gnn.ARMAConv(32, 16, num_stacks=3, num_layers=2, shared_weights=True, dropout=0.25),
+                         gnn.ARMAConv(16, 8, num_stacks=3, num_layers=2, shared_weights=True, dropout=0.25,
+                                      act=lambda x: x))
+    if name == "pyg-tag":      # tagcn.py
+        return _TwoConvs(gnn.TAGConv(32, 16), gnn.TAGConv(16, 8))
+    if name == "pyg-sgc":      # sgc.py (the layer itself as the model: refused by pyg_pipe, docs/convergence.md)
+        return gnn.SGConv(32, 8, K=2)
+    if name == "pyg-gcnii":    # gcn2_cora.py: 64 layers, alpha 0.1, theta 0.5, dropout 0.6
+        from pyg_pipe.models import gcnii
+        return gcnii(32, 64, 8, num_layers=64, alpha=0.1, theta=0.5, dropout=0.6)
+    raise ValueError(name)
+
+
+PYG_EXAMPLES = ["pyg-gcn", "pyg-gat", "pyg-sage", "pyg-appnp", "pyg-agnn", "pyg-arma", "pyg-tag", "pyg-sgc",
+                "pyg-gcnii"]
+
+
 def model(name: str, layers: int, seed: int):
     from torch_geometric.nn import GAT, GCN
 
     from pyg_pipe.models import ResGCNPlus, gcnii
     torch.manual_seed(seed)
+    if name in PYG_EXAMPLES:
+        return pyg_example(name)
     if name == "gcnii":
         return gcnii(32, 64, 8, num_layers=layers, dropout=DROPOUT)
     if name == "resgcn":
@@ -195,8 +257,10 @@ def _worker(rank, world, args, cases):
         data = graph(g, args.nodes)
         net = model(m, args.layers, seed)
         cfg = PipelineConfig(num_chunks=chunks, balance="layers", seed=seed, grid=args.grid, **MODES[mode])
-        engine = GNNPipeEngine(net, cfg, Comm(torch.device("cpu"), timeout=600),  # ("auto": the grid chosen)
-                               num_stages=None if args.grid == "auto" else world)
+        # (grid "auto": the grid chosen; PyG's examples: the strategy's own grid, which adds ways for a model with
+        # fewer layers than processes)
+        engine = GNNPipeEngine(net, cfg, Comm(torch.device("cpu"), timeout=600),
+                               num_stages=None if args.grid == "auto" or m in PYG_EXAMPLES else world)
         engine.install()
         torch.manual_seed(seed + 1)
         curve = train(net, data, args.epochs, engine)
@@ -226,7 +290,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["gcnii", "gat"],
                    choices=["gcnii", "resgcn", "gat", "gcn-bn", "gcn-gn", "gcn-ln", "gcn-pn", "gcn-in", "gcn",
-                            "tutorial-gcn"])
+                            "tutorial-gcn", *PYG_EXAMPLES])
     p.add_argument("--graphs", nargs="+", default=["community", "heterophilous"])
     p.add_argument("--chunks", nargs="+", type=lambda v: v if v == "auto" else int(v), default=[32],
                    help="chunk counts, or auto (num_chunks='auto': the plan's choice, recorded as 'chose')")

@@ -1,9 +1,9 @@
 """More model shapes from PyG's own model classes and building blocks, for the same sweep as :mod:`tests.shapes`
 (``MORE`` maps a name to ``(make, inputs)`` the same way): PyG's ``EdgeCNN``, ``GAT(v2=True)``, ``PNA`` on vertices,
 ``RECT_L``, ``LINKX`` (a ``SparseLinear`` whose weight has a row per vertex), ``MaskLabel`` ahead of a GCN,
-``DirGNNConv``, and forwards that compute from the graph's edges outside the layers (a degree feature, GCN's
-normalisation by ``gcn_norm``, per-edge features from the endpoints' inputs), which cannot run on part of the graph and
-are refused when it is cut.
+``DirGNNConv``, a layer as the whole model (``model = SGConv(...)``), and forwards that compute from the graph's
+edges outside the layers (a degree feature, GCN's normalisation by ``gcn_norm``, per-edge features from the endpoints'
+inputs), which cannot run on part of the graph and are refused when it is cut.
 """
 from __future__ import annotations
 
@@ -107,4 +107,7 @@ MORE = {
     "degree-in-forward": (DegreeFeature, _plain),
     "gcn_norm-in-forward": (NormalisedInForward, _plain),
     "edge-features-in-forward": (EdgeFeatures, _plain),
+    # the layer itself as the model (PyG's sgc.py: ``model = SGConv(...)``), with no module around it
+    "SGConv-as-the-model": (lambda: gnn.SGConv(8, 3, K=2), _plain),
+    "GATConv-as-the-model": (lambda: gnn.GATConv(8, 3, heads=2, concat=False), _plain),
 }

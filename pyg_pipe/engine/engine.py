@@ -39,7 +39,7 @@ from torch import Tensor
 from ..model.errors import UnsupportedModelError
 from ..model.find import layer_methods, routes_forward, takes_graph, tensor_attributes, uncompiled
 from ..model.inputs import CallInputs
-from ..model.trace import forward_function
+from ..model.trace import as_layer_call, forward_function
 from .step import pipeline as steps
 from .step.checks import same_loss
 from .step import capture, dropedge, state, stream
@@ -116,7 +116,7 @@ class GNNPipeEngine:
         self.notes: List[str] = []
         self.layer_hooks = LayerHooks(module, self._outside, lambda: self.plan)  # (the plan: refusals that need it)
         self.stat_hooks = StatisticsHooks(module)
-        self._fn = forward_function(module)
+        self._fn = as_layer_call(module, forward_function(module))
         self._shape: Optional[Shape] = None
         self._sizes: Optional[tuple] = None
         self.chunk_choice: Optional[tuple] = None   # num_chunks="auto" by an earlier engine: (count, step s, offload)
@@ -167,7 +167,7 @@ class GNNPipeEngine:
     def install(self) -> None:
         """Routes ``module(...)`` through the engine and hooks its layers."""
         forward = forward_function(self.module)
-        self._fn = self._fn if self._entry not in (None, "forward") else forward
+        self._fn = self._fn if self._entry not in (None, "forward") else as_layer_call(self.module, forward)
         self._instance_forward = self.module.__dict__.get("forward")
         self._methods = self._methods or layer_methods(self.module)
         if routes_forward(self.module, forward, self._methods):  # (not when it reaches the layers through those)
@@ -209,8 +209,8 @@ class GNNPipeEngine:
         strategy) that is a layer the user calls past the methods the engine routes (from the training step
         itself, or through a method not handed the graph): every process would train it on the whole graph,
         undistributed. Refused."""
-        if not (self._steps_only and self._in_step and torch.is_grad_enabled()):
-            return
+        if layer is self.module or not (self._steps_only and self._in_step and torch.is_grad_enabled()):
+            return  # (the model itself a layer: the user's call, routed through the engine)
         raise UnsupportedModelError(
             f"Layer '{name}' ({type(layer).__name__}) ran in a training step outside the methods of "
             f"{type(self.module).__name__} that pyg_pipe distributes (it was called through "
@@ -228,7 +228,7 @@ class GNNPipeEngine:
                 name != "forward" and not takes_graph(args, kwargs)):
             return fn(self.module, *args, **kwargs)
         if self._entry is None:
-            self._entry, self._fn = name, fn
+            self._entry, self._fn = name, as_layer_call(self.module, fn)
         elif name != self._entry:
             cls = type(self.module).__name__
             raise UnsupportedModelError(

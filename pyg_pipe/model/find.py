@@ -17,7 +17,8 @@ from .inputs import is_graph_tensor
 def pipelined_module(root: torch.nn.Module, attr: Optional[str] = None) -> torch.nn.Module:
     """The module to run through the engine: ``root.<attr>`` when named, else the smallest submodule of
     ``root`` that holds every ``MessagePassing`` layer (the module around a single layer, and above any
-    container such as a ``ModuleList``, which has no forward of its own)."""
+    container such as a ``ModuleList``, which has no forward of its own; the layer itself where the module
+    around it is ``root`` and defines no forward: a LightningModule whose steps call ``self.model = SGConv(..)``)."""
     if attr is not None:
         target = root.get_submodule(attr)
         if not any(isinstance(m, MessagePassing) for m in target.modules()):
@@ -34,11 +35,26 @@ def pipelined_module(root: torch.nn.Module, attr: Optional[str] = None) -> torch
         if len(set(level)) != 1:
             break
         common.append(level[0])
-    if len(names) == 1 and common == parts[0]:
-        common = common[:-1]  # a single layer: the module around it
+    if len(names) == 1 and common == parts[0] and (len(common) > 1 or _own_forward(root)):
+        common = common[:-1]  # a single layer: the module around it (not a LightningModule calling it from its steps)
     while common and isinstance(root.get_submodule(".".join(common)), (torch.nn.ModuleList, torch.nn.ModuleDict)):
         common = common[:-1]
     return root.get_submodule(".".join(common)) if common else root
+
+
+#: the packages whose classes' methods are the framework's (hooks a user overrides, such as ``training_step``), not
+#: methods of a model that pyg_pipe could distribute
+_FRAMEWORKS = ("torch.", "lightning.", "pytorch_lightning.")
+
+
+def _own_forward(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s class defines a forward (not only ``nn.Module``'s or ``LightningModule``'s)."""
+    return not getattr(type(module).forward, "__module__", "").startswith(_FRAMEWORKS)
+
+
+def _framework_methods(module: torch.nn.Module) -> set:
+    """The method names the framework's base classes of ``module`` define (Lightning's hooks)."""
+    return {name for cls in type(module).__mro__ if cls.__module__.startswith(_FRAMEWORKS) for name in vars(cls)}
 
 
 def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
@@ -75,14 +91,15 @@ def layer_methods(module: torch.nn.Module) -> Dict[str, types.FunctionType]:
     """The methods of ``module`` other than ``forward`` that call its message-passing layers themselves
     (PyG's link predictors train through ``encode(x, edge_index)`` and never call ``forward``): those whose
     code names a child module that holds a ``MessagePassing`` layer. Found from the code, not by running it,
-    so every rank finds the same; methods of ``torch.nn`` and of PyG's layers, dunders, properties and
+    so every rank finds the same; methods of ``torch.nn`` and of PyG's layers, Lightning's hooks (a
+    ``training_step`` that calls the layers computes a loss, not rows), dunders, properties and
     static or class methods are not candidates. Whether a call is distributed is decided per call (it must
     be handed a graph, :mod:`pyg_pipe.engine.engine`)."""
     holders = _holders(module)
     found: Dict[str, types.FunctionType] = {}
-    seen = set()
+    seen = _framework_methods(module)  # (a LightningModule's training_step computes the loss: not a model method)
     for cls in type(module).__mro__:
-        if cls is object or cls.__module__.startswith("torch.") or issubclass(cls, MessagePassing):
+        if cls is object or cls.__module__.startswith(_FRAMEWORKS) or issubclass(cls, MessagePassing):
             continue
         for name, value in vars(cls).items():
             if name in seen:

@@ -31,7 +31,7 @@ from torch_geometric.nn import MessagePassing
 from .errors import NoLayerCalled, UnsupportedModelError
 from .norms import needs_statistics
 
-__all__ = ["Program", "trace", "pipe_split", "SplitPoint", "forward_function"]
+__all__ = ["Program", "trace", "pipe_split", "SplitPoint", "forward_function", "as_layer_call"]
 
 _torch_pipe_split = pipe_split
 _TRACING: List["_Tracer"] = []
@@ -112,6 +112,44 @@ def forward_function(model: torch.nn.Module):
     if inst is not None and getattr(inst, "__self__", None) is model:
         return inst.__func__
     return type(model).forward
+
+
+def as_layer_call(model: torch.nn.Module, fn: Callable) -> Callable:
+    """The function the engine runs for ``model``'s method ``fn``: ``fn`` itself, except where the model is one
+    ``MessagePassing`` layer (``model = SGConv(...)``) and ``fn`` its forward. Then a function of the same
+    parameters that calls the layer as a layer, ``self(...)``, so the engine runs it as it runs a model's layers
+    (cut into chunks, its halo joined, its degrees completed), and a trace sees one unit."""
+    if not isinstance(model, MessagePassing) or fn is not forward_function(model):
+        return fn
+    params = list(inspect.signature(fn).parameters.values())
+    kinds = inspect.Parameter
+    heads, calls, star = [], [], False  # (fx reads a traced function's parameters from its code: written out)
+    for i, p in enumerate(params):
+        if p.kind is kinds.VAR_POSITIONAL:
+            heads.append(f"*{p.name}")
+            calls.append(f"*{p.name}")
+            star = True
+        elif p.kind is kinds.VAR_KEYWORD:
+            heads.append(f"**{p.name}")
+            calls.append(f"**{p.name}")
+        elif p.kind is kinds.KEYWORD_ONLY:
+            if not star:
+                heads.append("*")
+                star = True
+            heads.append(p.name)
+            calls.append(f"{p.name}={p.name}")
+        else:
+            heads.append(p.name)
+            calls.append(p.name)
+        if p.kind is kinds.POSITIONAL_ONLY and (i + 1 == len(params) or params[i + 1].kind is not p.kind):
+            heads.append("/")
+    scope: Dict[str, Any] = {}
+    exec(f"def forward({', '.join(heads)}):\n    return {params[0].name}({', '.join(calls[1:])})\n", scope)
+    whole = scope["forward"]
+    whole.__defaults__, whole.__kwdefaults__ = fn.__defaults__, fn.__kwdefaults__
+    whole.__annotations__ = dict(getattr(fn, "__annotations__", {}))
+    whole.__qualname__ = f"{type(model).__name__}.forward"
+    return whole
 
 
 #: functions fx records as one call instead of tracing into (DropEdge's: :mod:`pyg_pipe.engine.step.dropedge`)

@@ -2,8 +2,8 @@
 checkpointing, reversible blocks, an LSTM state, ``forward(data)``, control flow, graph-wide norms, an
 edge encoder, a transposed graph, zero-initialised layers, K-hop layers, attention over all vertices
 (GPSConv, SGFormer), Graph U-Net, LSTM and GRU aggregations, PMLP, Polynormer; and :mod:`tests.shapes_pyg`: EdgeCNN,
-GATv2, PNA, RECT_L, LINKX, MaskLabel, DirGNNConv, degrees, gcn_norm and edge features computed in forward) in every
-mode, against one process. float64; one process launch per mode. Streaming (one device, 4 chunks, layer group by
+GATv2, PNA, RECT_L, LINKX, MaskLabel, DirGNNConv, a layer as the whole model, degrees, gcn_norm and edge features
+computed in forward) in every mode, against one process. float64; one process launch per mode. Streaming (one device, 4 chunks, layer group by
 layer group) is exact at any learning rate, like graph parallelism; a forward that does not trace
 streams as one group.
 
@@ -36,7 +36,8 @@ DEGREE = ["calls `scatter_add_`", "sums over the graph's edges per vertex", "out
 ENDPOINTS = ["calls `__getitem__`", "at the ends of the graph's edges", "outside the MessagePassing layers"]
 # refused wherever the graph is cut
 CUT = {"degree-in-forward": DEGREE, "gcn_norm-in-forward": DEGREE, "edge-features-in-forward": ENDPOINTS}
-SHALLOW = {"RECT_L": TOO_SHALLOW, "LINKX": TOO_SHALLOW}
+SHALLOW = {"RECT_L": TOO_SHALLOW, "LINKX": TOO_SHALLOW, "SGConv-as-the-model": TOO_SHALLOW,
+           "GATConv-as-the-model": TOO_SHALLOW}
 
 # mode -> case -> words of the expected refusal (every other case must be exact). BatchNorm, GraphNorm and PyG's
 # graph-mode LayerNorm with several chunks per way in the pipeline take historical statistics by default

@@ -98,3 +98,33 @@ def test_split_points_mark_stage_boundaries():
     plain = program(GCN(8, 16, 4, 3))
     groups, forced = stage_groups(plain, {"convs.3": SplitPoint.BEGINNING})
     assert forced and [n.target for n in groups[1] if n.op == "call_module"] == ["convs.3"]
+
+
+class _Keywords(GCNConv):
+    """A layer whose forward has positional-only, defaulted and keyword-only parameters."""
+
+    def forward(self, x, /, edge_index, edge_weight=None, *, scale: float = 1.0):
+        return super().forward(x, edge_index, edge_weight) * scale
+
+
+def test_a_layer_as_the_whole_model_is_one_unit_called_as_a_layer():
+    """``model = SGConv(...)`` (PyG's sgc.py): the engine runs a function of the forward's own parameters that calls
+    the layer through ``__call__`` (its hooks run), and a trace of it sees the layer as one unit."""
+    import inspect
+
+    from pyg_pipe.model.trace import as_layer_call, forward_function
+    x, edge_index, _, _ = small_graph()
+    layer = _Keywords(x.size(1), 4)
+    fn = as_layer_call(layer, forward_function(layer))
+    assert inspect.signature(fn) == inspect.signature(_Keywords.forward)
+    called = []
+    handle = layer.register_forward_pre_hook(lambda m, args: called.append(len(args)))
+    try:
+        assert torch.equal(fn(layer, x, edge_index, scale=2.0), layer.forward(x, edge_index, scale=2.0))
+        assert torch.equal(fn(layer, x, edge_index), layer.forward(x, edge_index, None))
+    finally:
+        handle.remove()
+    assert called == [3, 3]  # through __call__, every positional argument passed on (the default too)
+    model = GCN(x.size(1), 8, 3, 2)
+    assert as_layer_call(model, forward_function(model)) is forward_function(model)  # a model is its own forward
+    assert [n.target for n in trace(layer, (x, edge_index), {}, fn).units] == [""]

@@ -133,3 +133,53 @@ def test_gnnpipe_on_a_shallow_model_adds_graph_parallel_ways(data, tmp_path):
                for note in strategy.notes), strategy.notes
     for (name, p), q in zip(lit.model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
+
+
+class _StepCallsTheLayer(pl.LightningModule):
+    """PyG's sgc.py in Lightning: the layer itself is the model (``self.model = SGConv(...)``), no forward; the
+    steps call it."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def training_step(self, data, batch_idx):
+        out = self.model(data.x, data.edge_index)
+        return F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class _StepCallsTwoLayers(_StepCallsTheLayer):
+    """Two layers held by the LightningModule itself and called from its training step, no forward."""
+
+    def __init__(self):
+        from torch_geometric.nn import GCNConv
+        super().__init__(None)
+        self.conv1, self.conv2 = GCNConv(8, 16), GCNConv(16, 3)
+
+    def training_step(self, data, batch_idx):
+        out = self.conv2(self.conv1(data.x, data.edge_index).relu(), data.edge_index)
+        return F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
+
+
+def test_a_layer_as_the_whole_model_called_from_the_training_step(data, tmp_path):
+    """The layer itself is distributed (1 stage x 2 ways), exact against one process; before 2026-11-29 Lightning
+    crashed on the routed training_step (AttributeError: 'Rerouted' object has no attribute '__code__'), and the
+    layer given as the model was refused in every mode. Layers held by the LightningModule itself and called from
+    its training_step are refused by name (the step computes a loss; pyg_pipe distributes methods that return rows)."""
+    from torch_geometric.nn import SGConv
+    torch.manual_seed(0)
+    model = SGConv(8, 3, K=2)
+    ref = reference_fit(model, data, epochs=3)
+    lit = _StepCallsTheLayer(model)
+    t = trainer(pyg_pipe.GNNPipeStrategy(start_method="spawn", comm_timeout=60), 2, tmp_path)
+    t.fit(lit, train_dataloaders=graph_loader(data))
+    for (name, p), q in zip(lit.model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
+    t = trainer(GraphParallelStrategy(start_method="spawn", comm_timeout=60), 2, tmp_path)
+    with pytest.raises(Exception, match=r"Layer 'conv1' \(GCNConv\) ran in a training step outside the methods of "
+                                        r"_StepCallsTwoLayers .*\(it was called through "
+                                        r"_StepCallsTwoLayers\.training_step\)"):
+        t.fit(_StepCallsTwoLayers(), train_dataloaders=graph_loader(data))

@@ -176,7 +176,7 @@ def pyg_example(name: str):
                                       act=lambda x: x))
     if name == "pyg-tag":      # tagcn.py
         return _TwoConvs(gnn.TAGConv(32, 16), gnn.TAGConv(16, 8))
-    if name == "pyg-sgc":      # sgc.py (the layer itself as the model: refused by pyg_pipe, docs/convergence.md)
+    if name == "pyg-sgc":      # sgc.py: the layer itself as the model
         return gnn.SGConv(32, 8, K=2)
     if name == "pyg-gcnii":    # gcn2_cora.py: 64 layers, alpha 0.1, theta 0.5, dropout 0.6
         from pyg_pipe.models import gcnii

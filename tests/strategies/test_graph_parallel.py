@@ -164,11 +164,24 @@ class _StepCallsTwoLayers(_StepCallsTheLayer):
         return F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
 
 
+class _SharedStep(_StepCallsTwoLayers):
+    """The same layers called from a shared step the training step calls: a method of the model that is handed the
+    graph and calls the layers, so it is the one distributed; it returns the loss, not rows."""
+
+    def _step(self, data):
+        out = self.conv2(self.conv1(data.x, data.edge_index).relu(), data.edge_index)
+        return F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
+
+    def training_step(self, data, batch_idx):
+        return self._step(data)
+
+
 def test_a_layer_as_the_whole_model_called_from_the_training_step(data, tmp_path):
     """The layer itself is distributed (1 stage x 2 ways), exact against one process; before 2026-11-29 Lightning
     crashed on the routed training_step (AttributeError: 'Rerouted' object has no attribute '__code__'), and the
     layer given as the model was refused in every mode. Layers held by the LightningModule itself and called from
-    its training_step are refused by name (the step computes a loss; pyg_pipe distributes methods that return rows)."""
+    its training_step are refused by name (the step computes a loss; pyg_pipe distributes methods that return rows), and
+    so is a shared step that calls them and returns the loss, with the fix."""
     from torch_geometric.nn import SGConv
     torch.manual_seed(0)
     model = SGConv(8, 3, K=2)
@@ -183,3 +196,7 @@ def test_a_layer_as_the_whole_model_called_from_the_training_step(data, tmp_path
                                         r"_StepCallsTwoLayers .*\(it was called through "
                                         r"_StepCallsTwoLayers\.training_step\)"):
         t.fit(_StepCallsTwoLayers(), train_dataloaders=graph_loader(data))
+    with pytest.raises(Exception, match=r"_SharedStep\._step returned shape \(\) for a chunk of .*"
+                                        r"If _SharedStep\._step computes the loss itself \(a shared step\), call the layers in a method that "
+                                        r"returns their output, forward\(x, edge_index\)"):
+        t.fit(_SharedStep(), train_dataloaders=graph_loader(data))

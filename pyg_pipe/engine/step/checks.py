@@ -30,16 +30,24 @@ def verdict(rt: Runtime, check: RowCheck) -> None:
     check.verdict(rt.comm)
 
 
-def check_output(out, rows: int) -> Tensor:
+def check_output(out, rows: int, rt: Optional[Runtime] = None) -> Tensor:
+    """``out`` if it has a row per vertex of the chunk (``rows``), else the refusal, naming the method distributed
+    (``rt``'s) and, for one number, the fix for a method that computes the loss itself."""
     if not isinstance(out, Tensor) or out.dim() == 0 or out.size(0) != rows:
         what = f"a {type(out).__name__}" if not isinstance(out, Tensor) else f"shape {tuple(out.shape)}"
+        fn = rt.programs.fn if rt is not None else None
+        method = f"{type(rt.module).__name__}.{fn.__name__}" if fn is not None else "its forward"
+        loss = (f" If {method} computes the loss itself (a shared step), call the layers in a method that returns "
+                f"their output, forward(x, edge_index), and compute the loss from self(...) in {method}."
+                if isinstance(out, Tensor) and out.dim() == 0 and method != "its forward"
+                and not method.endswith(".forward") else "")
         raise UnsupportedModelError(
             f"The distributed model must return per-vertex tensors (one tensor, or a tuple, list or dict of them, "
-            f"each with a row per vertex, of one dtype); its forward returned {what} for a chunk of {rows} vertices. "
+            f"each with a row per vertex, of one dtype); {method} returned {what} for a chunk of {rows} vertices. "
             f"A value that is not per vertex (an auxiliary loss, one row per graph) depends on the whole graph, "
             f"which no process holds: return the per-vertex tensors it is computed from and compute it after the "
             f"model, on the whole output every rank receives; for a graph-level task on many small graphs, no "
-            f"graph needs splitting: train with Lightning's strategy='ddp'.")
+            f"graph needs splitting: train with Lightning's strategy='ddp'.{loss}")
     return out
 
 

@@ -206,7 +206,7 @@ def share_output(rt: Runtime, mine: Optional[Tensor], start: int, end: int, key,
     spec = rt.output_specs.get(key)
     if spec is None:  # the output's trailing shape, dtype and structure, told once per kind of call
         if grid.is_last:
-            mine = check_output(mine, end - start)
+            mine = check_output(mine, end - start, rt)
             spec = (tuple(mine.shape[1:]), mine.dtype, structure)
             if grid.way == 0:
                 for r in range(comm.world_size):

@@ -126,7 +126,7 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
             same_as_first_chunk(keys, reference)
         lg = rec.ctx.lg
         if grid.is_last:
-            out, structure = check_output(rec.out, lg.rows), rec.structure
+            out, structure = check_output(rec.out, lg.rows, rt), rec.structure
             if mine is None:
                 mine = out.new_empty((end - start, *out.shape[1:]))
             mine[lg.start - start:lg.end - start] = out.detach()

@@ -132,7 +132,7 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
                 if grad:
                     record.kept[(g, c)] = rec
                 if g == len(runners) - 1:
-                    out, record.structure = check_output(rec.out, lg.rows), rec.structure
+                    out, record.structure = check_output(rec.out, lg.rows, rt), rec.structure
                     if out_full is None:
                         out_full = out.new_empty((cg.num_nodes, *out.shape[1:]))
                     out_full[lg.start:lg.end] = out.detach()

@@ -197,6 +197,7 @@ def test_a_layer_as_the_whole_model_called_from_the_training_step(data, tmp_path
                                         r"_StepCallsTwoLayers\.training_step\)"):
         t.fit(_StepCallsTwoLayers(), train_dataloaders=graph_loader(data))
     with pytest.raises(Exception, match=r"_SharedStep\._step returned shape \(\) for a chunk of .*"
-                                        r"If _SharedStep\._step computes the loss itself \(a shared step\), call the layers in a method that "
-                                        r"returns their output, forward\(x, edge_index\)"):
+                                        r"If _SharedStep\._step computes the loss itself \(a shared step\), "
+                                        r"call the layers in a method that returns their output, "
+                                        r"forward\(x, edge_index\)"):
         t.fit(_SharedStep(), train_dataloaders=graph_loader(data))

@@ -49,7 +49,10 @@ def check_batch(batch: Any) -> None:
                         f"with data.to_homogeneous() (node_type and edge_type kept) and use typed layers that take "
                         f"edge_type (RGCNConv, RGATConv). {fix}")
     if isinstance(batch, Batch) and batch.num_graphs != 1:
-        raise ValueError(f"The dataloader yielded a Batch of {batch.num_graphs} graphs. {fix}")
+        raise ValueError(f"The dataloader yielded a Batch of {batch.num_graphs} graphs. {fix} For a task on many "
+                         f"small graphs (graph classification or regression, a readout such as global_add_pool), no "
+                         f"graph needs splitting: train with Lightning's strategy='ddp', each process a share of the "
+                         f"graphs.")
     if not isinstance(batch, Data):
         raise TypeError(f"The dataloader yielded a {type(batch).__name__}, not a Data object. {fix}")
 

@@ -78,6 +78,68 @@ class Directed(nn.Module):
         return self.c2(self.c1(x, edge_index).relu(), edge_index)
 
 
+class PerVertexBuffer(nn.Module):
+    """A per-vertex value computed once and kept on the model (``register_buffer``, a row per vertex): the inverse
+    in-degree scaling the features, and a 1-D one."""
+
+    def __init__(self):
+        super().__init__()
+        x, e, _, _ = graph()
+        deg = degree(e["edge_index"][1], x.size(0)).clamp(min=1)
+        self.register_buffer("inv_deg", (1.0 / deg).view(-1, 1))
+        self.register_buffer("scale", deg.sqrt())
+        self.c1, self.c2 = gnn.GCNConv(8, H), gnn.GCNConv(H, 3)
+
+    def forward(self, x, edge_index):
+        return self.c2(self.c1(x * self.inv_deg, edge_index).relu() * self.scale[:, None], edge_index)
+
+
+class PerVertexParameter(nn.Module):
+    """A learned input per vertex (``nn.Parameter(torch.randn(N, d))``) added to the features, and a fixed
+    positional encoding per vertex (a buffer) that a layer propagates: its halo rows are read through propagate."""
+
+    def __init__(self):
+        super().__init__()
+        N = graph()[0].size(0)
+        self.node_bias = nn.Parameter(0.1 * torch.randn(N, 8))
+        self.register_buffer("pe", torch.sin(torch.arange(N * 4, dtype=torch.get_default_dtype()).view(N, 4)))
+        self.c1, self.c2 = gnn.GCNConv(8, H), gnn.GCNConv(H, 3)
+        self.pe_conv = gnn.GCNConv(4, H)
+
+    def forward(self, x, edge_index):
+        h = self.c1(x + self.node_bias, edge_index) + self.pe_conv(self.pe, edge_index)
+        return self.c2(h.relu(), edge_index)
+
+
+class WritesPerVertexState(nn.Module):
+    """A per-vertex buffer the forward writes in place (the last hidden rows, read back the next step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("memory", torch.zeros(graph()[0].size(0), H))
+        self.c1, self.c2 = gnn.GCNConv(8, H), gnn.GCNConv(H, 3)
+
+    def forward(self, x, edge_index):
+        h = self.c1(x, edge_index).relu()
+        out = self.c2(h + self.memory, edge_index)
+        self.memory.copy_(h.detach())
+        return out
+
+
+class GraphWideWeight(nn.Module):
+    """A weight matrix whose first dimension happens to equal the graph's vertex count (a hidden width as large as
+    the graph), used as a weight, ``h @ W``: not per vertex. It must run exactly or be refused, never be cut."""
+
+    def __init__(self):
+        super().__init__()
+        N = graph()[0].size(0)
+        self.c1, self.c2 = gnn.GCNConv(8, N), gnn.GCNConv(H, 3)
+        self.W = nn.Parameter(torch.randn(N, H) / N ** 0.5)
+
+    def forward(self, x, edge_index):
+        return self.c2((self.c1(x, edge_index).relu() @ self.W).relu(), edge_index)
+
+
 def _pna():
     x, e, _, _ = graph()
     deg = torch.bincount(degree(e["edge_index"][1], x.size(0), dtype=torch.long))
@@ -110,4 +172,8 @@ MORE = {
     # the layer itself as the model (PyG's sgc.py: ``model = SGConv(...)``), with no module around it
     "SGConv-as-the-model": (lambda: gnn.SGConv(8, 3, K=2), _plain),
     "GATConv-as-the-model": (lambda: gnn.GATConv(8, 3, heads=2, concat=False), _plain),
+    "per-vertex-buffer": (PerVertexBuffer, _plain),
+    "per-vertex-parameter": (PerVertexParameter, _plain),
+    "graph-wide-weight": (GraphWideWeight, _plain),
+    "per-vertex-state-written": (WritesPerVertexState, _plain),
 }

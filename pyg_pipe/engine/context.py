@@ -27,16 +27,17 @@ _STACK: List["ChunkContext"] = []
 _NOTHING = nullcontext()  # reusable: entering it does nothing
 
 
-def _show(table: torch.nn.Module, rows: Tensor, whole: Tensor) -> None:
-    table._parameters["weight"] = rows
-    if isinstance(table, torch.nn.Embedding):  # (a lookup by ids still reads the whole table)
-        table.__dict__["forward"] = lambda ids: torch.nn.functional.embedding(
-            ids, whole, table.padding_idx, table.max_norm, table.norm_type, table.scale_grad_by_freq, table.sparse)
+def _show(owner: torch.nn.Module, attr: str, rows: Tensor, whole: Tensor) -> None:
+    (owner._parameters if attr in owner._parameters else owner._buffers)[attr] = rows
+    if isinstance(owner, torch.nn.Embedding):  # (a lookup by ids still reads the whole table)
+        owner.__dict__["forward"] = lambda ids: torch.nn.functional.embedding(
+            ids, whole, owner.padding_idx, owner.max_norm, owner.norm_type, owner.scale_grad_by_freq, owner.sparse)
 
 
-def _hide(table: torch.nn.Module, whole: Tensor) -> None:
-    table._parameters["weight"] = whole
-    table.__dict__.pop("forward", None)
+def _hide(owner: torch.nn.Module, attr: str, whole: Tensor) -> None:
+    (owner._parameters if attr in owner._parameters else owner._buffers)[attr] = whole
+    if isinstance(owner, torch.nn.Embedding):
+        owner.__dict__.pop("forward", None)
 
 
 def leading_rows(t: Tensor, dim: int, n: int) -> Tensor:
@@ -223,27 +224,39 @@ class ChunkContext:
         self.stack: List[Invocation] = []
         self.counts: Dict[str, int] = {}
         self.clean_calls: Dict[Tuple[str, int], bool] = {}
-        self.tables: List[Tuple[torch.nn.Module, Tensor, Tensor]] = []
+        self.tables: List[Tuple[torch.nn.Module, str, Tensor, Tensor]] = []
+        self._versions: Dict[int, int] = {}  # the version of each table's rows when shown (a write in place is refused)
         self.drops = 0  # DropEdge calls made so far in this run (:mod:`.step.dropedge`)
         self.direct = None  # streaming: the calls that propagate their clean inputs (:mod:`.step.direct`)
 
     def __enter__(self) -> "ChunkContext":
         _STACK.append(self)
-        for table, rows, whole in self.tables:
-            _show(table, rows, whole)
+        for owner, attr, rows, whole in self.tables:
+            _show(owner, attr, rows, whole)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
         _STACK.remove(self)
-        for table, _, whole in reversed(self.tables):
-            _hide(table, whole)
+        for owner, attr, _, whole in reversed(self.tables):
+            _hide(owner, attr, whole)
+        changed = [(o, a) for o, a, rows, _ in self.tables
+                   if rows._version != self._versions.get(id(rows), rows._version)]
+        if changed and kind is None:  # (the rows shown were a copy: what the forward wrote there would be lost)
+            o, a = changed[0]
+            raise UnsupportedModelError(
+                f"{type(o).__name__}.{a} has one row per vertex, and the forward changed it in place; pyg_pipe shows "
+                f"each chunk a copy of its rows there, so the change would not reach the model. Keep per-vertex "
+                f"state the forward writes outside the model (return it), or train on one device.")
 
-    def swap_table(self, table: torch.nn.Module, rows: Tensor, whole: Tensor) -> None:
-        """While this context is entered, the embedding ``table`` (a row per vertex) shows the chunk's
-        ``rows`` as its ``weight`` (read as ``table.weight``, as LightGCN reads it); calling the table
-        (``table(ids)``) still looks the ids up in the whole table ``whole``."""
-        self.tables.append((table, rows, whole))
-        _show(table, rows, whole)
+    def swap_table(self, owner: torch.nn.Module, attr: str, rows: Tensor, whole: Tensor, copied: bool = True) -> None:
+        """While this context is entered, ``owner``'s tensor ``attr`` with a row per vertex (an embedding table's
+        ``weight``, a per-vertex parameter or buffer) shows the chunk's ``rows`` (read as ``table.weight``, as LightGCN
+        reads it); calling an embedding table (``table(ids)``) still looks the ids up in the whole table ``whole``.
+        ``copied``: ``rows`` is a copy (not an alias of ``whole``): the forward writing into it is refused at exit."""
+        self.tables.append((owner, attr, rows, whole))
+        if copied:
+            self._versions[id(rows)] = rows._version
+        _show(owner, attr, rows, whole)
 
     def recomputing(self) -> bool:
         """True while a layer of this run is recomputed in a backward pass (checkpointing, reversible

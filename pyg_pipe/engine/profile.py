@@ -111,6 +111,7 @@ class _ChunkProbe:
     def _check_rows(self, cut: str) -> Optional[str]:
         """What the row check refuses in one no-grad pass over the chunk, or None. (What it only finds, an
         operation over all rows, is left to the training pass: graph-wide norms are the engine's there.)"""
+        from ..model.errors import UnsupportedModelError
         from .step.rows import RowCheck
         lg = self.lg
         check = RowCheck(lg.rows, {id(m): n for n, m in self.module.named_modules()}, cut)
@@ -125,6 +126,8 @@ class _ChunkProbe:
                         env[node.name] = self.runner.step(node, env)
                         for value in self.runner.release_after(node):  # no grad: values die after their last use
                             env.pop(value, None)
+        except UnsupportedModelError as exc:  # a finding the chunk's rows cannot even run (``x @ W`` with W's rows
+            return check.refusal or str(exc)   # cut): refused as the training pass would
         except Exception:  # (the check keeps indices in bounds; a failure it does not refuse is the caller's)
             pass
         return check.refusal

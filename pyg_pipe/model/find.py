@@ -4,7 +4,7 @@ graph, and its embedding tables with a row per vertex."""
 from __future__ import annotations
 
 import types
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -122,18 +122,46 @@ def _names(code: types.CodeType) -> set:
     return names
 
 
-def vertex_tables(module: torch.nn.Module, num_nodes: int) -> List[torch.nn.Module]:
-    """The tables of ``module`` with one learned row per vertex, found by their type and size, never their values:
-    ``nn.Embedding(num_nodes, d)`` (learned node features, LightGCN's embeddings), and message-passing layers whose
-    ``weight`` has a row per vertex, which they propagate (PyG's ``SparseLinear(num_nodes, d)``: ``A @ W``, LINKX's
-    adjacency embedding)."""
+def vertex_tables(module: torch.nn.Module, num_nodes: int) -> List[Tuple[torch.nn.Module, str]]:
+    """The tensors of ``module`` with one row per vertex, as ``(submodule, attribute)``, found by their type, owner and
+    size, never their values:
+
+    * ``nn.Embedding(num_nodes, d)``'s weight (learned node features, LightGCN's embeddings), and a message-passing
+      layer's ``weight`` with a row per vertex, which it propagates (PyG's ``SparseLinear(num_nodes, d)``: ``A @ W``,
+      LINKX's adjacency embedding);
+    * a parameter or buffer of the user's own module (no class of it but ``nn.Module`` from torch or PyG's building
+      blocks: not a message-passing layer, not a subclass of ``nn.Linear``) whose first dimension has ``num_nodes``
+      entries: a learned per-vertex input (``nn.Parameter(torch.randn(num_nodes, d))``), a per-vertex value computed
+      once and kept (a degree normalisation, a positional encoding, ``register_buffer``).
+
+    A chunk sees its rows of each, and their true halo rows where a layer reads them. A tensor of the user's that has
+    ``num_nodes`` rows by coincidence (a weight matrix as wide as the graph is large) and is not per vertex is then
+    refused by the row check where the graph is cut (its rows combined across vertices, ``x @ W``), and runs unchanged
+    with one chunk (the identity order)."""
     from torch_geometric.nn import MessagePassing
-    out = []
+    out: List[Tuple[torch.nn.Module, str]] = []
     for m in module.modules():
-        weight = m._parameters.get("weight") if isinstance(m, (torch.nn.Embedding, MessagePassing)) else None
-        if isinstance(weight, torch.nn.Parameter) and weight.dim() == 2 and weight.size(0) == num_nodes:
-            out.append(m)
+        if isinstance(m, (torch.nn.Embedding, MessagePassing)):
+            weight = m._parameters.get("weight")
+            if isinstance(weight, torch.nn.Parameter) and weight.dim() == 2 and weight.size(0) == num_nodes:
+                out.append((m, "weight"))
+        elif _users_own(type(m)):
+            for store in (m._parameters, m._buffers):
+                out += [(m, k) for k, t in store.items() if t is not None and t.dim() >= 1 and t.size(0) == num_nodes]
     return out
+
+
+def _users_own(cls: type) -> bool:
+    """Whether ``cls`` is a module class of the user's own: none of its classes but ``nn.Module`` comes from torch, nor
+    from PyG's building blocks (a subclass of ``nn.Linear`` keeps the meaning of the weight torch gave it); Lightning's
+    classes and PyG's models (``torch_geometric.nn.models``: ``class Net(GCN)``) may be among them."""
+    def building_block(c: type) -> bool:
+        m = c.__module__
+        return m.startswith("torch.") or (m.startswith("torch_geometric.") and not m.startswith(_MODELS))
+    return all(c in (object, torch.nn.Module) or not building_block(c) for c in cls.__mro__)
+
+
+_MODELS = "torch_geometric.nn.models."
 
 
 def tensor_attributes(module: torch.nn.Module) -> Dict[str, Tensor]:

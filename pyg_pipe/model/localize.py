@@ -21,15 +21,16 @@ class Localizer:
     Args:
         inputs: the call's arguments.
         chunked: the :class:`ChunkedGraph` of every graph in ``inputs.graphs`` (same order).
-        tables: the model's embedding tables with a row per vertex (:func:`~.find.vertex_tables`): a chunk sees its
-            rows as the table's ``weight``, clean inputs like the features (their halo rows the true ones), and
-            the gradient reaches the table's rows through them.
+        tables: the model's tensors with a row per vertex, ``(module, attribute)`` (:func:`~.find.vertex_tables`:
+            embedding tables, per-vertex parameters and buffers): a chunk sees its rows as the attribute, clean
+            inputs like the features (their halo rows the true ones), and a parameter's gradient reaches its rows
+            through them.
         keep: keep each chunk's rows of the node inputs in ``cache`` across calls (one more copy of the inputs,
             and of their halo rows once joined; the runtime decides from the free memory).
     """
 
     def __init__(self, inputs: CallInputs, chunked: List[ChunkedGraph], cache: Optional[Dict] = None,
-                 tables: Sequence[torch.nn.Module] = (), keep: bool = False):
+                 tables: Sequence[Tuple[torch.nn.Module, str]] = (), keep: bool = False):
         self.inputs = inputs
         self.call = 0  # which call of the model in its training step (set by the engine; DropEdge draws per call)
         self.tables = tables
@@ -51,11 +52,13 @@ class Localizer:
         memo: Dict[int, Any] = {}
         args = tuple(self._cut(v, lg, ctx, memo) for v in self.inputs.args)
         kwargs = {k: self._cut(v, lg, ctx, memo, name=k) for k, v in self.inputs.kwargs.items()}
-        for table in self.tables:
-            whole = table.weight
-            rows = whole.index_select(0, _rows_index(self.cg, lg))
+        for owner, attr in self.tables:
+            whole, every = getattr(owner, attr), _every_row(self.cg, lg)
+            # (every row in order: an alias, so what the forward writes there reaches the model; an alias, not the
+            # tensor itself, which an embedding's lookup by id still reads as the whole table)
+            rows = whole.view_as(whole) if every else whole.index_select(0, _rows_index(self.cg, lg))
             ctx.add_clean(rows, _extender(whole))
-            ctx.swap_table(table, rows, whole)
+            ctx.swap_table(owner, attr, rows, whole, copied=not every)
         return args, kwargs
 
     def _cut(self, value, lg: LocalGraph, ctx, memo: Dict[int, Any], name: str = "", kind: Optional[str] = None):
@@ -198,6 +201,16 @@ def _rows_index(cg: ChunkedGraph, lg: LocalGraph) -> Tensor:
     if idx is None:
         idx = lg._rows_index = cg.perm[lg.start:lg.end]
     return idx
+
+
+def _every_row(cg: ChunkedGraph, lg: LocalGraph) -> bool:
+    """Whether the chunk is every vertex in the graph's own order (one chunk, the identity order): a tensor with a row
+    per vertex is then its own rows (decided once per chunk)."""
+    hit = getattr(lg, "_every_row", None)
+    if hit is None:
+        idx = _rows_index(cg, lg)
+        hit = lg._every_row = idx.numel() == cg.num_nodes and bool(torch.equal(idx.cpu(), torch.arange(idx.numel())))
+    return hit
 
 
 def _extender(whole: Tensor):

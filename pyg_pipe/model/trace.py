@@ -157,8 +157,12 @@ AUTOWRAP: List[Callable] = []
 
 
 class _Tracer(fx.Tracer):
-    def __init__(self, leaves: Set[str]):
+    def __init__(self, leaves: Set[str], buffers: bool = True):
         super().__init__(autowrap_functions=tuple(AUTOWRAP))
+        # a buffer read in the forward is an attribute read when the program runs (``get_attr``), not a constant
+        # taken at the trace: what is computed from it (``self.scale[:, None]``) follows the buffer, and a chunk's
+        # rows of a per-vertex buffer (:func:`~.find.vertex_tables`) reach it
+        self.proxy_buffer_attributes = buffers
         self.leaves = leaves
         self.failed: Optional[str] = None
 
@@ -232,8 +236,10 @@ def _trace_with_fallback(model, fn, args, kwargs) -> fx.Graph:
     cls = type(model)
     leaves: Set[str] = set()
     apply = torch.autograd.Function.__dict__["apply"]
+    buffers = [(m, dict(m._buffers)) for m in model.modules()]
+    proxied = True  # buffers read as attributes (:class:`_Tracer`), unless the forward assigns one
     while True:
-        tracer = _Tracer(leaves)
+        tracer = _Tracer(leaves, proxied)
         if fn is not cls.forward:  # trace the instance's own forward: swap in a subclass for the duration
             model.__class__ = type(cls.__name__, (cls,), {"forward": fn})
         # fx would trace into a custom autograd Function (reversible blocks, checkpointing) and lose its
@@ -248,7 +254,7 @@ def _trace_with_fallback(model, fn, args, kwargs) -> fx.Graph:
         for n, f in factories.items():
             setattr(torch, n, _packed(f))
         try:
-            return tracer.trace(model, concrete_args=concrete or None)
+            graph = tracer.trace(model, concrete_args=concrete or None)
         except Exception as exc:  # noqa: BLE001 - a unit that does not trace, or a refusal with advice
             if tracer.failed is not None and tracer.failed not in leaves:
                 leaves.add(tracer.failed)  # run that submodule whole, as one unit
@@ -270,12 +276,19 @@ def _trace_with_fallback(model, fn, args, kwargs) -> fx.Graph:
                 f"forward as it is.") from exc
         finally:
             model.__class__ = cls
+            assigned = any(m._buffers.get(k) is not t for m, held in buffers for k, t in held.items())
+            for m, held in buffers:
+                m._buffers.update(held)
             torch.autograd.Function.apply = apply
             for n, f in factories.items():
                 setattr(torch, n, f)
             _TRACING.pop()
             for k in swapped:
                 fn.__globals__[k] = _torch_pipe_split
+        if assigned and proxied:  # ``self.n += 1`` on a buffer: a Proxy was stored, and fx has no in-place add; traced
+            proxied = False       # again on the buffers themselves, which the trace changes, as the forward would
+            continue              # (refused by name where the forward does not run once: :mod:`..engine.step.state`)
+        return graph
 
 
 #: torch's factories that take a size as separate numbers (``torch.ones(n, 1)``). Given a number read from a traced

@@ -2,10 +2,10 @@
 checkpointing, reversible blocks, an LSTM state, ``forward(data)``, control flow, graph-wide norms, an
 edge encoder, a transposed graph, zero-initialised layers, K-hop layers, attention over all vertices
 (GPSConv, SGFormer), Graph U-Net, LSTM and GRU aggregations, PMLP, Polynormer; and :mod:`tests.shapes_pyg`: EdgeCNN,
-GATv2, PNA, RECT_L, LINKX, MaskLabel, DirGNNConv, a layer as the whole model, degrees, gcn_norm and edge features
-computed in forward) in every mode, against one process. float64; one process launch per mode. Streaming (one device, 4 chunks, layer group by
-layer group) is exact at any learning rate, like graph parallelism; a forward that does not trace
-streams as one group.
+GATv2, PNA, RECT_L, LINKX, MaskLabel, DirGNNConv, a layer as the whole model, per-vertex buffers and parameters,
+degrees, gcn_norm and edge features computed in forward) in every mode, against one process. float64; one process
+launch per mode. Streaming (one device, 4 chunks, layer group by layer group) is exact at any learning rate, like
+graph parallelism; a forward that does not trace streams as one group.
 
 Exact where the algorithm is (graph parallel, one chunk per way); at several chunks, the training
 forward at lr = 0 equals one process; what cannot run is refused with a message naming the module
@@ -34,8 +34,15 @@ GLOBAL = ["'trans_conv' (SGModule) calls `sort`", "num_chunks=1"]
 DEGREE = ["calls `scatter_add_`", "sums over the graph's edges per vertex", "outside the MessagePassing layers",
           "data.deg = degree("]
 ENDPOINTS = ["calls `__getitem__`", "at the ends of the graph's edges", "outside the MessagePassing layers"]
+# a weight whose first dimension equals the vertex count by coincidence is taken for per-vertex values (by its size,
+# never its values): cut, the matmul that contracts it is refused, never run on part of its rows
+WIDE = ["calls `matmul`", "multiplies the rows of different vertices"]
+# a per-vertex buffer the forward writes in place: a chunk sees a copy of its rows (refused where the graph is cut); a
+# traced pipeline refuses buffers changed in the forward
+WRITTEN = ["WritesPerVertexState.memory has one row per vertex", "changed it in place"]
 # refused wherever the graph is cut
-CUT = {"degree-in-forward": DEGREE, "gcn_norm-in-forward": DEGREE, "edge-features-in-forward": ENDPOINTS}
+CUT = {"degree-in-forward": DEGREE, "gcn_norm-in-forward": DEGREE, "edge-features-in-forward": ENDPOINTS,
+       "graph-wide-weight": WIDE, "per-vertex-state-written": WRITTEN}
 SHALLOW = {"RECT_L": TOO_SHALLOW, "LINKX": TOO_SHALLOW, "SGConv-as-the-model": TOO_SHALLOW,
            "GATConv-as-the-model": TOO_SHALLOW}
 
@@ -46,7 +53,8 @@ REFUSED = {
     "graph_parallel": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "GPSConv": ATTENTION, "FastRGCN-featureless": EDGE_IDS,
                        "SGFormer": GLOBAL, **CUT},
     "pipeline": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW,
-                 "PMLP": NO_LAYER, **SHALLOW},
+                 "PMLP": NO_LAYER, "per-vertex-state-written": ["changes the values of its buffer `memory`"],
+                 **SHALLOW},
     "chunks": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW,
                "FastRGCN-featureless": EDGE_IDS, "GPSConv": ATTENTION, "PMLP": NO_LAYER,
                "SGFormer": GLOBAL, **SHALLOW, **CUT},

@@ -47,7 +47,7 @@ class Recommender(pl.LightningModule):
 
 def test_tables_with_a_row_per_vertex_are_found_by_type_and_size():
     model = LightGCN(50, 8, 2)
-    assert vertex_tables(model, 50) == [model.embedding]
+    assert vertex_tables(model, 50) == [(model.embedding, "weight")]
     assert vertex_tables(model, 51) == []  # another size: an ordinary embedding (types, words)
 
 

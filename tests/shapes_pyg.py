@@ -126,6 +126,30 @@ class WritesPerVertexState(nn.Module):
         return out
 
 
+class _EncodedConv(gnn.MessagePassing):
+    """A layer of the user's holding a per-vertex positional encoding it adds to its input."""
+
+    def __init__(self, n: int):
+        super().__init__(aggr="add")
+        self.register_buffer("pe", torch.sin(torch.arange(n * 8, dtype=torch.get_default_dtype()).view(n, 8)))
+        self.lin = nn.Linear(8, H)
+
+    def forward(self, x, edge_index):
+        return self.propagate(edge_index, x=self.lin(x + self.pe))
+
+
+class PerVertexInALayer(nn.Module):
+    """The encoding held by the layer, not the model: cut only where the layer's calls are given their rows, which
+    pyg_pipe does not do for a layer's own tensors (refused, naming the fix: hold it in the model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = _EncodedConv(graph()[0].size(0)), gnn.GCNConv(H, 3)
+
+    def forward(self, x, edge_index):
+        return self.c2(self.c1(x, edge_index).relu(), edge_index)
+
+
 class GraphWideWeight(nn.Module):
     """A weight matrix whose first dimension happens to equal the graph's vertex count (a hidden width as large as
     the graph), used as a weight, ``h @ W``: not per vertex. It must run exactly or be refused, never be cut."""
@@ -176,4 +200,5 @@ MORE = {
     "per-vertex-parameter": (PerVertexParameter, _plain),
     "graph-wide-weight": (GraphWideWeight, _plain),
     "per-vertex-state-written": (WritesPerVertexState, _plain),
+    "per-vertex-in-a-layer": (PerVertexInALayer, _plain),
 }

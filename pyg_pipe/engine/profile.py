@@ -49,7 +49,7 @@ import torch
 from torch import Tensor, fx
 
 from ..graph.chunks import derived
-from ..model.find import vertex_tables
+from ..model.find import refuse_layer_tensors, vertex_tables
 from ..model.inputs import CallInputs
 from ..model.localize import Localizer
 from ..model.split import Stage
@@ -77,6 +77,7 @@ class _ChunkProbe:
         self.module, self.device = module, device
         N = inputs.num_nodes
         perm, ptr = chunking if chunking is not None else (torch.arange(N), torch.tensor([0, N]))
+        refuse_layer_tensors(module, N, ptr.numel() - 1)  # (before a pass over a cut graph could fail on one)
         self.cgs = chunk_graphs(inputs.graphs, N, perm, ptr, 1, device)
         self.localizer = Localizer(inputs, self.cgs, tables=vertex_tables(module, N))
         self.lg = self.cgs[0].chunks[0]

@@ -151,6 +151,37 @@ def vertex_tables(module: torch.nn.Module, num_nodes: int) -> List[Tuple[torch.n
     return out
 
 
+def layer_vertex_tensors(module: torch.nn.Module, num_nodes: int) -> List[Tuple[str, str, str]]:
+    """``(layer name, its class, attribute)`` of the tensors with one row per vertex that a message-passing layer of
+    the user's own holds itself (found by size, as :func:`vertex_tables`; a ``weight`` it propagates is a table
+    there): read inside the layer's forward, they cannot be cut to a chunk's rows, which depend on how the layer is
+    called (its rows alone, or with their halo)."""
+    from torch_geometric.nn import MessagePassing
+    out = []
+    for name, m in module.named_modules():
+        if isinstance(m, MessagePassing) and not type(m).__module__.startswith("torch_geometric."):
+            tables = {"weight"} if any(o is m for o, _ in vertex_tables(m, num_nodes)) else set()
+            out += [(name, type(m).__name__, k) for store in (m._parameters, m._buffers) for k, t in store.items()
+                    if k not in tables and t is not None and t.dim() >= 1 and t.size(0) == num_nodes]
+    return out
+
+
+def refuse_layer_tensors(module: torch.nn.Module, num_nodes: int, num_chunks: int) -> None:
+    """Where the graph is cut (``num_chunks`` > 1: a plan, or a measuring pass over a chunk), a tensor with a row per
+    vertex held by a message-passing layer of the user's own (:func:`layer_vertex_tensors`) is refused by name, with
+    the fix, before anything runs (it failed with a size mismatch inside the layer)."""
+    found = layer_vertex_tensors(module, num_nodes) if num_chunks > 1 else []
+    if found:
+        name, cls, attr = found[0]
+        raise UnsupportedModelError(
+            f"Layer '{name}' ({cls}) holds '{attr}', a tensor with one row per vertex ({num_nodes} rows). With "
+            f"num_chunks={num_chunks}, the layer runs on part of the vertices at a time, and pyg_pipe cannot cut "
+            f"a tensor a layer holds to the rows each of its calls is given. Hold it in the model instead "
+            f"(a buffer or parameter of the model's own module, or a forward argument) and pass it to the layer, "
+            f"e.g. self.conv(x + self.{attr}, edge_index): each chunk then sees its rows; or train with one chunk and "
+            f"no graph-parallel ways (strategy='gnnpipe', num_chunks=1), which is exact.")
+
+
 def _users_own(cls: type) -> bool:
     """Whether ``cls`` is a module class of the user's own: none of its classes but ``nn.Module`` comes from torch, nor
     from PyG's building blocks (a subclass of ``nn.Linear`` keeps the meaning of the weight torch gave it); Lightning's

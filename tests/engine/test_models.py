@@ -40,9 +40,11 @@ WIDE = ["calls `matmul`", "multiplies the rows of different vertices"]
 # a per-vertex buffer the forward writes in place: a chunk sees a copy of its rows (refused where the graph is cut); a
 # traced pipeline refuses buffers changed in the forward
 WRITTEN = ["WritesPerVertexState.memory has one row per vertex", "changed it in place"]
+# a per-vertex tensor a layer holds itself: refused where the graph is cut, naming the fix (hold it in the model)
+IN_LAYER = ["Layer 'c1' (_EncodedConv) holds 'pe', a tensor with one row per vertex", "Hold it in the model instead"]
 # refused wherever the graph is cut
 CUT = {"degree-in-forward": DEGREE, "gcn_norm-in-forward": DEGREE, "edge-features-in-forward": ENDPOINTS,
-       "graph-wide-weight": WIDE, "per-vertex-state-written": WRITTEN}
+       "graph-wide-weight": WIDE, "per-vertex-state-written": WRITTEN, "per-vertex-in-a-layer": IN_LAYER}
 SHALLOW = {"RECT_L": TOO_SHALLOW, "LINKX": TOO_SHALLOW, "SGConv-as-the-model": TOO_SHALLOW,
            "GATConv-as-the-model": TOO_SHALLOW}
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ...graph.chunks import ChunkedGraph, derived, way_ptr
-from ...model.find import vertex_tables
+from ...model.find import refuse_layer_tensors, vertex_tables
 from ...model.inputs import CallInputs, graph_edges, node_input_bytes
 from ..comm import Comm
 from ..config import PipelineConfig
@@ -98,7 +98,8 @@ class Runtime:
         self.layer_cache: Dict = {}
         self.direct = None  # streaming: the calls that go rows only after the first step (..step.direct.DirectCalls)
         self.adjacency: Dict = {}
-        self.tables = vertex_tables(module, plan.num_nodes)  # embedding tables with a row per vertex
+        self.tables = vertex_tables(module, plan.num_nodes)  # tensors with a row per vertex (embedding tables, ...)
+        refuse_layer_tensors(module, plan.num_nodes, plan.num_chunks)
         # the inputs' chunk rows (and joined halos) kept across calls, when twice the inputs fit an eighth of the
         # free memory (decided once; results are the same either way, only copies differ)
         self.keep_inputs = 2 * node_input_bytes(inputs) <= free_memory(comm.device) // 8
@@ -206,3 +207,4 @@ def chunk_graphs(graphs, num_nodes: int, perm, ptr, ways: int, device) -> List[C
         src, dst, _ = graph_edges(g)
         out.append(ChunkedGraph(src.to(device), dst.to(device), num_nodes, perm.to(device), ptr.to(device), ways))
     return out
+

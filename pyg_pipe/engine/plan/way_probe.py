@@ -113,9 +113,7 @@ class Exchangers:
             t = t.detach().reshape(t.size(0) if t.dim() else 1, -1)
             n = self.sizes.get(self.comm.rank, t.size(0))
             mine = t[:n] if t.size(0) >= n else torch.cat([t, t.new_zeros(n - t.size(0), t.size(1))])
-            self.comm.exchange([(mine, peer) for peer, _, _ in self.peers],
-                               [((self.sizes.get(peer, n), t.size(1)), t.dtype, peer) for peer, _, _ in self.peers],
-                               "other")
+            self._each_peer(mine, lambda peer: (self.sizes.get(peer, n), mine.size(1)))
         self._each_peer(torch.zeros(2, dtype=torch.float64, device=self.comm.device))
 
     def gradients(self, params: List[torch.nn.Parameter]) -> None:
@@ -127,9 +125,11 @@ class Exchangers:
             self._each_peer(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                                        .to(params[0].dtype) for p in params]))
 
-    def _each_peer(self, t: Tensor) -> None:
-        self.comm.exchange([(t, peer) for peer, _, _ in self.peers], [(t.shape, t.dtype, peer)
-                                                                      for peer, _, _ in self.peers], "other")
+    def _each_peer(self, t: Tensor, shape_of: Optional[Callable[[int], tuple]] = None) -> None:
+        """``t`` to every peer, and from each a tensor of ``shape_of(peer)`` (by default ``t``'s shape)."""
+        peers = [peer for peer, _, _ in self.peers]
+        shapes = [t.shape if shape_of is None else shape_of(peer) for peer in peers]
+        self.comm.exchange([(t, peer) for peer in peers], [(s, t.dtype, peer) for s, peer in zip(shapes, peers)], "other")
 
 
 def shared_partition(partition: Callable, ways: int, chunks: int, num_nodes: int, comm, root: int) \

@@ -129,7 +129,7 @@ class Exchangers:
         """``t`` to every peer, and from each a tensor of ``shape_of(peer)`` (by default ``t``'s shape)."""
         peers = [peer for peer, _, _ in self.peers]
         shapes = [t.shape if shape_of is None else shape_of(peer) for peer in peers]
-        self.comm.exchange([(t, peer) for peer in peers], [(s, t.dtype, peer) for s, peer in zip(shapes, peers)], "other")
+        self.comm.exchange([(t, peer) for peer in peers], [(s, t.dtype, p) for s, p in zip(shapes, peers)], "other")
 
 
 def shared_partition(partition: Callable, ways: int, chunks: int, num_nodes: int, comm, root: int) \

@@ -270,10 +270,7 @@ class GNNPipeEngine:
                     out, record = stream.forward(runtime, inputs, False, runtime.store(-1))
                     return unpack_rows(out, record.structure)
                 return steps.exact(runtime, inputs)
-        name = inputs.requires_grad()
-        if name is not None:
-            raise ValueError(f"Input '{name}' of the pipelined model requires grad; pyg_pipe does not back-propagate "
-                             f"into the model's inputs. Move the layers that produce it into the model.")
+        inputs.refuse_grad(type(self.module).__name__)
         call, self._calls = self._calls, self._calls + 1
         if call == 0:
             self.runtime = runtime  # the primary plan: the graph steps train on (saved in checkpoints)

@@ -208,15 +208,17 @@ class CallInputs:
             for a in v:
                 self._edge_tensors(a, out, holders)
 
-    def requires_grad(self) -> Optional[str]:
-        """The name of an input that requires grad (pyg_pipe does not back-propagate into inputs)."""
-        for i, v in enumerate(self.args):
-            if isinstance(v, Tensor) and v.requires_grad:
-                return f"argument {i}"
-        for k, v in self.kwargs.items():
-            if isinstance(v, Tensor) and v.requires_grad:
-                return k
-        return None
+    def refuse_grad(self, model: str) -> None:
+        """Refuses an input that requires grad (pyg_pipe does not back-propagate into the inputs of ``model``)."""
+        name = next((f"argument {i}" for i, v in enumerate(self.args) if isinstance(v, Tensor) and v.requires_grad),
+                    next((k for k, v in self.kwargs.items() if isinstance(v, Tensor) and v.requires_grad), None))
+        if name is not None:
+            raise ValueError(
+                f"Input '{name}' of the distributed model ({model}) requires grad; pyg_pipe does not back-propagate "
+                f"into the model's inputs. Move what computes it into the model (layers, or a learned per-vertex "
+                f"input, nn.Parameter(num_nodes, d), which each chunk sees its rows of), or under a strategy pass "
+                f"model='<attribute>' naming a module that holds both (model='': the LightningModule itself, its "
+                f"forward distributed).")
 
 
 def node_input_bytes(inputs: CallInputs) -> int:

@@ -46,8 +46,8 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         streaming, cuda_graphs, overlap, boundary_dtype, history_dtype, timeline_trace, staleness_meter, max_age,
         max_staleness, smoothing, halo_exchange: the engine's knobs, each documented in
             :class:`pyg_pipe.engine.PipelineConfig` (and when to use which in docs/gnnpipe.md).
-        model: attribute name of the module to pipeline inside the LightningModule; by default the
-            smallest sub-module that holds every ``MessagePassing`` layer.
+        model: attribute name of the module to pipeline inside the LightningModule (``""``: the LightningModule
+            itself); by default the smallest sub-module that holds every ``MessagePassing`` layer.
         comm_timeout: seconds a send, receive or collective may wait before failing (a stuck peer never
             hangs the run).
         checkpoint_history: also store the historical embeddings in checkpoints, so resuming

@@ -327,3 +327,45 @@ def test_a_compiled_model_trains_eagerly_under_the_engine_as_on_one_device(data,
     t = trainer(tmp_path, devices=2, num_chunks=1)
     t.fit(lit, train_dataloaders=graph_loader(data), val_dataloaders=graph_loader(data))
     assert_trained_as_one_device(model, ref, data, t)
+
+
+class _LearnedInputs(pl.LightningModule):
+    """A learned input per vertex held by the LightningModule, added to the features before PyG's GCN."""
+
+    def __init__(self, n: int, f: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.node_emb = torch.nn.Parameter(0.1 * torch.randn(n, f))
+        self.model = make_model("gcn")
+
+    def forward(self, x, edge_index):
+        return self.model(x + self.node_emb, edge_index)
+
+    def training_step(self, data, batch_idx):
+        out = self(data.x, data.edge_index)
+        return F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def test_a_learned_per_vertex_input_in_the_lightning_module(data, tmp_path):
+    """By default the GCN is distributed and its input, computed from a parameter outside it, is refused naming
+    model=''; with model='' the LightningModule's forward is, the parameter cut to each chunk's rows: exact."""
+    with pytest.raises(Exception, match=r"requires grad.*nn.Parameter\(num_nodes, d\).*model='': the LightningModule"):
+        pl.Trainer(strategy=GNNPipeStrategy(start_method="spawn", comm_timeout=60, num_chunks=1), accelerator="cpu",
+                   devices=2, max_epochs=1, logger=False, enable_checkpointing=False, default_root_dir=str(tmp_path)
+                   ).fit(_LearnedInputs(data.num_nodes, data.num_features), train_dataloaders=graph_loader(data))
+    lit, ref = _LearnedInputs(data.num_nodes, data.num_features), _LearnedInputs(data.num_nodes, data.num_features)
+    opt = ref.configure_optimizers()
+    for _ in range(3):
+        loss = ref.training_step(data, 0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    t = pl.Trainer(strategy=GNNPipeStrategy(start_method="spawn", comm_timeout=60, num_chunks=1, model=""),
+                   accelerator="cpu", devices=2, max_epochs=3, logger=False, enable_checkpointing=False,
+                   default_root_dir=str(tmp_path))
+    t.fit(lit, train_dataloaders=graph_loader(data))
+    for (name, p), q in zip(lit.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)

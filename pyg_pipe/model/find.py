@@ -1,6 +1,6 @@
 """Which part of a user's module pyg_pipe runs: the submodule holding the message-passing layers, the methods
 of it through which they are called (``forward``; a link predictor's ``encode``), whether a call is handed a
-graph, and its embedding tables with a row per vertex."""
+graph, and its tensors with a row per vertex (embedding tables, per-vertex parameters and buffers)."""
 from __future__ import annotations
 
 import types

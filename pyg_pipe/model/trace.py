@@ -256,6 +256,9 @@ def _trace_with_fallback(model, fn, args, kwargs) -> fx.Graph:
         try:
             graph = tracer.trace(model, concrete_args=concrete or None)
         except Exception as exc:  # noqa: BLE001 - a unit that does not trace, or a refusal with advice
+            if proxied:  # (a buffer read as a Proxy where its value is used, in control flow or an assignment: traced
+                proxied = False  # as before, on the buffers themselves, units and refusals decided there)
+                continue
             if tracer.failed is not None and tracer.failed not in leaves:
                 leaves.add(tracer.failed)  # run that submodule whole, as one unit
                 continue

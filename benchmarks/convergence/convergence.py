@@ -188,13 +188,29 @@ PYG_EXAMPLES = ["pyg-gcn", "pyg-gat", "pyg-sage", "pyg-appnp", "pyg-agnn", "pyg-
                 "pyg-gcnii"]
 
 
-def model(name: str, layers: int, seed: int):
+class _LearnedInputs(torch.nn.Module):
+    """Featureless node classification: a learned input per vertex (``nn.Parameter(num_nodes, 32)``, no embedding
+    module) in place of the features, into PyG's GCN: each chunk sees its rows of it (docs/models.md)."""
+
+    def __init__(self, num_nodes: int, layers: int):
+        super().__init__()
+        from torch_geometric.nn import GCN
+        self.node_emb = torch.nn.Parameter(0.1 * torch.randn(num_nodes, 32))
+        self.gcn = GCN(32, 64, layers, 8, dropout=DROPOUT)
+
+    def forward(self, x, edge_index):  # (x unused: the graph's features are left out)
+        return self.gcn(self.node_emb, edge_index)
+
+
+def model(name: str, layers: int, seed: int, num_nodes: int = 0):
     from torch_geometric.nn import GAT, GCN
 
     from pyg_pipe.models import ResGCNPlus, gcnii
     torch.manual_seed(seed)
     if name in PYG_EXAMPLES:
         return pyg_example(name)
+    if name == "gcn-learned-inputs":
+        return _LearnedInputs(num_nodes, layers)
     if name == "gcnii":
         return gcnii(32, 64, 8, num_layers=layers, dropout=DROPOUT)
     if name == "resgcn":
@@ -255,7 +271,7 @@ def _worker(rank, world, args, cases):
     results = []
     for m, g, chunks, mode, seed in cases:
         data = graph(g, args.nodes)
-        net = model(m, args.layers, seed)
+        net = model(m, args.layers, seed, data.num_nodes)
         cfg = PipelineConfig(num_chunks=chunks, balance="layers", seed=seed, grid=args.grid, **MODES[mode])
         # (grid "auto": the grid chosen; PyG's examples: the strategy's own grid, which adds ways for a model with
         # fewer layers than processes)
@@ -290,7 +306,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["gcnii", "gat"],
                    choices=["gcnii", "resgcn", "gat", "gcn-bn", "gcn-gn", "gcn-ln", "gcn-pn", "gcn-in", "gcn",
-                            "tutorial-gcn", *PYG_EXAMPLES])
+                            "tutorial-gcn", "gcn-learned-inputs", *PYG_EXAMPLES])
     p.add_argument("--graphs", nargs="+", default=["community", "heterophilous"])
     p.add_argument("--chunks", nargs="+", type=lambda v: v if v == "auto" else int(v), default=[32],
                    help="chunk counts, or auto (num_chunks='auto': the plan's choice, recorded as 'chose')")
@@ -310,7 +326,7 @@ def main():
         for g in args.graphs:
             for seed in args.seeds:
                 data = graph(g, args.nodes)
-                net = model(m, args.layers, seed)
+                net = model(m, args.layers, seed, data.num_nodes)
                 torch.manual_seed(seed + 1)
                 curve = train(net, data, args.epochs)
                 results.append({"model": m, "graph": g, "chunks": 1, "mode": "one process", "seed": seed,

@@ -142,13 +142,18 @@ def vertex_tables(module: torch.nn.Module, num_nodes: int) -> List[Tuple[torch.n
     out: List[Tuple[torch.nn.Module, str]] = []
     for m in module.modules():
         if isinstance(m, (torch.nn.Embedding, MessagePassing)):
-            weight = m._parameters.get("weight")
-            if isinstance(weight, torch.nn.Parameter) and weight.dim() == 2 and weight.size(0) == num_nodes:
+            if _vertex_weight(m, num_nodes):
                 out.append((m, "weight"))
         elif _users_own(type(m)):
             for store in (m._parameters, m._buffers):
                 out += [(m, k) for k, t in store.items() if t is not None and t.dim() >= 1 and t.size(0) == num_nodes]
     return out
+
+
+def _vertex_weight(m: torch.nn.Module, num_nodes: int) -> bool:
+    """Whether ``m``'s ``weight`` is a 2-D parameter with a row per vertex (an embedding table, ``SparseLinear``'s)."""
+    weight = m._parameters.get("weight")
+    return isinstance(weight, torch.nn.Parameter) and weight.dim() == 2 and weight.size(0) == num_nodes
 
 
 def layer_vertex_tensors(module: torch.nn.Module, num_nodes: int) -> List[Tuple[str, str, str]]:
@@ -160,7 +165,7 @@ def layer_vertex_tensors(module: torch.nn.Module, num_nodes: int) -> List[Tuple[
     out = []
     for name, m in module.named_modules():
         if isinstance(m, MessagePassing) and not type(m).__module__.startswith("torch_geometric."):
-            tables = {"weight"} if any(o is m for o, _ in vertex_tables(m, num_nodes)) else set()
+            tables = {"weight"} if _vertex_weight(m, num_nodes) else set()
             out += [(name, type(m).__name__, k) for store in (m._parameters, m._buffers) for k, t in store.items()
                     if k not in tables and t is not None and t.dim() >= 1 and t.size(0) == num_nodes]
     return out

@@ -13,7 +13,7 @@ from .comm import CATEGORIES, Comm, RemoteRankError
 from .config import PipelineConfig
 from .engine import GNNPipeEngine
 from .plan.formulas import gnnpipe_bytes, graph_parallel_bytes, halo_rows, ring_halo_bytes, ring_halo_rows
-from .plan.plan import refuse_graph_builders
+from .plan.shape import refuse_graph_builders
 from .runtime.weights import sync_module_state
 
 __all__ = ["Comm", "CATEGORIES", "RemoteRankError", "GNNPipeEngine", "PipelineConfig", "refuse_graph_builders",

@@ -53,7 +53,8 @@ from .plan.grid import RankGrid
 from .step.layers import LayerHooks
 from .reroute import Rerouted, caller
 from .tree import unpack_rows
-from .plan.plan import Plan, Shape, decide_shape, make_plan
+from .plan.plan import Plan, make_plan
+from .plan.shape import Shape, decide_shape
 from .plan.grid_cost import regrid
 from .pass_memory import measuring_passes
 from .profile import layer_costs, release

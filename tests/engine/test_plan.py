@@ -13,8 +13,8 @@ from torch_geometric.nn import GCN, GCNConv, TopKPooling
 from pyg_pipe import UnsupportedModelError
 from pyg_pipe.engine import Comm, PipelineConfig
 from pyg_pipe.engine.plan.norms import refuse_statistics, resolve_statistics
-from pyg_pipe.engine.plan.plan import (chunk_count, check_resume, decide_shape, graph_digest, make_plan,
-                                  refuse_graph_builders)
+from pyg_pipe.engine.plan.plan import chunk_count, check_resume, graph_digest, make_plan
+from pyg_pipe.engine.plan.shape import decide_shape, refuse_graph_builders
 from pyg_pipe.model.inputs import CallInputs
 from tests.harness import ranges
 from tests.zoo import zoo_graph

@@ -4,7 +4,8 @@ from torch_geometric.nn import GCN
 
 from pyg_pipe.engine import Comm, PipelineConfig
 from pyg_pipe.engine.plan.grid import RankGrid
-from pyg_pipe.engine.plan.plan import decide_shape, make_plan
+from pyg_pipe.engine.plan.plan import make_plan
+from pyg_pipe.engine.plan.shape import decide_shape
 from pyg_pipe.engine.runtime.runtime import Runtime
 from pyg_pipe.model.inputs import CallInputs
 from pyg_pipe.model.trace import forward_function

@@ -14,7 +14,8 @@ from pyg_pipe.engine import Comm, PipelineConfig
 from pyg_pipe.engine.step import pipeline as step
 from pyg_pipe.engine.plan.grid import RankGrid
 from pyg_pipe.engine.step.layers import LayerHooks
-from pyg_pipe.engine.plan.plan import decide_shape, make_plan
+from pyg_pipe.engine.plan.plan import make_plan
+from pyg_pipe.engine.plan.shape import decide_shape
 from pyg_pipe.engine.runtime.runtime import Runtime
 from pyg_pipe.engine.step.norms import StatisticsHooks
 from pyg_pipe.model.inputs import CallInputs

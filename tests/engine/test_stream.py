@@ -14,7 +14,7 @@ from torch_geometric.nn import APPNP, GAT, GCN, DeepGCNLayer, GCNConv, MessagePa
 
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
 from pyg_pipe.engine.step import stream
-from pyg_pipe.engine.plan.plan import decide_shape
+from pyg_pipe.engine.plan.shape import decide_shape
 from pyg_pipe.model.inputs import CallInputs
 from tests.harness import ranges
 from tests.models import GCNIIStack, gcnii

@@ -7,7 +7,7 @@ from torch.distributed.pipelining import pipe_split as torch_pipe_split
 
 import pyg_pipe
 from pyg_pipe import SplitPoint
-from pyg_pipe.engine.plan.plan import stage_groups
+from pyg_pipe.model.split import stage_groups
 from pyg_pipe.model import balance, layer_groups, parameter_stages, split, trace
 from tests.models import CustomNet, gcnii, small_graph
 from tests.shapes import Flipped, ResGCNPlus, RevGNN

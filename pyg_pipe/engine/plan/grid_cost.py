@@ -301,7 +301,7 @@ def auto_grid(P: int, layers: int, inputs, config, seconds_of, memory_of, partit
 def regrid(shape, module: torch.nn.Module, fn, config, inputs, comm, saved_plan: Optional[dict],
            chosen: Optional[Tuple[int, int]], notes: Optional[List[str]] = None):
     """The engine's ``grid="auto"``: ``(shape, (S, W), the GridChoice where measured here)``.
-    ``shape``: the grid of one stage a device (:func:`~.plan.decide_shape`, traced); a checkpoint's plan
+    ``shape``: the grid of one stage a device (:func:`~.shape.decide_shape`, traced); a checkpoint's plan
     (``saved_plan``) or an earlier engine's choice (``chosen``) is taken instead of measuring again. The chunk
     choice is left to ``num_chunks`` for the grid chosen (``None``; ``"auto"``: :mod:`.chunk_cost`, whose count was
     measured within 10 % of the fastest in 6 of 8 settings, where this model's, which leaves out the engine's cost per
@@ -309,7 +309,7 @@ def regrid(shape, module: torch.nn.Module, fn, config, inputs, comm, saved_plan:
     is."""
     from ..pass_memory import training_pass_memory
     from ..profile import TRAINING_PASSES, training_pass_seconds
-    from .plan import Shape
+    from .shape import Shape
     P = comm.world_size
     if shape.program is None or shape.forced or shape.streaming or P == 1:
         return shape, None, None

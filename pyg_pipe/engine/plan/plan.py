@@ -17,23 +17,18 @@ from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence,
 import torch
 from torch import Tensor
 
-from ...model.errors import NoLayerCalled, UnsupportedModelError
+from ...model.errors import UnsupportedModelError
 from ...model.inputs import CallInputs, graph_edges, same_structure
-from ...model.split import balance, parameter_stages, split, stage_groups
-from ...model.trace import Program, trace, trace_other_mode
+from ...model.split import balance, parameter_stages, split
 from ..config import PipelineConfig
 from .chunk_cost import choose_chunks
 from .decide import root_decides
 from .memory_fit import fit_memory, measure_memory, memory_room, probe_scale
 from .norms import refuse_statistics, resolve_statistics
-from .grid import check_chunks_per_way, grid_shape, ways_for_layers
+from .grid import check_chunks_per_way
+from .shape import Shape
 
 log = logging.getLogger("pyg_pipe")
-
-#: refused in every mode, with why (pooling builds a graph from the vertices' values; hyperedges are no graph)
-GRAPH_BUILDERS = {**{n: "builds a new graph from the vertices' values (pooling)" for n in (
-    "TopKPooling", "SAGPooling", "EdgePooling", "ASAPooling", "PANPooling", "MemPooling", "ClusterPooling")},
-    "HypergraphConv": "takes hyperedges (vertex, hyperedge pairs), not a graph between vertices"}
 
 
 @dataclass(frozen=True)
@@ -101,70 +96,6 @@ class Plan:
                 "sizes": list(self.sizes) if self.sizes is not None else None, "digest": self.digest,
                 "streaming": self.streaming, "offload": self.offload}
 
-
-@dataclass(frozen=True)
-class Shape:
-    """The grid and the model's layer groups, decided from the model before the graph is chunked."""
-
-    stages: int
-    ways: int
-    program: Optional[Program]
-    groups: Optional[list]
-    forced: bool
-    ways_added: bool
-    notes: Tuple[str, ...] = ()
-    streaming: bool = False
-
-
-def decide_shape(module: torch.nn.Module, inputs: CallInputs, world_size: int, stages: Optional[int],
-                 ways: Optional[int], min_ways: int, split_points, streaming: Union[bool, str] = False,
-                 fn=None) -> Shape:
-    """The grid for this model: as configured, or one stage per device with graph-parallel ways added
-    when the model has fewer layers than devices; and, with several stages (or streaming on one
-    device), the traced program cut into layer groups (the user's split points when marked).
-    ``streaming``: stream on one device (a forward that does not trace streams as one group). ``fn``: the
-    method distributed (``None``: forward)."""
-    refuse_graph_builders(module)
-    S, W = grid_shape(world_size, stages, ways, min_ways)
-    if streaming:
-        if S * W != 1:
-            raise ValueError(f"streaming=True runs on one device, but this run has {S * W}; pass streaming=False "
-                             f"(or 'auto') to pipeline over the devices.")
-        try:
-            program = trace(module, inputs.args, inputs.kwargs, fn)
-        except UnsupportedModelError as exc:
-            note = (f"pyg_pipe: the forward of {type(module).__name__} does not trace into layer groups ({exc}); "
-                    f"streaming it as one group, where every propagate of a computed value waits for all chunks "
-                    f"(exact, but the forward runs once per such layer).")
-            log.info(note)
-            return Shape(1, 1, None, None, False, False, (note,), streaming=True)
-        groups, forced = stage_groups(program, split_points)
-        return Shape(1, 1, program, groups, forced, False, streaming=True)
-    if S == 1:
-        return Shape(S, W, None, None, False, False)
-    try:
-        program = trace(module, inputs.args, inputs.kwargs, fn)
-        groups, forced = stage_groups(program, split_points)
-        if stages is None:
-            trace_other_mode(module, inputs.args, inputs.kwargs, fn)
-    except NoLayerCalled:  # (PMLP trains as an MLP) no stage to cut: every device a way, unless stages are set
-        if stages is not None:
-            raise
-        program, groups, forced = None, [], False
-    L = len(groups)
-    if L >= S or forced:
-        return Shape(S, W, program, groups, forced, False)
-    if stages is not None:
-        raise UnsupportedModelError(
-            f"The model has {L} message-passing layers but the pipeline has {S} stages; every stage needs at least "
-            f"one layer. Use at most {L} stages, strategy='gnnpipe_hybrid' (stages x graph-parallel ways), or a "
-            f"deeper model.")
-    S2, W2 = ways_for_layers(world_size, L, W)
-    what = f"has {L} message-passing layers" if program else "calls no message-passing layer in its forward now"
-    note = (f"pyg_pipe: the model {what} for {world_size} devices: running {S2} pipeline stage{'s' if S2 > 1 else ''} "
-            f"x {W2} graph-parallel ways.")
-    log.info(note)
-    return Shape(S2, W2, *((program, groups, forced) if S2 > 1 else (None, None, False)), True, (note,))
 
 def make_plan(module: torch.nn.Module, config: PipelineConfig, shape: Shape, inputs: CallInputs, comm, root: int,
               sizes: Optional[Sequence[int]] = None, costs: Optional[Callable[[Tensor, Tensor], List[float]]] = None,
@@ -317,16 +248,6 @@ def _node_inputs(inputs: CallInputs) -> List[Tensor]:
         values += [v for _, v in d.items()]
     return [v for v in values if isinstance(v, Tensor) and v.layout == torch.strided and v.dim() > 0
             and v.is_floating_point() and v.size(0) == inputs.num_nodes]
-
-
-def refuse_graph_builders(module: torch.nn.Module) -> None:
-    """Refuses modules that build a new graph from the vertices' values (pooling) or take hyperedges, naming them."""
-    for name, m in module.named_modules():
-        if type(m).__name__ in GRAPH_BUILDERS:
-            raise UnsupportedModelError(
-                f"Module '{name}' ({type(m).__name__}) {GRAPH_BUILDERS[type(m).__name__]}; pyg_pipe cuts one fixed "
-                f"graph between vertices into chunks, and cannot follow graphs built during the forward. Train this "
-                f"model on one device (no pyg_pipe strategy).")
 
 
 def graph_digest(graph: Tensor) -> int:

@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch.distributed.pipelining import SplitPoint, pipe_split
 from torch_geometric.nn import MessagePassing
 
-from .errors import NoLayerCalled, UnsupportedModelError
+from .errors import CannotTrace, NoLayerCalled, UnsupportedModelError
 from .norms import needs_statistics
 
 __all__ = ["Program", "trace", "pipe_split", "SplitPoint", "forward_function", "as_layer_call"]
@@ -270,13 +270,15 @@ def _trace_with_fallback(model, fn, args, kwargs) -> fx.Graph:
                     f"forward cannot be cut into chunks in any mode. Compute it in the data pipeline, as a "
                     f"transform (T.ToUndirected(), T.AddSelfLoops()) or as another graph passed to forward "
                     f"(data.edge_index2 = ...; every graph passed is cut into chunks).") from exc
-            raise UnsupportedModelError(
-                f"pyg_pipe cannot split {type(model).__name__} into pipeline stages: torch.fx cannot trace its "
-                f"forward ({type(exc).__name__}: {exc}). A submodule that does not trace runs whole as one pipeline "
-                f"unit, but the top-level forward must chain its units without Python control flow on tensor values "
-                f"or item assignment: move that code into a submodule (then pipe_split() or split_points={{...}} "
-                f"choose where stages start), or use strategy='graph_parallel' (or one stage), which runs any "
-                f"forward as it is.") from exc
+            method, reason = f"{type(model).__name__}.{fn.__name__}", f"{type(exc).__name__}: {exc}"
+            raise CannotTrace(
+                f"pyg_pipe cannot split {type(model).__name__} into pipeline stages: torch.fx cannot trace "
+                f"{method} ({reason}). A submodule that does not trace "
+                f"runs whole as one pipeline unit, but the method the strategy distributes must chain its units "
+                f"without Python control flow on tensor values or item assignment: move that code into a submodule "
+                f"(then pipe_split() or split_points={{...}} choose where stages start), or leave the stage count to "
+                f"strategy='gnnpipe' or use strategy='graph_parallel', which run any method as it is on "
+                f"graph-parallel ways.", method, reason) from exc
         finally:
             model.__class__ = cls
             assigned = any(m._buffers.get(k) is not t for m, held in buffers for k, t in held.items())

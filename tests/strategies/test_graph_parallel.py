@@ -135,6 +135,39 @@ def test_gnnpipe_on_a_shallow_model_adds_graph_parallel_ways(data, tmp_path):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
 
 
+class _DataDependent(torch.nn.Module):
+    """Python control flow on a tensor value between the layers (a parameter's: a value over the vertices would be
+    refused where the graph is cut): torch.fx cannot cut it into stages."""
+
+    def __init__(self):
+        from torch_geometric.nn import SAGEConv
+        super().__init__()
+        self.a, self.b = SAGEConv(8, 8), SAGEConv(8, 3)
+        self.gate = torch.nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x, edge_index):
+        x = self.a(x, edge_index)
+        if self.gate > 0:
+            x = x.relu() * self.gate
+        return self.b(x, edge_index)
+
+
+def test_gnnpipe_runs_a_forward_that_does_not_trace_on_graph_parallel_ways(data, tmp_path):
+    """A forward torch.fx cannot trace cannot be cut into stages: strategy="gnnpipe" (no stage count given) runs it on
+    1 stage x 2 ways, says so, and is exact (with stages=2 asked for, it is refused: tests/engine/test_errors.py)."""
+    torch.manual_seed(0)
+    model = _DataDependent()
+    ref = reference_fit(model, data, epochs=3)
+    lit = NodeClassifier(model)
+    strategy = pyg_pipe.GNNPipeStrategy(start_method="spawn", comm_timeout=60)
+    t = trainer(strategy, 2, tmp_path)
+    t.fit(lit, train_dataloaders=graph_loader(data))
+    assert any("_DataDependent.forward does not trace into pipeline stages (TraceError" in note
+               and "1 pipeline stage x 2 graph-parallel ways" in note for note in strategy.notes), strategy.notes
+    for (name, p), q in zip(lit.model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
+
+
 class _StepCallsTheLayer(pl.LightningModule):
     """PyG's sgc.py in Lightning: the layer itself is the model (``self.model = SGConv(...)``), no forward; the
     steps call it."""

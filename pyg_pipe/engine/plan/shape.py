@@ -1,6 +1,7 @@
 """The grid and the model's layer groups (:class:`Shape`), decided from the model before the graph is chunked:
 the stages and graph-parallel ways as configured, or one stage per device with ways added where the model cannot
-be cut into that many stages (fewer layers than devices, no layer in the traced mode); and, with several stages or streaming, the traced program cut into layer groups. Modules that build a new
+be cut into that many stages (fewer layers than devices, no layer in the traced mode, a method torch.fx cannot
+trace); and, with several stages or streaming, the traced program cut into layer groups. Modules that build a new
 graph during the forward are refused here, in every mode."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ...model.errors import NoLayerCalled, UnsupportedModelError
+from ...model.errors import CannotTrace, NoLayerCalled, UnsupportedModelError
 from ...model.inputs import CallInputs
 from ...model.split import stage_groups
 from ...model.trace import Program, trace, trace_other_mode
@@ -73,6 +74,14 @@ def decide_shape(module: torch.nn.Module, inputs: CallInputs, world_size: int, s
         if stages is not None:
             raise
         program, groups, forced = None, [], False
+    except CannotTrace as exc:  # no stages to cut either: graph-parallel ways run the method as it is
+        if stages is not None:
+            raise
+        S2, W2 = ways_for_layers(world_size, 1, W)
+        note = (f"pyg_pipe: {exc.method} does not trace into pipeline stages ({exc.reason}); running it on {S2} "
+                f"pipeline stage x {W2} graph-parallel ways, which run it as it is.")
+        log.info(note)
+        return Shape(S2, W2, None, None, False, True, (note,))
     L = len(groups)
     if L >= S or forced:
         return Shape(S, W, program, groups, forced, False)

@@ -9,7 +9,8 @@ from typing import Optional
 import torch
 
 #: the way out every refusal names last
-EXACT = "or train with one chunk and no graph-parallel ways (strategy='gnnpipe', num_chunks=1), which is exact."
+EXACT = ("or train with one chunk and no graph-parallel ways, which is exact: on one device, or as a pipeline of the "
+         "model's layers (strategy='gnnpipe', num_chunks=1) where its method splits into stages.")
 #: the fix named first when the operation found is a normalisation over the vertices written by hand
 NORM_FIX = ("For a normalisation over the vertices, use PyG's module for it (torch_geometric.nn's BatchNorm, "
             "InstanceNorm, GraphNorm, PairNorm, LayerNorm(mode='graph')), whose statistics pyg_pipe takes over "
@@ -92,7 +93,7 @@ def describe(frame, names, name: str, what: str, v: Optional[int], edges: bool =
         if module is None and isinstance(obj, torch.nn.Module) and id(obj) in names:
             name_in_model = names[id(obj)]
             module = f"module '{name_in_model}' ({type(obj).__name__})" if name_in_model else \
-                f"the forward of {type(obj).__name__}"
+                f"{type(obj).__name__}.{frame.f_code.co_name}"
         if frame.f_code is STEP_CODE:  # a step of a traced program
             node = frame.f_locals.get("node")
             where = where or (f"traced step '{node.name}'" if node is not None else "")

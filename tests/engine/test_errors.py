@@ -64,6 +64,38 @@ def test_graph_built_inside_forward_names_the_layer_and_the_fix():
         run_single(SelfLoops())
 
 
+class TrainingLabels(nn.Module):
+    """Takes the labels of the training vertices alone beside a per-vertex mask, as PyG's ``CorrectAndSmooth.correct``
+    does (``y_true`` has ``mask.sum()`` rows), and checks them against each other."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = SAGEConv(8, 3)
+
+    def forward(self, x, edge_index, y_train, mask):
+        out = self.conv(x, edge_index)
+        assert y_train.size(0) == int(mask.sum())
+        return out
+
+
+def test_an_error_on_part_of_the_graph_says_what_is_cut():
+    """The first pass over part of the graph raises (the mask is cut, the training labels are not): the error names
+    the method, what is cut and the way out, with the original error as its cause."""
+    x, edge_index, y, mask = small_graph()
+    model = TrainingLabels()
+    model(x, edge_index, y[mask], mask)  # whole: fine
+    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=4), Comm(torch.device("cpu")), num_stages=1)
+    engine.install()
+    try:
+        with pytest.raises(UnsupportedModelError, match=r"(?s)TrainingLabels.forward raised AssertionError.* on its "
+                                                        r"first pass over part of the graph. With num_chunks=4.*"
+                                                        r"y\[train_mask\].*one device") as info:
+            model(x, edge_index, y[mask], mask)
+        assert isinstance(info.value.__cause__, AssertionError)
+    finally:
+        engine.uninstall()
+
+
 def test_a_float_edge_index_is_named():
     x, edge_index, y, mask = small_graph()
     engine = GNNPipeEngine(GCN(8, 16, 2, 3), PipelineConfig(num_chunks=1), Comm(torch.device("cpu")), num_stages=1)

@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-
 from torch import Tensor
 
 from ...model.errors import UnsupportedModelError
 from ..runtime.runtime import Runtime
+from . import row_messages as texts
 from .rows import RowCheck
 
 
@@ -30,13 +30,34 @@ def verdict(rt: Runtime, check: RowCheck) -> None:
     check.verdict(rt.comm)
 
 
+def run_checked(rt: Runtime, check: Optional[RowCheck], runner, args, kwargs, given) -> tuple:
+    """``runner.run(args, kwargs, given)``, under ``check`` where there is one (the first pass of a mode over part of
+    the graph); an error raised there that is not pyg_pipe's own says what is cut (:func:`.row_messages.failed`),
+    the original error its cause."""
+    if check is None:
+        return runner.run(args, kwargs, given)
+    check.returned(list(given.values()))
+    with check:
+        try:
+            return runner.run(args, kwargs, given)
+        except Exception as exc:  # noqa: BLE001 - an error of the model's code on part of the graph
+            if type(exc).__module__.startswith("pyg_pipe") or isinstance(exc, torch.OutOfMemoryError):
+                raise  # (pyg_pipe's own: refusals, a peer's failure, the streamed pass's barriers)
+            raise UnsupportedModelError(texts.failed(method_name(rt), exc, check.cut)) from exc
+
+
+def method_name(rt: Runtime) -> str:
+    """``Model.method``: the method of the model the runtime distributes (``forward`` unless another)."""
+    fn = rt.programs.fn
+    return f"{type(rt.module).__name__}.{fn.__name__ if fn is not None else 'forward'}"
+
+
 def check_output(out, rows: int, rt: Optional[Runtime] = None) -> Tensor:
     """``out`` if it has a row per vertex of the chunk (``rows``), else the refusal, naming the method distributed
     (``rt``'s) and, for one number, the fix for a method that computes the loss itself."""
     if not isinstance(out, Tensor) or out.dim() == 0 or out.size(0) != rows:
         what = f"a {type(out).__name__}" if not isinstance(out, Tensor) else f"shape {tuple(out.shape)}"
-        fn = rt.programs.fn if rt is not None else None
-        method = f"{type(rt.module).__name__}.{fn.__name__}" if fn is not None else "its forward"
+        method = method_name(rt) if rt is not None else "its forward"
         loss = (f" If {method} computes the loss itself (a shared step), call the layers in a method that returns "
                 f"their output, forward(x, edge_index), and compute the loss from self(...) in {method}."
                 if isinstance(out, Tensor) and out.dim() == 0 and method != "its forward"

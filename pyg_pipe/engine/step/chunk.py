@@ -19,7 +19,7 @@ from ..runtime.halo import HaloPass
 from ..runtime.runtime import Runtime
 from ..runtime.statistics import Statistics, StatisticsHistory
 from ..tree import flatten, pack_rows, unflatten
-from .checks import check_output
+from .checks import check_output, run_checked
 from .rows import RowCheck
 from ..plan.memory_cost import add_storage, chunks_to_replay, predict, recompute_choice, storages
 
@@ -74,12 +74,7 @@ def run_chunk(rt: Runtime, run: HaloPass, localizer: Localizer, cgs: List[Chunke
             if next_key is not None and stage is not None:
                 rt.link.prefetch(next_key, stage.inputs)
         given = {k: _copied(v) for k, v in received.items()} if protect else received
-        if check is None:
-            sent, out = runner.run(args, kwargs, given)
-        else:
-            check.returned(list(given.values()))
-            with check:
-                sent, out = runner.run(args, kwargs, given)
+        sent, out = run_checked(rt, check, runner, args, kwargs, given)
     out, structure = pack_rows(out, lg.rows)
     return ChunkRecord(c, ctx, received, sent, out, stage.activation if stage is not None else None, key=link_key,
                        structure=structure)

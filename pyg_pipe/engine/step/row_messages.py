@@ -104,3 +104,15 @@ def describe(frame, names, name: str, what: str, v: Optional[int], edges: bool =
     what = what.format(rows=f"the rows of different {'edges' if edges else 'vertices'}")
     dim = f" (dimension {v} has one row per {'edge' if edges else 'vertex'})" if v is not None else ""
     return f"{module or 'the forward'} calls `{name}`, which {what}{dim}{f', at {where}' if where else ''}"
+
+
+def failed(method: str, exc: BaseException, cut: str) -> str:
+    """The distributed method raised on its first pass over part of the graph (an error the row check did not
+    explain): what is cut and what is not, and how to tell the model's own error from the cut's."""
+    said = f"{type(exc).__name__}{f': {exc}' if str(exc) else ''}"
+    return (f"{method} raised {said} on its first pass over part of the graph. With {cut}, each process runs it on "
+            f"part of the vertices at a time: its tensors with a row per vertex (or per edge) are cut to those "
+            f"vertices, anything else is handed whole, so a tensor with a row per some vertices only (the labels of "
+            f"the training vertices, y[train_mask], beside a mask that is cut) no longer matches them. Pass such "
+            f"values with a row per vertex (y and the mask, both cut), or run this method on one device. If it "
+            f"raises on one device too, the error is the model's own.")

@@ -53,7 +53,7 @@ from ..runtime.statistics import Statistics
 from ..runtime.store import Store
 from ..tree import flatten, pack_rows, unflatten
 from .barriers import StreamHalo, StreamInput, _Barrier
-from .checks import check_output, row_check
+from .checks import check_output, row_check, run_checked
 from .chunk import SavedBytes, rng_state, same_rng
 from .direct import DirectCalls
 from .layer_cache import CacheView, by_chunk
@@ -271,12 +271,7 @@ def _run(rt: Runtime, record: StreamRecord, g: int, c: int, halo: StreamHalo, gr
                     chunk_leaves[name] = value
                 received[name] = value
         runner = record.runners[g]
-        if check is None:
-            sent, out = runner.run(args, kwargs, received)
-        else:
-            check.returned(list(received.values()))
-            with check:
-                sent, out = runner.run(args, kwargs, received)
+        sent, out = run_checked(rt, check, runner, args, kwargs, received)
     for name, inp in inputs:
         rt.direct.saw(g, name, inp.used)
     structure = None

@@ -146,8 +146,9 @@ def as_layer_call(model: torch.nn.Module, fn: Callable) -> Callable:
     scope: Dict[str, Any] = {}
     exec(f"def forward({', '.join(heads)}):\n    return {params[0].name}({', '.join(calls[1:])})\n", scope)
     whole = scope["forward"]
-    whole.__defaults__, whole.__kwdefaults__ = fn.__defaults__, fn.__kwdefaults__
-    whole.__annotations__ = dict(getattr(fn, "__annotations__", {}))
+    base = inspect.unwrap(fn)  # (a decorated forward, ``@torch.no_grad()`` on LabelPropagation's: the defaults are its)
+    whole.__defaults__, whole.__kwdefaults__ = base.__defaults__, base.__kwdefaults__
+    whole.__annotations__ = dict(getattr(base, "__annotations__", {}))
     whole.__qualname__ = f"{type(model).__name__}.forward"
     return whole
 

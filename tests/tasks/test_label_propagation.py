@@ -51,3 +51,20 @@ def _worker(rank, world):
 
 def test_label_propagation_exact_or_refused():
     run_distributed(_worker, 2, timeout=300)
+
+
+def _same_engine_worker(rank, world):
+    x, edge_index, y, mask = small_graph()
+    model = LabelPropagation(num_layers=3, alpha=0.9)
+    engine = _engine(model, 1, 2)
+    try:
+        model(F.one_hot(y, 3).float(), edge_index, mask=mask)  # checked, exact
+        # the same mode, another kind of call (integer labels take another path through the forward): checked too
+        with pytest.raises(UnsupportedModelError, match=r"LabelPropagation.forward calls `max`"):
+            model(y, edge_index, mask=mask)
+    finally:
+        engine.uninstall()
+
+
+def test_another_kind_of_call_is_checked_on_its_first_pass():
+    run_distributed(_same_engine_worker, 2, timeout=300)

@@ -104,7 +104,7 @@ class Runtime:
         # free memory (decided once; results are the same either way, only copies differ)
         self.keep_inputs = 2 * node_input_bytes(inputs) <= free_memory(comm.device) // 8
         self.output_specs: Dict = {}
-        self.rows_checked: Set[str] = set()
+        self.rows_checked: Set[tuple] = set()  # the kinds of call whose first pass the row check ran (step/checks.py)
         self._derived: Dict = {}
         self.step = self.call = 0  # the training step and call of the model in it (set before each training call)
         self._names: Optional[Dict[int, str]] = None

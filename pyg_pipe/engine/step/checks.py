@@ -1,6 +1,6 @@
 """The checks a pass makes on what the user's model does with a cut graph, shared by the pipelined pass
 (:mod:`.pipeline`) and the streamed one (:mod:`.stream`): operations that combine vertex rows outside
-layers (:mod:`.rows`, on the first pass of each mode, agreed by every rank) and the model's output."""
+layers (:mod:`.rows`, on the first pass of each kind of call, agreed by every rank) and the model's output."""
 from __future__ import annotations
 
 from typing import Optional
@@ -9,24 +9,34 @@ import torch
 from torch import Tensor
 
 from ...model.errors import UnsupportedModelError
+from ...model.inputs import CallInputs, call_tensors
+from ..runtime.program import signature
 from ..runtime.runtime import Runtime
 from . import row_messages as texts
 from .rows import RowCheck
 
 
-def row_check(rt: Runtime, rows: int) -> Optional[RowCheck]:
+def call_kind(rt: Runtime, inputs: CallInputs) -> tuple:
+    """What the row check tells calls apart by: the mode, which arguments are tensors, ``None`` or which Python values
+    (:func:`~..runtime.program.signature`), and the tensors' dtypes."""
+    return signature(rt.module, inputs), tuple(t.dtype for t in call_tensors(inputs))
+
+
+def row_check(rt: Runtime, rows: int, kind: tuple) -> Optional[RowCheck]:
     """A check for operations that combine vertex rows outside layers (:mod:`.rows`), on the first
-    pass of each mode of a plan that cuts the graph (the same pass on every rank)."""
+    pass of each kind of call (:func:`call_kind`) of a plan that cuts the graph (the same pass on every rank). A
+    call that takes another path through the forward (labels as integers, not one-hot; a flag) is checked on its
+    own first pass; until 2026-11-29 only the first of each mode was."""
     plan = rt.plan
-    if plan.num_chunks == 1 or ("train" if rt.module.training else "eval") in rt.rows_checked:
+    if plan.num_chunks == 1 or kind in rt.rows_checked:
         return None
     cut = f"num_chunks={plan.num_chunks}" + (f" over {plan.ways} graph-parallel ways" if plan.ways > 1 else "")
     return RowCheck(rows, rt.module_names, cut)
 
 
-def verdict(rt: Runtime, check: RowCheck) -> None:
+def verdict(rt: Runtime, check: RowCheck, kind: tuple) -> None:
     """After the checked pass: every rank raises the same error if any rank found an operation."""
-    rt.rows_checked.add("train" if rt.module.training else "eval")
+    rt.rows_checked.add(kind)
     check.verdict(rt.comm)
 
 

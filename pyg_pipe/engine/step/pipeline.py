@@ -50,7 +50,7 @@ from ..runtime.sites import kind_of, same_as_first_chunk, site_keys
 from ..runtime.staleness import SampledRows
 from ..runtime.statistics import StatisticsHistory
 from ..tree import unpack_rows
-from .checks import check_output, row_check, verdict
+from .checks import call_kind, check_output, row_check, verdict
 from .chunk import (ChunkRecord, SavedBytes, decide_recompute, drain_chunk, input_storages, rng_state, run_chunk,
                     same_rng, sample_memory, share_output)
 
@@ -88,7 +88,7 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
     run = rt.halo.begin(history, rt.schedule.clocks(step), use_history, use_history)
     localizer = Localizer(inputs, rt.chunked, rt.adjacency, rt.tables, rt.keep_inputs)
     localizer.call = rt.call
-    sig = signature(rt.module, inputs)
+    sig, kind = signature(rt.module, inputs), call_kind(rt, inputs)
     runner, activation = rt.programs.runner(inputs), rt.programs.next_activation(inputs)
     start, end = rt.way_bounds[grid.way], rt.way_bounds[grid.way + 1]
     rt.comm.counting, rt.comm.boundary_dtype = True, rt.config.boundary_dtype
@@ -105,7 +105,7 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
         rt.meter.watch(rng_state(rt.comm.device))
     for i, c in enumerate(order):
         if reference is None:  # every chunk of the plan's first pass is checked (each runs to its end)
-            check = row_check(rt, rt.chunked[0].chunks[c].rows)
+            check = row_check(rt, rt.chunked[0].chunks[c].rows, kind)
         elif check is not None:
             check.next_chunk(rt.chunked[0].chunks[c].rows)
         keep = not replay or i == len(order) - 1  # the last chunk's drain comes next: nothing to save by replaying
@@ -141,7 +141,7 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
     rt.comm.counting, rt.comm.boundary_dtype = False, None
     rt.memory.done = True
     if check is not None:
-        verdict(rt, check)
+        verdict(rt, check, kind)
     if use_history:  # every row written, with this step's weights: how far the stale reads were (staleness.py)
         if watching:
             rt.meter.watched(rng_state(rt.comm.device))
@@ -191,7 +191,8 @@ def exact(rt: Runtime, inputs: CallInputs, history: Optional[CallHistory] = None
     run = rt.halo.begin(history, torch.zeros(grid.ways, dtype=torch.long), False, init)
     sig = signature(rt.module, inputs)
     lg = cgs[0].chunks[w]
-    check = row_check(rt, lg.rows)
+    kind = call_kind(rt, inputs)
+    check = row_check(rt, lg.rows, kind)
     localizer = Localizer(inputs, cgs, rt.adjacency, rt.tables, rt.keep_inputs)
     rec = run_chunk(rt, run, localizer, cgs, w, rt.programs.runner(inputs),
                     ("exact", sig, w), True, init=init, check=check, train=False,
@@ -202,7 +203,7 @@ def exact(rt: Runtime, inputs: CallInputs, history: Optional[CallHistory] = None
     full = share_output(rt, rec.out, lg.start, lg.end, ("exact", sig), rec.structure)
     rt.comm.flush()
     if check is not None:
-        verdict(rt, check)
+        verdict(rt, check, kind)
     return unpack_rows(full[cgs[0].inv], rt.output_specs[("exact", sig)][2])
 
 

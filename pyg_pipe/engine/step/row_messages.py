@@ -98,7 +98,7 @@ def describe(frame, names, name: str, what: str, v: Optional[int], edges: bool =
             node = frame.f_locals.get("node")
             where = where or (f"traced step '{node.name}'" if node is not None else "")
         elif not where and not frame.f_code.co_filename.startswith("<") and not frame.f_globals.get(
-                "__name__", "").startswith(("torch", "lightning", "pyg_pipe.engine")):  # ("<string>": code pyg_pipe made)
+                "__name__", "").startswith(("torch", "lightning", "pyg_pipe.engine")):  # ("<string>": made by pyg_pipe)
             where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     what = what.format(rows=f"the rows of different {'edges' if edges else 'vertices'}")

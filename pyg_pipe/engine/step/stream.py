@@ -53,7 +53,7 @@ from ..runtime.statistics import Statistics
 from ..runtime.store import Store
 from ..tree import flatten, pack_rows, unflatten
 from .barriers import StreamHalo, StreamInput, _Barrier
-from .checks import check_output, row_check, run_checked
+from .checks import call_kind, check_output, row_check, run_checked
 from .chunk import SavedBytes, rng_state, same_rng
 from .direct import DirectCalls
 from .layer_cache import CacheView, by_chunk
@@ -95,13 +95,14 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
     localizer = Localizer(inputs, rt.chunked, rt.adjacency, rt.tables, rt.keep_inputs)
     record = StreamRecord(rt, inputs, localizer, runners, store, [])
     record.localizer.call = rt.call if train else 0
-    checking = row_check(rt, cg.chunks[0].rows) is not None  # the first pass of this mode checks every group
+    kind = call_kind(rt, inputs)
+    checking = row_check(rt, cg.chunks[0].rows, kind) is not None  # this kind of call's first pass checks every group
     capturing = cg.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     keep = train and rt.stream_keep is True and (not capturing or (KEEP_WHEN_CAPTURED and rt.captured.keep_inside))
     out_full = None
     for g, runner in enumerate(runners):
         record.received.append(list(runner.stage.inputs) if g > 0 else [])  # (one untraced group: g = 0)
-        check = row_check(rt, cg.chunks[0].rows) if checking else None
+        check = row_check(rt, cg.chunks[0].rows, kind) if checking else None
         complete: List[str] = []
         reference = None
         while True:  # one pass over the chunks per barrier site met, and the last pass
@@ -157,7 +158,7 @@ def forward(rt: Runtime, inputs: CallInputs, train: bool, store: Store) -> Tuple
             for name in _last_used_by(record, g):
                 store.drop(name)
     if checking:
-        rt.rows_checked.add("train" if rt.module.training else "eval")
+        rt.rows_checked.add(kind)
     return out_full[cg.inv], record
 
 

@@ -137,6 +137,136 @@ def recommendation(chunks, seed: int, epochs: int, users: int = 1000, items: int
     return float((found[has] / want[has].clamp(max=20)).mean())
 
 
+def autoencoder(chunks, seed: int, epochs: int, variational: bool = False) -> float:
+    """PyG's autoencoder example (GAE / VGAE, a GCN encoder): test AUC of the held-out edges."""
+    import torch
+    from torch_geometric.data import Data
+    from torch_geometric.nn import GAE, VGAE, GCNConv
+    from torch_geometric.transforms import RandomLinkSplit
+    from torchmetrics.functional.classification import binary_auroc
+
+    from pyg_pipe.graph import sbm_graph
+
+    class Encoder(torch.nn.Module):  # the example's GCNEncoder / VariationalGCNEncoder
+        def __init__(self, i, o):
+            super().__init__()
+            self.conv1 = GCNConv(i, 2 * o)
+            self.conv2 = GCNConv(2 * o, o)
+            self.conv_logstd = GCNConv(2 * o, o) if variational else None
+
+        def forward(self, x, edge_index):
+            h = self.conv1(x, edge_index).relu()
+            if self.conv_logstd is None:
+                return self.conv2(h, edge_index)
+            return self.conv2(h, edge_index), self.conv_logstd(h, edge_index)
+
+    g = sbm_graph(2708, num_classes=7, avg_degree=4, num_features=64, seed=0)
+    torch.manual_seed(0)
+    train, _, test = RandomLinkSplit(num_val=0.05, num_test=0.1, is_undirected=True, split_labels=True,
+                                     add_negative_train_samples=False)(Data(x=g.x, edge_index=g.edge_index))
+    torch.manual_seed(seed)
+    model = (VGAE if variational else GAE)(Encoder(64, 16))
+    engine = _engine(model.encoder, chunks)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for epoch in range(epochs):
+        z = model.encode(train.x, train.edge_index)
+        torch.manual_seed(1000 * seed + epoch)  # recon_loss's negative samples
+        loss = model.recon_loss(z, train.pos_edge_label_index)
+        if variational:
+            loss = loss + model.kl_loss() / train.num_nodes
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        z = model.encode(train.x, train.edge_index)
+        pairs = torch.cat([test.pos_edge_label_index, test.neg_edge_label_index], 1)
+        label = torch.cat([torch.ones(test.pos_edge_label_index.size(1)), torch.zeros(test.neg_edge_label_index.size(1))])
+        auc = float(binary_auroc(model.decode(z, pairs, sigmoid=True), label.long()))
+    if engine is not None:
+        engine.uninstall()
+    return auc
+
+
+def relational(chunks, seed: int, epochs: int) -> float:
+    """The typed graph of examples/heterogeneous.py (papers and authors, ``to_homogeneous()``) with its R-GCN: test
+    accuracy of the papers."""
+    import torch
+    import torch.nn.functional as F
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "examples"))
+    from heterogeneous import RGCN, academic_graph, homogeneous
+
+    data = homogeneous(academic_graph())
+    torch.manual_seed(seed)
+    model = RGCN(data.num_features, 64, int(data.y.max()) + 1, int(data.edge_type.max()) + 1)
+    engine = _engine(model, chunks)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
+    for epoch in range(epochs):
+        torch.manual_seed(1000 * seed + epoch)
+        out = model(data.x, data.edge_index, data.edge_type)
+        loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        pred = model(data.x, data.edge_index, data.edge_type).argmax(-1)
+    if engine is not None:
+        engine.uninstall()
+    return float((pred[data.test_mask] == data.y[data.test_mask]).float().mean())
+
+
+def infomax(chunks, seed: int, epochs: int) -> float:
+    """PyG's infomax_transductive example (DeepGraphInfomax, a GCN encoder with PReLU, its encoder called twice a
+    step): test accuracy of a logistic regression on the embeddings (trained with torch: the example's scikit-learn
+    regression is not installed here), the labels of the community graph."""
+    import torch
+    import torch.nn.functional as F
+    from torch_geometric.nn import DeepGraphInfomax, GCNConv
+
+    from pyg_pipe.graph import sbm_graph
+
+    class Encoder(torch.nn.Module):
+        def __init__(self, i, h):
+            super().__init__()
+            self.conv, self.prelu = GCNConv(i, h), torch.nn.PReLU(h)
+
+        def forward(self, x, edge_index):
+            return self.prelu(self.conv(x, edge_index))
+
+    g = sbm_graph(2708, num_classes=7, avg_degree=4, num_features=64, seed=0)
+    torch.manual_seed(seed)
+    model = DeepGraphInfomax(128, encoder=Encoder(64, 128), summary=lambda z, *a, **k: z.mean(dim=0).sigmoid(),
+                             corruption=lambda x, ei: (x[torch.randperm(x.size(0))], ei))
+    engine = _engine(model.encoder, chunks)
+    opt = torch.optim.Adam(model.parameters(), lr=0.001)
+    for epoch in range(epochs):
+        torch.manual_seed(1000 * seed + epoch)  # the corruption's permutation
+        loss = model.loss(*model(g.x, g.edge_index))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        z = model(g.x, g.edge_index)[0]
+    if engine is not None:
+        engine.uninstall()
+    torch.manual_seed(0)
+    probe = torch.nn.Linear(z.size(1), int(g.y.max()) + 1)
+    popt = torch.optim.Adam(probe.parameters(), lr=0.01)
+    for _ in range(300):
+        popt.zero_grad()
+        F.cross_entropy(probe(z[g.train_mask]), g.y[g.train_mask]).backward()
+        popt.step()
+    return float((probe(z[g.test_mask]).argmax(-1) == g.y[g.test_mask]).float().mean())
+
+
+TASKS = {"link_prediction_auc": link_prediction, "lightgcn_recall@20": recommendation,
+         "gae_auc": autoencoder, "vgae_auc": lambda c, s, e: autoencoder(c, s, e, variational=True),
+         "rgcn_accuracy": relational, "infomax_accuracy": infomax}
+
+
 def _bytes_worker(rank, world, out_path):
     import torch
     import torch.nn.functional as F
@@ -195,6 +325,7 @@ def main():
     p.add_argument("--chunks", type=int, nargs="+", default=[8])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--epochs", type=int, default=100)
+    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     p.add_argument("--out", default=None)
     p.add_argument("--bytes", action="store_true", help="measure the bytes per step on 2 processes instead")
     args = p.parse_args()
@@ -204,7 +335,8 @@ def main():
         measure_bytes(args.out)
         return
     results = {}
-    for task, run in (("link_prediction_auc", link_prediction), ("lightgcn_recall@20", recommendation)):
+    for task in args.tasks:
+        run = TASKS[task]
         for chunks in [None] + args.chunks:
             name = "one process" if chunks is None else f"{chunks} chunks"
             values = [run(chunks, s, args.epochs) for s in args.seeds]
@@ -213,7 +345,7 @@ def main():
                   f"({', '.join(f'{v:.4f}' for v in values)})", flush=True)
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"epochs": args.epochs, "seeds": args.seeds, "results": results}, fh, indent=1)
+            json.dump({"epochs": args.epochs, "seeds": args.seeds, "tasks": args.tasks, "results": results}, fh, indent=1)
 
 
 if __name__ == "__main__":

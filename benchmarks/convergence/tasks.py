@@ -1,5 +1,6 @@
-"""Task metrics with chunks: link prediction's AUC and LightGCN's recall@20, one process against the engine
-with C chunks (history for the other chunks' rows, T1-T3 on), on generated graphs (offline).
+"""Task metrics with chunks: link prediction's AUC, LightGCN's recall@20, GAE's and VGAE's AUC, the R-GCN example's
+accuracy and DeepGraphInfomax's probe accuracy, one process against the engine with C chunks (history for the other
+chunks' rows, T1-T3 on), on generated graphs (offline).
 
 Whether a read is fresh depends on the chunks' clocks only, not on which stage runs the layer, so one process
 with one stage and C chunks (``streaming=False``) reads history as gnnpipe does with C chunks on its stages
@@ -12,6 +13,7 @@ with one stage and C chunks (``streaming=False``) reads history as gnnpipe does 
   positive, Adam 0.01, recall@20 over all items the user did not train on.
 
     python benchmarks/convergence/tasks.py --chunks 8 --seeds 0 1 2 --out docs/results/tasks.json
+    python benchmarks/convergence/tasks.py --tasks gae_auc vgae_auc rgcn_accuracy infomax_accuracy --chunks 8 32
     python benchmarks/convergence/tasks.py --bytes --out docs/results/tasks_bytes.json   # bytes per step, 2 processes
 
 ``--bytes``: the bytes one training step sends, summed over 2 processes, by category, for both models in

@@ -43,7 +43,7 @@ def decide_shape(module: torch.nn.Module, inputs: CallInputs, world_size: int, s
                  ways: Optional[int], min_ways: int, split_points, streaming: Union[bool, str] = False,
                  fn=None) -> Shape:
     """The grid for this model: as configured, or one stage per device with graph-parallel ways added
-    when the model has fewer layers than devices; and, with several stages (or streaming on one
+    when the model has fewer layers than devices or its method does not trace (no stage count given); and, with several stages (or streaming on one
     device), the traced program cut into layer groups (the user's split points when marked).
     ``streaming``: stream on one device (a forward that does not trace streams as one group). ``fn``: the
     method distributed (``None``: forward)."""
@@ -56,9 +56,10 @@ def decide_shape(module: torch.nn.Module, inputs: CallInputs, world_size: int, s
         try:
             program = trace(module, inputs.args, inputs.kwargs, fn)
         except UnsupportedModelError as exc:
-            note = (f"pyg_pipe: the forward of {type(module).__name__} does not trace into layer groups ({exc}); "
-                    f"streaming it as one group, where every propagate of a computed value waits for all chunks "
-                    f"(exact, but the forward runs once per such layer).")
+            what = getattr(exc, "method", "") or f"the forward of {type(module).__name__}"
+            note = (f"pyg_pipe: {what} does not trace into layer groups ({exc}); streaming it as one group, where "
+                    f"every propagate of a computed value waits for all chunks (exact, but the forward runs once per "
+                    f"such layer).")
             log.info(note)
             return Shape(1, 1, None, None, False, False, (note,), streaming=True)
         groups, forced = stage_groups(program, split_points)

@@ -43,8 +43,9 @@ def decide_shape(module: torch.nn.Module, inputs: CallInputs, world_size: int, s
                  ways: Optional[int], min_ways: int, split_points, streaming: Union[bool, str] = False,
                  fn=None) -> Shape:
     """The grid for this model: as configured, or one stage per device with graph-parallel ways added
-    when the model has fewer layers than devices or its method does not trace (no stage count given); and, with several stages (or streaming on one
-    device), the traced program cut into layer groups (the user's split points when marked).
+    when the model has fewer layers than devices or its method does not trace (no stage count given); and, with
+    several stages (or streaming on one device), the traced program cut into layer groups (the user's split points
+    when marked).
     ``streaming``: stream on one device (a forward that does not trace streams as one group). ``fn``: the
     method distributed (``None``: forward)."""
     refuse_graph_builders(module)

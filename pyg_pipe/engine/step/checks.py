@@ -16,10 +16,11 @@ from . import row_messages as texts
 from .rows import RowCheck
 
 
-def call_kind(rt: Runtime, inputs: CallInputs) -> tuple:
+def call_kind(rt: Runtime, inputs: CallInputs, sig: Optional[tuple] = None) -> tuple:
     """What the row check tells calls apart by: the mode, which arguments are tensors, ``None`` or which Python values
-    (:func:`~..runtime.program.signature`), and the tensors' dtypes."""
-    return signature(rt.module, inputs), tuple(t.dtype for t in call_tensors(inputs))
+    (``sig``, :func:`~..runtime.program.signature`, computed if not given), and the tensors' dtypes."""
+    sig = signature(rt.module, inputs) if sig is None else sig
+    return sig, tuple(t.dtype for t in call_tensors(inputs))
 
 
 def row_check(rt: Runtime, rows: int, kind: tuple) -> Optional[RowCheck]:
@@ -41,9 +42,9 @@ def verdict(rt: Runtime, check: RowCheck, kind: tuple) -> None:
 
 
 def run_checked(rt: Runtime, check: Optional[RowCheck], runner, args, kwargs, given) -> tuple:
-    """``runner.run(args, kwargs, given)``, under ``check`` where there is one (the first pass of a mode over part of
-    the graph); an error raised there that is not pyg_pipe's own says what is cut (:func:`.row_messages.failed`),
-    the original error its cause."""
+    """``runner.run(args, kwargs, given)``, under ``check`` where there is one (the first pass of a kind of call over
+    part of the graph, :func:`row_check`); an error raised there that is not pyg_pipe's own says what is cut
+    (:func:`.row_messages.failed`), the original error its cause."""
     if check is None:
         return runner.run(args, kwargs, given)
     check.returned(list(given.values()))

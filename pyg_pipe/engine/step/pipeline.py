@@ -88,7 +88,8 @@ def fill(rt: Runtime, inputs: CallInputs, step: int, call: int) -> Tuple[Tensor,
     run = rt.halo.begin(history, rt.schedule.clocks(step), use_history, use_history)
     localizer = Localizer(inputs, rt.chunked, rt.adjacency, rt.tables, rt.keep_inputs)
     localizer.call = rt.call
-    sig, kind = signature(rt.module, inputs), call_kind(rt, inputs)
+    sig = signature(rt.module, inputs)
+    kind = call_kind(rt, inputs, sig)
     runner, activation = rt.programs.runner(inputs), rt.programs.next_activation(inputs)
     start, end = rt.way_bounds[grid.way], rt.way_bounds[grid.way + 1]
     rt.comm.counting, rt.comm.boundary_dtype = True, rt.config.boundary_dtype
@@ -191,7 +192,7 @@ def exact(rt: Runtime, inputs: CallInputs, history: Optional[CallHistory] = None
     run = rt.halo.begin(history, torch.zeros(grid.ways, dtype=torch.long), False, init)
     sig = signature(rt.module, inputs)
     lg = cgs[0].chunks[w]
-    kind = call_kind(rt, inputs)
+    kind = call_kind(rt, inputs, sig)
     check = row_check(rt, lg.rows, kind)
     localizer = Localizer(inputs, cgs, rt.adjacency, rt.tables, rt.keep_inputs)
     rec = run_chunk(rt, run, localizer, cgs, w, rt.programs.runner(inputs),

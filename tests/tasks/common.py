@@ -9,8 +9,18 @@ from pyg_pipe import GNNPipeStrategy, GraphParallelStrategy
 from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
 from tests.harness import ranges
 from tests.lit import graph_loader
+from tests.models import as_data, small_graph
 
 EPOCHS = 3
+
+
+def graph_with_negatives():
+    """The small test graph as a ``Data`` with ``neg_edge_index``: as many random vertex pairs as edges, drawn once
+    (the auto-encoders' reconstruction loss reads them; fixed, so every rank and the reference use the same)."""
+    data = as_data(*small_graph())
+    gen = torch.Generator().manual_seed(1)
+    data.neg_edge_index = torch.randint(0, data.num_nodes, (2, data.edge_index.size(1)), generator=gen)
+    return data
 
 
 def trained_on_one_process(model, loss_of, data, lr: float):

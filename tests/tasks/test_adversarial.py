@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch_geometric.nn import ARGVA, GCNConv
 
-from tests.models import as_data, small_graph
-from tests.tasks.common import EPOCHS, assert_same_parameters, fit_exact
+from tests.tasks.common import EPOCHS, assert_same_parameters, fit_exact, graph_with_negatives
 
 
 class Encoder(torch.nn.Module):
@@ -75,9 +74,7 @@ class Adversarial(pl.LightningModule):
 
 @pytest.mark.parametrize("strategy", ["graph_parallel", "gnnpipe"])
 def test_pyg_argva_trains_as_on_one_device(strategy, tmp_path):
-    data = as_data(*small_graph())
-    gen = torch.Generator().manual_seed(1)
-    data.neg_edge_index = torch.randint(0, data.num_nodes, (2, data.edge_index.size(1)), generator=gen)
+    data = graph_with_negatives()
     torch.manual_seed(0)
     model = ARGVA(Encoder(data.num_features, 16, 8), Discriminator(8, 16, 1))
     ref = copy.deepcopy(model)

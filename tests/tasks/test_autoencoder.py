@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch_geometric.nn import GCNConv, VGAE
 
-from tests.models import as_data, small_graph
-from tests.tasks.common import assert_same_parameters, fit_exact, trained_on_one_process
+from tests.tasks.common import assert_same_parameters, fit_exact, graph_with_negatives, trained_on_one_process
 
 
 class VariationalGCNEncoder(torch.nn.Module):
@@ -44,9 +43,7 @@ class AutoEncoder(pl.LightningModule):
 
 @pytest.mark.parametrize("strategy", ["graph_parallel", "gnnpipe"])
 def test_pyg_vgae_trains_as_on_one_device(strategy, tmp_path):
-    data = as_data(*small_graph())
-    gen = torch.Generator().manual_seed(1)
-    data.neg_edge_index = torch.randint(0, data.num_nodes, (2, data.edge_index.size(1)), generator=gen)
+    data = graph_with_negatives()
     torch.manual_seed(0)
     model = VGAE(VariationalGCNEncoder(data.num_features, 8))
     ref = trained_on_one_process(model, vgae_loss, data, lr=0.05)

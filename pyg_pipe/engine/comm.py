@@ -66,6 +66,12 @@ class RemoteRankError(RuntimeError):
     """Another rank failed; the message carries its original error."""
 
 
+class CommFailure(RuntimeError):
+    """A transfer or collective could not complete and no rank posted why: a peer stopped, is stuck, or is slower
+    than ``comm_timeout`` (a peer that failed and posted its error gives :class:`RemoteRankError` instead). Not an
+    error of the model's code: a pass that meets it says so as it is (:func:`~.step.checks.run_checked`)."""
+
+
 class PendingRecv:
     """A posted receive (:meth:`Comm.irecv`): :meth:`get` waits for it and returns the tensor."""
 
@@ -290,7 +296,7 @@ class Comm:
             return fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - translated below
             self.check_remote_error()
-            raise RuntimeError(f"pyg_pipe rank {self.rank}: {what} could not be posted ({exc}). Another rank "
+            raise CommFailure(f"pyg_pipe rank {self.rank}: {what} could not be posted ({exc}). Another rank "
                                f"stopped.") from exc
 
     def wait(self, work, what: str) -> None:
@@ -304,7 +310,7 @@ class Comm:
             work.wait(timedelta(seconds=self.timeout))
         except Exception as exc:  # noqa: BLE001 - translated below
             self.check_remote_error()
-            raise RuntimeError(
+            raise CommFailure(
                 f"pyg_pipe rank {self.rank}: {what} failed ({exc}). Another rank is stuck or died; if stages are "
                 f"just slow, raise `comm_timeout` (now {self.timeout:.0f} s).") from exc
         finally:

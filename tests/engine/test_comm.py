@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pyg_pipe.engine import CATEGORIES, Comm, RemoteRankError
+from pyg_pipe.engine import CATEGORIES, Comm, CommFailure, RemoteRankError
 from tests.dist import run_distributed
 
 CPU = torch.device("cpu")
@@ -152,7 +152,7 @@ def _silent_peer(rank, pair01):
                 slow.recv((3,), torch.float32, 1)
         finally:
             store.set("test/timed_out", "1")
-        assert type(info.value) is RuntimeError, f"a timeout is not a remote error: {info.value!r}"
+        assert type(info.value) is CommFailure, f"a timeout is not a remote error: {info.value!r}"
         msg = str(info.value)
         assert "receive from rank 1" in msg and "comm_timeout" in msg and "now 2 s" in msg, msg
     elif rank == 1:

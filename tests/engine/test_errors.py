@@ -1,13 +1,15 @@
 """Bad input is refused before training, identically on every rank, with the problem and the fix named."""
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch_geometric.data import Batch, Data
 from torch_geometric.nn import GCN, GCNConv, SAGEConv
 from torch_geometric.utils import add_self_loops, to_undirected
 
 from pyg_pipe import GNNPipeStrategy, UnsupportedModelError
-from pyg_pipe.engine import Comm, GNNPipeEngine, PipelineConfig
+from pyg_pipe.engine import Comm, CommFailure, GNNPipeEngine, PipelineConfig
+from pyg_pipe.engine.context import current
 from pyg_pipe.strategies.batch import check_batch
 from tests.dist import run_distributed
 from tests.models import small_graph
@@ -94,6 +96,42 @@ def test_an_error_on_part_of_the_graph_says_what_is_cut():
         assert isinstance(info.value.__cause__, AssertionError)
     finally:
         engine.uninstall()
+
+
+def _stuck_peer(rank, world):
+    """Rank 1 stalls in its first pass (before its first layer), rank 0 waits for its halo rows and times out."""
+    store = dist.distributed_c10d._get_default_store()
+    x, edge_index, y, mask = small_graph()
+    torch.manual_seed(0)
+    model = GCN(8, 16, 2, 3)
+    stalled = []
+
+    def stall(module, args):
+        if current() is not None and not stalled:  # (inside the pass, not in planning)
+            stalled.append(True)
+            store.wait(["test/released"])
+    if rank == 1:
+        model.convs[0].register_forward_pre_hook(stall)
+    engine = GNNPipeEngine(model, PipelineConfig(num_chunks=2), Comm(torch.device("cpu"), timeout=3),
+                           num_stages=1, ways=2)
+    engine.install()
+    try:
+        with pytest.raises(CommFailure, match="Another rank (is stuck or died|stopped)") as info:
+            model(x, edge_index)
+        assert not isinstance(info.value, UnsupportedModelError)
+    finally:
+        engine.uninstall()
+        if rank == 0:
+            store.set("test/released", "1")
+            store.wait(["test/done"])  # (rank 0 hosts the store: it outlives rank 1's wait in it)
+        else:
+            store.set("test/done", "1")
+
+
+def test_a_silent_peer_in_the_first_pass_is_not_blamed_on_the_model():
+    """The first pass over part of the graph wraps the model's own errors (above), not the transport's: a peer that
+    stops answering there is the wait's error as it is, on both ranks."""
+    run_distributed(_stuck_peer, 2, timeout=90)
 
 
 def test_a_float_edge_index_is_named():

@@ -52,9 +52,14 @@ def run_checked(rt: Runtime, check: Optional[RowCheck], runner, args, kwargs, gi
         try:
             return runner.run(args, kwargs, given)
         except Exception as exc:  # noqa: BLE001 - an error of the model's code on part of the graph
-            if type(exc).__module__.startswith("pyg_pipe") or isinstance(exc, torch.OutOfMemoryError):
-                raise  # (pyg_pipe's own: refusals, a peer's failure, the streamed pass's barriers)
+            if type(exc).__module__.startswith("pyg_pipe") or isinstance(exc, _NOT_THE_MODELS):
+                raise  # (pyg_pipe's own: refusals, a peer's failure or silence, the streamed pass's barriers)
             raise UnsupportedModelError(texts.failed(method_name(rt), exc, check.cut)) from exc
+
+
+#: errors a pass can meet that say nothing about the model's code on part of the graph: out of memory, and the
+#: transport's own (a collective called by the model's code that lost its peer)
+_NOT_THE_MODELS = (torch.OutOfMemoryError, getattr(torch.distributed, "DistError", torch.OutOfMemoryError))
 
 
 def method_name(rt: Runtime) -> str:

@@ -17,6 +17,7 @@ gradient scaling)::
     none      shuffle_chunks=False, snapshot_period=None, unbiased_gradients=False
     t1 / t2 / t3   one trick alone
     noT3      the defaults without T3 (unbiased_gradients=False: T1 and T2 on)
+    noT2      the defaults without T2 (snapshot_period=None: stale reads one update old, T1 and T3 on)
     bound     the defaults and max_staleness=0.1 (refresh when a step's drift passes 10 %; with dropout,
               since 2026-11-26, when the probes' drift per update times the age of the next step's reads
               does: runtime/staleness.py); bound0.03 / bound0.3 the same with 0.03 / 0.3
@@ -70,6 +71,7 @@ MODES = {
     "t2": dict(shuffle_chunks=False, unbiased_gradients=False),
     "t3": dict(shuffle_chunks=False, snapshot_period=None),
     "noT3": dict(unbiased_gradients=False),
+    "noT2": dict(snapshot_period=None),
     "bound": dict(max_staleness=0.1),
     "bound0.03": dict(max_staleness=0.03),
     "bound0.3": dict(max_staleness=0.3),

@@ -158,6 +158,75 @@ class _TwoConvs(torch.nn.Module):
         return self.conv2(F.dropout(x, self.dropout, self.training), edge_index)
 
 
+class _RevBlock(torch.nn.Module):
+    """``rev_gnn.py``'s block: LayerNorm, ReLU, the mask shared by every block (dropout drawn once a step), SAGE."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        from torch_geometric.nn import SAGEConv
+        self.norm, self.conv = torch.nn.LayerNorm(channels), SAGEConv(channels, channels)
+
+    def forward(self, x, edge_index, mask=None):
+        x = self.norm(x).relu()
+        return self.conv(x if mask is None else x * mask, edge_index)
+
+
+class _RevGNN(torch.nn.Module):
+    """``rev_gnn.py``'s RevGNN: ``lin1``, reversible blocks (PyG's ``GroupAddRev``, 2 groups, inputs rebuilt in the
+    backward) sharing one dropout mask, LayerNorm, ReLU, dropout, ``lin2`` (the example: hidden 160, 7 layers,
+    dropout 0.5)."""
+
+    def __init__(self, hidden: int = 160, layers: int = 7, dropout: float = 0.5, groups: int = 2):
+        super().__init__()
+        from torch_geometric.nn import GroupAddRev
+        self.lin1, self.lin2 = torch.nn.Linear(32, hidden), torch.nn.Linear(hidden, 8)
+        self.norm, self.dropout = torch.nn.LayerNorm(hidden), dropout
+        self.convs = torch.nn.ModuleList(GroupAddRev(_RevBlock(hidden // groups), num_groups=groups)
+                                         for _ in range(layers))
+
+    def forward(self, x, edge_index):
+        x = self.lin1(x)
+        mask = None
+        if self.training and self.dropout > 0:
+            mask = torch.zeros_like(x).bernoulli_(1 - self.dropout) / (1 - self.dropout)
+        for conv in self.convs:
+            x = conv(x, edge_index, mask)
+        x = F.dropout(self.norm(x).relu(), self.dropout, self.training)
+        return self.lin2(x)
+
+
+class _GeniePathLayer(torch.nn.Module):
+    """``geniepath.py``'s layer: breadth (a one-head GAT, tanh), then depth (an LSTM step over the vertices as its
+    batch, its state ``(1, N, d)`` carried from layer to layer)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        from torch_geometric.nn import GATConv
+        self.breadth, self.depth = GATConv(dim, dim, heads=1), torch.nn.LSTM(dim, dim, 1, bias=False)
+
+    def forward(self, x, edge_index, h, c):
+        x = torch.tanh(self.breadth(x, edge_index))
+        x, (h, c) = self.depth(x[None, :], (h, c))
+        return x[0], h, c
+
+
+class _GeniePath(torch.nn.Module):
+    """``geniepath.py``'s GeniePath: ``lin1``, 4 breadth-depth layers of width 256, ``lin2`` (no dropout)."""
+
+    def __init__(self, dim: int = 256, layers: int = 4):
+        super().__init__()
+        self.lin1, self.lin2, self.dim = torch.nn.Linear(32, dim), torch.nn.Linear(dim, 8), dim
+        self.layers = torch.nn.ModuleList(_GeniePathLayer(dim) for _ in range(layers))
+
+    def forward(self, x, edge_index):
+        x = self.lin1(x)
+        h = torch.zeros(1, x.size(0), self.dim, device=x.device)
+        c = torch.zeros(1, x.size(0), self.dim, device=x.device)
+        for layer in self.layers:
+            x, h, c = layer(x, edge_index, h, c)
+        return self.lin2(x)
+
+
 def pyg_example(name: str):
     """The models of PyG's node-classification examples as the examples build them (their widths, depths and
     dropouts; 32 features in, 8 classes out for the generated graph)."""
@@ -180,6 +249,10 @@ def pyg_example(name: str):
         return _TwoConvs(gnn.TAGConv(32, 16), gnn.TAGConv(16, 8))
     if name == "pyg-sgc":      # sgc.py: the layer itself as the model
         return gnn.SGConv(32, 8, K=2)
+    if name == "pyg-revgnn":   # rev_gnn.py: reversible SAGE blocks, 7 layers of 160
+        return _RevGNN()
+    if name == "pyg-geniepath":  # geniepath.py: GAT breadth, LSTM depth, 4 layers of 256
+        return _GeniePath()
     if name == "pyg-gcnii":    # gcn2_cora.py: 64 layers, alpha 0.1, theta 0.5, dropout 0.6
         from pyg_pipe.models import gcnii
         return gcnii(32, 64, 8, num_layers=64, alpha=0.1, theta=0.5, dropout=0.6)
@@ -187,7 +260,7 @@ def pyg_example(name: str):
 
 
 PYG_EXAMPLES = ["pyg-gcn", "pyg-gat", "pyg-sage", "pyg-appnp", "pyg-agnn", "pyg-arma", "pyg-tag", "pyg-sgc",
-                "pyg-gcnii"]
+                "pyg-gcnii", "pyg-revgnn", "pyg-geniepath"]
 
 
 class _LearnedInputs(torch.nn.Module):

@@ -227,6 +227,26 @@ class _GeniePath(torch.nn.Module):
         return self.lin2(x)
 
 
+class _MixHop(torch.nn.Module):
+    """``mixhop.py``'s MixHop: dropout 0.7 on the features, three ``MixHopConv`` layers (powers 0, 1, 2; 60 each)
+    with a BatchNorm after each and dropout 0.9, then a linear map (a graph-wide norm: with chunks, its statistics
+    from history by default)."""
+
+    def __init__(self):
+        super().__init__()
+        from torch_geometric.nn import BatchNorm, MixHopConv
+        self.convs = torch.nn.ModuleList([MixHopConv(32, 60, powers=[0, 1, 2]), MixHopConv(180, 60, powers=[0, 1, 2]),
+                                          MixHopConv(180, 60, powers=[0, 1, 2])])
+        self.norms = torch.nn.ModuleList(BatchNorm(180) for _ in range(3))
+        self.lin = torch.nn.Linear(180, 8)
+
+    def forward(self, x, edge_index):
+        x = F.dropout(x, 0.7, self.training)
+        for conv, norm in zip(self.convs, self.norms):
+            x = F.dropout(norm(conv(x, edge_index)), 0.9, self.training)
+        return self.lin(x)
+
+
 def pyg_example(name: str):
     """The models of PyG's node-classification examples as the examples build them (their widths, depths and
     dropouts; 32 features in, 8 classes out for the generated graph)."""
@@ -253,6 +273,8 @@ def pyg_example(name: str):
         return _RevGNN()
     if name == "pyg-geniepath":  # geniepath.py: GAT breadth, LSTM depth, 4 layers of 256
         return _GeniePath()
+    if name == "pyg-mixhop":   # mixhop.py: three MixHop layers with BatchNorm
+        return _MixHop()
     if name == "pyg-gcnii":    # gcn2_cora.py: 64 layers, alpha 0.1, theta 0.5, dropout 0.6
         from pyg_pipe.models import gcnii
         return gcnii(32, 64, 8, num_layers=64, alpha=0.1, theta=0.5, dropout=0.6)
@@ -260,7 +282,7 @@ def pyg_example(name: str):
 
 
 PYG_EXAMPLES = ["pyg-gcn", "pyg-gat", "pyg-sage", "pyg-appnp", "pyg-agnn", "pyg-arma", "pyg-tag", "pyg-sgc",
-                "pyg-gcnii", "pyg-revgnn", "pyg-geniepath"]
+                "pyg-gcnii", "pyg-revgnn", "pyg-geniepath", "pyg-mixhop"]
 
 
 class _LearnedInputs(torch.nn.Module):

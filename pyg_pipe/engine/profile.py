@@ -273,6 +273,11 @@ def grouped_pass_seconds(module: torch.nn.Module, fn: Callable, program: Program
                         env[node.name] = runner.step(node, env)
                     roots = [t for n in group if last[n.name] > i for t in flatten(env[n.name])[0]
                              if isinstance(t, Tensor) and t.requires_grad and t.is_floating_point()]
+                    total += time.perf_counter() - t0
+                    for n in group:  # what later groups read, copied: a backward may free what it hands on
+                        if last[n.name] > i:  # (PyG's GroupAddRev rebuilds its input and frees its output's storage)
+                            env[n.name] = _detached(env[n.name], copy=True)
+                    t0 = time.perf_counter()
                     if roots:
                         torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
                     if cuda:
@@ -286,17 +291,19 @@ def grouped_pass_seconds(module: torch.nn.Module, fn: Callable, program: Program
     return best
 
 
-def _detached(value):
+def _detached(value, copy: bool = False):
     """``value`` (a tensor, or a structure of them) with its tensors that ask for gradients cut from the autograd
     graph, still asking for them: a group's inputs, so that its backward stops there (the others are left as they
-    are: the hooks know the model's inputs and graphs by identity)."""
+    are: the hooks know the model's inputs and graphs by identity); ``copy``: those tensors in storage of their own."""
     if isinstance(value, Tensor):
-        return value.detach().requires_grad_() if value.requires_grad else value
+        if not value.requires_grad:
+            return value
+        return (value.detach().clone() if copy else value.detach()).requires_grad_()
     if isinstance(value, (tuple, list)):
-        items = [_detached(v) for v in value]
+        items = [_detached(v, copy) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
+        return {k: _detached(v, copy) for k, v in value.items()}
     return value
 
 

@@ -70,6 +70,9 @@ def test_one_chunk_a_way_is_predicted_from_its_own_pass():
     def fails(perm, ptr):
         raise RuntimeError("out of memory")
     assert chunk_cost.measure_whole(fails, 100, 1) is None and chunk_cost.measure_whole(None, 100, 1) is None
+    # a pass that fails is said in the line, the line's prediction standing for one chunk
+    chunks, line, _ = chunk_cost.auto_chunks(lambda perm, ptr: a + b * int(ptr[1] - ptr[0]), N, 2, 1, 8, whole_of=fails)
+    assert chunks == 4 and "one chunk a way could not be timed (RuntimeError: out of memory)" in line
     chunks, line, predicted = chunk_cost.auto_chunks(lambda perm, ptr: a + b * int(ptr[1] - ptr[0]), N, 2, 1, 8,
                                                      whole_of=lambda perm, ptr: 16.2e-3)
     assert (chunks, predicted) == (1, pytest.approx(16.2e-3)) and "one chunk a way" in line

@@ -81,16 +81,19 @@ class ChunkChoice:
     predicted: dict             # chunks a way -> predicted step seconds
     shared: float = 0.0         # u: the share of all the work a core of this machine does (0: not shared)
     whole: Optional[float] = None   # t(N / W): one chunk a way's pass, measured (None: from a and b)
+    whole_failed: Optional[str] = None  # why that pass could not be timed, when it was tried and failed
 
     def line(self, stages: int, ways: int) -> str:
         fastest = min(self.predicted, key=self.predicted.get)
         n = self.per_way * ways
+        failed = "" if self.whole_failed is None else f"; one chunk a way could not be timed ({self.whole_failed})"
         return (f"pyg_pipe: num_chunks='auto': {n} chunk{'s' * (n > 1)} ({self.per_way} a way over {stages} "
                 f"stages); predicted step {self.predicted[self.per_way]:.3g} s, the fastest "
                 f"{self.predicted[fastest]:.3g} s at {fastest * ways}; the fewest chunks within {SLACK:.0%} of it "
                 f"read the least stale history (a chunk {self.per_chunk_s * 1e3:.3g} ms + "
                 f"{self.per_row_s * 1e6:.3g} us a row, measured"
                 f"{'' if self.whole is None else f'; one chunk a way {self.whole * 1e3:.3g} ms, measured'}"
+                f"{failed}"
                 f"{'; the processes share the cores' if self.shared else ''}; num_chunks=<int> overrides).")
 
 
@@ -110,7 +113,7 @@ def shared_cores(local: int, world: int, threads: int, cores: int) -> float:
 
 
 def choose(a: float, b: float, num_nodes: int, stages: int, ways: int, shared: float = 0.0,
-           whole: Optional[float] = None) -> ChunkChoice:
+           whole: Optional[float] = None, whole_failed: Optional[str] = None) -> ChunkChoice:
     """The fewest chunks a way whose predicted step is within :data:`SLACK` of the fastest (``whole``: the
     pass over one chunk a way, measured)."""
     cap = max(1, min(MAX_PER_WAY, num_nodes // ways))
@@ -123,7 +126,7 @@ def choose(a: float, b: float, num_nodes: int, stages: int, ways: int, shared: f
     predicted = {k: predicted_step(a, b, num_nodes, stages, ways, k, shared, whole) for k in ks}
     best = min(predicted.values())
     per_way = next(k for k in ks if predicted[k] <= (1.0 + SLACK) * best)
-    return ChunkChoice(per_way, a, b, predicted, shared, whole)
+    return ChunkChoice(per_way, a, b, predicted, shared, whole, whole_failed)
 
 
 def fit(samples: List[tuple]) -> tuple:
@@ -150,16 +153,19 @@ def measure(seconds_of: Callable[[Tensor, Tensor], float], num_nodes: int, stage
     return fit(samples)
 
 
-def measure_whole(whole_of: Optional[Callable[[Tensor, Tensor], float]], num_nodes: int, ways: int) -> Optional[float]:
+def measure_whole(whole_of: Optional[Callable[[Tensor, Tensor], float]], num_nodes: int, ways: int,
+                  failed: Optional[List[str]] = None) -> Optional[float]:
     """``t(N / W)``, one chunk a way's training pass over the first of ``W`` contiguous chunks, measured
     (:func:`~..profile.grouped_pass_seconds`; why: the module docstring), or ``None`` (not measured, or it failed:
-    then ``a + b N / W`` stands)."""
+    then ``a + b N / W`` stands, and why it failed is appended to ``failed``)."""
     if whole_of is None:
         return None
     ptr = torch.linspace(0, num_nodes, ways + 1).round().long()
     try:
         return float(whole_of(torch.arange(num_nodes), ptr))
-    except Exception:  # noqa: BLE001 - the probes' line stands (a failure the run would meet shows in the run)
+    except Exception as exc:  # noqa: BLE001 - the probes' line stands (a failure the run would meet shows in the run)
+        if failed is not None:
+            failed.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
         return None
 
 
@@ -179,8 +185,9 @@ def auto_chunks(seconds_of: Callable[[Tensor, Tensor], float], num_nodes: int, s
                           f"({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0][:160]}); using {fallback} chunks (the rule of num_chunks=None: 4 "
                           f"per stage a way). Pass num_chunks=<int> to choose."), None
-    whole = measure_whole(whole_of, num_nodes, ways) if scale == 1 else None
-    choice = choose(a, b, num_nodes, stages, ways, shared, whole)
+    failed: List[str] = []
+    whole = measure_whole(whole_of, num_nodes, ways, failed) if scale == 1 else None
+    choice = choose(a, b, num_nodes, stages, ways, shared, whole, failed[0] if failed else None)
     return choice.per_way * ways, choice.line(stages, ways), choice.predicted[choice.per_way]
 
 

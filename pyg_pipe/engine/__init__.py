@@ -16,6 +16,6 @@ from .plan.formulas import gnnpipe_bytes, graph_parallel_bytes, halo_rows, ring_
 from .plan.shape import refuse_graph_builders
 from .runtime.weights import sync_module_state
 
-__all__ = ["Comm", "CATEGORIES", "CommFailure", "RemoteRankError", "GNNPipeEngine", "PipelineConfig", "refuse_graph_builders",
-           "sync_module_state", "gnnpipe_bytes", "graph_parallel_bytes", "halo_rows", "ring_halo_rows",
-           "ring_halo_bytes"]
+__all__ = ["Comm", "CATEGORIES", "CommFailure", "RemoteRankError", "GNNPipeEngine", "PipelineConfig",
+           "refuse_graph_builders", "sync_module_state", "gnnpipe_bytes", "graph_parallel_bytes", "halo_rows",
+           "ring_halo_rows", "ring_halo_bytes"]

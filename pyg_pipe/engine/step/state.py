@@ -13,9 +13,8 @@ So the first call of each mode (training, evaluation) compares the modules' stat
 (by its values' fingerprint, :func:`~pyg_pipe.model.inputs.fingerprint`) and each public number attribute (``int`` /
 ``float``, not a flag). Where the call did not run the forward once, untraced, on this process (one chunk a way and
 one stage, as graph parallelism does), a change is refused on every rank, naming the module, the attribute and the
-fix; the numbers are put back first. The statistics
-of the graph-wide norms the engine runs itself (BatchNorm's running averages, :mod:`..runtime.statistics`) are the
-engine's and not compared."""
+fix; the numbers are put back first. The statistics of the graph-wide norms the engine runs itself (BatchNorm's
+running averages, :mod:`..runtime.statistics`) are the engine's and not compared."""
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Tuple

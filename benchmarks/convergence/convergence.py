@@ -18,6 +18,8 @@ gradient scaling)::
     t1 / t2 / t3   one trick alone
     noT3      the defaults without T3 (unbiased_gradients=False: T1 and T2 on)
     noT2      the defaults without T2 (snapshot_period=None: stale reads one update old, T1 and T3 on)
+    independent    the defaults with each step's chunk order drawn alone (shuffle_chunks="independent", GNNPipe's
+              T1 and the default until 2026-11-29) instead of in pairs (an order, then its reverse)
     bound     the defaults and max_staleness=0.1 (refresh when a step's drift passes 10 %; with dropout,
               since 2026-11-26, when the probes' drift per update times the age of the next step's reads
               does: runtime/staleness.py); bound0.03 / bound0.3 the same with 0.03 / 0.3
@@ -72,6 +74,7 @@ MODES = {
     "t3": dict(shuffle_chunks=False, snapshot_period=None),
     "noT3": dict(unbiased_gradients=False),
     "noT2": dict(snapshot_period=None),
+    "independent": dict(shuffle_chunks="independent"),
     "bound": dict(max_staleness=0.1),
     "bound0.03": dict(max_staleness=0.03),
     "bound0.3": dict(max_staleness=0.3),

@@ -8,6 +8,7 @@ from typing import Callable, Dict, Optional, Sequence, Union
 import torch
 
 from ..model.trace import SplitPoint
+from .plan.schedule import SHUFFLES
 
 
 @dataclass
@@ -29,7 +30,10 @@ class PipelineConfig:
             link between two ranks timed; :mod:`.plan.grid_cost`; logged, saved in checkpoints; the chunk count is
             then ``num_chunks``'s).
             ``HybridStrategy`` and ``GraphParallelStrategy`` fix their grid.
-        shuffle_chunks: T1, a new chunk order every step (the same on every stage).
+        shuffle_chunks: T1, a new chunk order every step (the same on every stage): ``True`` (default) draws
+            them in pairs, an order and then its reverse, so that over two steps every chunk reads every other
+            chunk of its way fresh once; ``"independent"`` draws each step's alone (GNNPipe's T1); ``False``
+            keeps the chunks' own order (:mod:`.plan.schedule`).
         snapshot_period: T2, historical embeddings snapshotted every this many steps and restored in
             between (``None``: off). 11 by default: as good as the GNNPipe authors' 23 or better in every
             setting measured (GCNII, ResGCN+ and GAT; 8 and 32 chunks; 16 and 32 layers; docs/convergence.md).
@@ -126,7 +130,7 @@ class PipelineConfig:
 
     num_chunks: Optional[Union[int, str]] = "auto"
     grid: str = "pipeline"
-    shuffle_chunks: bool = True
+    shuffle_chunks: Union[bool, str] = True
     snapshot_period: Optional[int] = 11
     unbiased_gradients: bool = True
     late_gradients: bool = False
@@ -174,6 +178,10 @@ class PipelineConfig:
         if self.grid not in ("pipeline", "auto"):
             raise ValueError(f"grid={self.grid!r} must be 'pipeline' (one stage a device) or 'auto' (stages x ways "
                              f"from a measured cost model); HybridStrategy(stages=, ways=) fixes the grid by hand.")
+        if self.shuffle_chunks not in SHUFFLES or not isinstance(self.shuffle_chunks, (bool, str)):
+            raise ValueError(f"shuffle_chunks={self.shuffle_chunks!r} must be True (a new chunk order every step, "
+                             f"in pairs: an order, then its reverse), 'independent' (each step's order drawn alone) "
+                             f"or False (the chunks' own order).")
         if self.snapshot_period is not None and (not isinstance(self.snapshot_period, int)
                                                  or isinstance(self.snapshot_period, bool) or self.snapshot_period < 1):
             raise ValueError(f"snapshot_period={self.snapshot_period!r} must be a positive integer, or None to "

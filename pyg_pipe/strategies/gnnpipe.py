@@ -69,7 +69,7 @@ class GNNPipeStrategy(PostsErrors, DDPStrategy):
         self,
         num_chunks: Optional[Union[int, str]] = "auto",
         grid: str = "pipeline",
-        shuffle_chunks: bool = True,
+        shuffle_chunks: Union[bool, str] = True,
         snapshot_period: Optional[int] = 11,
         unbiased_gradients: bool = True,
         late_gradients: bool = False,

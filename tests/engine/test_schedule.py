@@ -2,7 +2,7 @@
 
 Protects the one definition the history store, the halo exchange and the backward all rely on: way
 ``w`` owns chunks ``w·cpw .. (w+1)·cpw - 1`` and runs them in the order ``π`` (the identity without
-T1, a seeded permutation shared by every rank with it); a read of chunk ``o``'s rows by chunk ``r``
+T1, a seeded permutation shared by every rank with it, drawn in pairs: an order, then its reverse); a read of chunk ``o``'s rows by chunk ``r``
 is fresh iff ``clock(o) <= clock(r)``; and T3 scales the gradient of a fresh cross-chunk read by 2,
 except for chunks that always run at the same clock as the reader (scale 1). Expected tables are
 written by hand.
@@ -50,11 +50,40 @@ def test_a_shuffled_order_and_its_clocks_match_the_hand_written_table():
     assert s.clocks(0).tolist() == [3, 4, 0, 2, 5, 1] * 2
 
 
+def _randperm(n: int, seed: int, step: int) -> list:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + step)).tolist()
+
+
+@pytest.mark.parametrize("seed,step", [(0, 0), (0, 4), (2, 0), (7, 10)])
+def test_an_even_step_draws_randperm_seeded_with_seed_times_1000003_plus_step(seed, step):
+    assert Schedule(10, 2, shuffle=True, seed=seed).local_order(step) == _randperm(5, seed, step)
+
+
+@pytest.mark.parametrize("seed,step", [(0, 1), (0, 3), (2, 1), (7, 11)])
+def test_an_odd_step_runs_the_step_before_it_in_reverse(seed, step):
+    assert Schedule(10, 2, shuffle=True, seed=seed).local_order(step) == _randperm(5, seed, step - 1)[::-1]
+
+
 @pytest.mark.parametrize("seed,step", [(0, 0), (0, 3), (2, 0), (7, 11)])
-def test_the_shuffled_order_is_randperm_seeded_with_seed_times_1000003_plus_step(seed, step):
-    s = Schedule(10, 2, shuffle=True, seed=seed)
-    want = torch.randperm(5, generator=torch.Generator().manual_seed(seed * 1_000_003 + step)).tolist()
-    assert s.local_order(step) == want
+def test_independent_orders_are_randperm_seeded_with_seed_times_1000003_plus_step(seed, step):
+    assert Schedule(10, 2, shuffle="independent", seed=seed).local_order(step) == _randperm(5, seed, step)
+
+
+@pytest.mark.parametrize("chunks,ways", [(2, 1), (5, 1), (8, 2), (12, 3)])
+def test_over_every_two_steps_each_chunk_reads_each_other_chunk_of_its_way_fresh_once(chunks, ways):
+    """T1's pairs (module docstring of the schedule): an order and its reverse, so a cross-chunk read of a way is
+    fresh in exactly one of steps 2t and 2t + 1, and T3's doubling of its gradient is exact over the two."""
+    s = Schedule(chunks, ways, shuffle=True, seed=3)
+    cpw = chunks // ways
+    for t in range(0, 8, 2):
+        for reader in range(chunks):
+            owners = torch.tensor([o for o in range(chunks) if o // cpw == reader // cpw and o != reader])
+            fresh = Schedule.fresh(s.clocks(t), owners, reader).int() + Schedule.fresh(s.clocks(t + 1), owners,
+                                                                                      reader).int()
+            assert fresh.tolist() == [1] * owners.numel()
+    independent = Schedule(chunks, ways, shuffle="independent", seed=3)  # (a coin a step: some pair is not even)
+    if cpw == 2:
+        assert any(independent.local_order(t) == independent.local_order(t + 1) for t in range(0, 16, 2))
 
 
 def test_a_shuffled_order_is_a_permutation_of_each_ways_own_chunks():

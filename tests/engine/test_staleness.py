@@ -10,7 +10,8 @@ rows it keeps a |V|-row history ``H``:
   restored from the snapshot;
 * smoothing (when on): then ``H`` is replaced by the average ``S ← γ·S + (1-γ)·H`` (``S = H`` at the
   first step);
-* T1: the chunks of every way run in the order ``randperm(C / W)`` seeded with ``seed·1000003 + t``;
+* T1: the chunks of every way run in the order ``randperm(C / W)`` seeded with ``seed·1000003 + t`` at an
+  even step ``t``, and in the reverse of step ``t - 1``'s order at an odd one;
   at each position the chunks of all ways at that position run together, layer by layer: their fresh
   rows are written into ``H`` and each layer reads its input rows from ``H`` (fresh for chunks that ran
   earlier in the step or at the same position on another way, the snapshot's otherwise);
@@ -86,7 +87,9 @@ class Reference:
                 [g * a + (1 - g) * h for a, h in zip(self.average, self.history)]
             self.history = [a.clone() for a in self.average]
         read = [h.clone() for h in self.history]   # what a stale read sees
-        order = torch.randperm(self.cpw, generator=torch.Generator().manual_seed(SEED * 1_000_003 + step)).tolist()
+        drawn = step - step % 2  # T1's pairs: an order, then its reverse
+        order = torch.randperm(self.cpw, generator=torch.Generator().manual_seed(SEED * 1_000_003 + drawn)).tolist()
+        order = order[::-1] if step % 2 else order
         position = torch.empty(x.size(0), dtype=torch.long)  # each vertex's chunk's position in its way's order
         for pos, k in enumerate(order):
             for w in range(self.ways):

@@ -20,7 +20,7 @@ def test_the_defaults_are_valid():
 
 @pytest.mark.parametrize("knobs", [
     {"num_chunks": None}, {"num_chunks": 1}, {"num_chunks": 8},
-    {"shuffle_chunks": False},
+    {"shuffle_chunks": False}, {"shuffle_chunks": "independent"},
     {"snapshot_period": None}, {"snapshot_period": 1}, {"snapshot_period": 100},
     {"unbiased_gradients": False}, {"late_gradients": True},
     {"balance": "time"}, {"balance": "layers"}, {"balance": [2, 1]}, {"balance": (1, 1, 1)},
@@ -124,6 +124,12 @@ def test_max_staleness_needs_the_meter():
 def test_smoothing_must_be_a_momentum(bad):
     with pytest.raises(ValueError, match="smoothing="):
         PipelineConfig(smoothing=bad).validate()
+
+
+@pytest.mark.parametrize("bad", ["paired", "Independent", 1, None])
+def test_shuffle_chunks_is_true_false_or_independent(bad):
+    with pytest.raises(ValueError, match=r"shuffle_chunks=.* must be True .* 'independent' .* or False"):
+        PipelineConfig(shuffle_chunks=bad).validate()
 
 
 @pytest.mark.parametrize("bad", [1, "yes", None])

@@ -12,7 +12,7 @@ from torch import nn
 from torch_geometric import nn as gnn
 from torch_geometric.nn import GAT, GCN
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
-from torch_geometric.utils import degree
+from torch_geometric.utils import degree, to_torch_coo_tensor
 
 from tests.shapes import H, _plain, graph
 
@@ -182,6 +182,34 @@ def _labels(g):
     return dict(x=x, y=y, label_mask=known, edge_index=e["edge_index"])
 
 
+class SparseInForward(nn.Module):
+    """A sparse adjacency built by hand in forward from the edges, sized by the vertex count, and multiplied with
+    the features (a mean of neighbours without a layer); on a cut graph its indices reach past that count, and the
+    product ran outside the tensor's memory until 2026-11-29 (the process aborted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.c1, self.c2 = nn.Linear(8, H), gnn.SAGEConv(H, H), gnn.SAGEConv(H, 3)
+
+    def forward(self, x, edge_index):
+        n = x.size(0)
+        adj = torch.sparse_coo_tensor(edge_index.flip(0), torch.ones(edge_index.size(1), dtype=x.dtype), (n, n))
+        return self.c2(self.c1(self.lin(adj @ x).relu(), edge_index).relu(), edge_index)
+
+
+class TwoHopInForward(nn.Module):
+    """PyG's ``to_torch_coo_tensor`` in forward and its square: a two-hop graph for the first layer (crashed the
+    process the same way until 2026-11-29)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = gnn.SAGEConv(8, H), gnn.SAGEConv(H, 3)
+
+    def forward(self, x, edge_index):
+        a = to_torch_coo_tensor(edge_index, size=x.size(0))
+        return self.c2(self.c1(x, (a @ a).coalesce().indices()).relu(), edge_index)
+
+
 MORE = {
     "EdgeCNN": (lambda: gnn.EdgeCNN(8, H, 3, 3), _plain),
     "GATv2": (lambda: GAT(8, H, 3, 3, v2=True, heads=2), _plain),
@@ -201,4 +229,6 @@ MORE = {
     "graph-wide-weight": (GraphWideWeight, _plain),
     "per-vertex-state-written": (WritesPerVertexState, _plain),
     "per-vertex-in-a-layer": (PerVertexInALayer, _plain),
+    "sparse-adjacency-in-forward": (SparseInForward, _plain),
+    "two-hop-in-forward": (TwoHopInForward, _plain),
 }

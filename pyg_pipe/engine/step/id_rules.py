@@ -170,6 +170,41 @@ def reads_at_ids(name: str, args, kwargs, rows, is_ids) -> Optional[Tuple[Tensor
     return None
 
 
+#: sparse tensors built from indices (positional place of their ``size``): from vertex ids at edge ends, a graph built
+#: inside forward; and the conversion of sorted row ids into CSR row pointers that builds one (``index2ptr``)
+SPARSE = {"sparse_coo_tensor": 2, "_sparse_coo_tensor_unsafe": 2, "sparse_csr_tensor": 3, "sparse_csc_tensor": 3,
+          "sparse_compressed_tensor": 3, "_sparse_csr_tensor_unsafe": 3, "_sparse_compressed_tensor_unsafe": 3,
+          "_convert_indices_from_coo_to_csr": None}
+
+
+def fitted(name: str, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+    """The arguments of a refused sparse construction (:data:`SPARSE`) that keep it inside its memory while the pass
+    goes on: a size counted on the chunk (``x.size(0)``) is smaller than the ids its edges hold (the halo's are
+    numbered after its rows), and torch does not check the indices, so the tensor would reach past its end and
+    what runs on it write outside it. Each sparse dimension is grown to hold its indices; row pointers are made from
+    ids clamped to the count. (Host synchronisations, on the checked pass only.)"""
+    at = SPARSE[name]
+    if at is None:  # (row ids, count): ids beyond the count would write past the pointers' end
+        size, ids = _arg(args, kwargs, 1, "size"), _arg(args, kwargs, 0, "input")
+        if not (isinstance(size, int) and isinstance(ids, Tensor) and size > 0 and len(args) >= 2):
+            return args, kwargs
+        return (ids.clamp(0, size - 1), *args[1:]), kwargs
+    size = _arg(args, kwargs, at, "size")
+    if size is None:  # (torch takes it from the indices)
+        return args, kwargs
+    first = _arg(args, kwargs, 0, "indices", "crow_indices", "ccol_indices")
+    second = _arg(args, kwargs, 1, "col_indices", "row_indices")
+    size = list(size)
+    if at == 2 and isinstance(first, Tensor) and first.numel():    # COO: [sparse dims, nnz]
+        size[:first.size(0)] = [max(n, int(m) + 1) for n, m in zip(size, first.amax(1).tolist())]
+    elif "cs" in name and isinstance(first, Tensor) and isinstance(second, Tensor):   # CSR / CSC: pointers, indices
+        p, i = (0, 1) if "csr" in name else (1, 0)
+        size[p], size[i] = first.numel() - 1, max(size[i], int(second.max()) + 1 if second.numel() else 0)
+    if len(args) > at:
+        return (*args[:at], tuple(size), *args[at + 1:]), kwargs
+    return args, {**kwargs, "size": tuple(size)}
+
+
 #: comparisons that vertex ids answer alike in any numbering (``edge_index[0] != edge_index[1]``: self loops; two
 #: graphs compared with ``torch.equal``)
 SAME = {"eq", "ne", "__eq__", "__ne__", "equal"}

@@ -55,6 +55,15 @@ def at_edges(found: str, cut: str) -> str:
             f"x_j / x_i), {EXACT}")
 
 
+def built_graph(found: str, cut: str) -> str:
+    """A graph (a sparse adjacency) built in the forward from the graph's edges."""
+    return (f"{_opening(found)}, outside the MessagePassing layers. With {cut}, each process holds the edges into part "
+            f"of the vertices at a time (its halo's vertices numbered after them), so the graph built would be part of "
+            f"the whole graph, numbered differently. Build it in the data pipeline and pass it to forward (a "
+            f"transform, e.g. T.ToSparseTensor(), or data.adj2 = ...: every graph passed to forward is cut into "
+            f"chunks), {EXACT}")
+
+
 def partial_sums(found: str, cut: str, layer: str) -> str:
     """A layer's per-vertex sum over its edges used where it is partial."""
     return (f"{_opening(found)}. With {cut}, layer '{layer}' holds the edges into part of the vertices at a time, so "

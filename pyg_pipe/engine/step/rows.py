@@ -53,7 +53,7 @@ from ..tree import flatten
 from . import row_messages as texts
 from .count_uses import float_use, made_float
 from .counts import POSITIONAL, QUERIES, SIZED, as_value, count_of, counted_dim, has_count, uses_positions
-from .id_rules import SAME, Ids, as_values, in_bounds, padded, reads_at_ids, scatter_index
+from .id_rules import SAME, SPARSE, Ids, as_values, fitted, in_bounds, padded, reads_at_ids, scatter_index
 from .row_layout import GROUPS, RESHAPES, Followed
 from .row_rules import by_index, caller, in_propagate, op_name, tensors, users
 from .rowwise import UNKNOWN, judge
@@ -82,18 +82,16 @@ class RowCheck(TorchFunctionMode):
         self._read_at: Dict[Any, set] = {}  # code object -> (line, dimension) where the user's code read a count
         self.ids = Ids()                  # tensors holding vertex ids at edge ends (:mod:`.id_rules`)
         self._graphs_of: Any = None       # the run whose handed graphs were marked as ids
-        self._sums: Dict[int, Any] = {}  # per-vertex sums over a layer's edges at their destinations (and what
-        #                                   is computed from them): complete for the chunk's rows only
+        self._sums: Dict[int, Any] = {}  # sums over a layer's edges at their destinations: whole for its rows only
 
     def next_chunk(self, rows: int) -> None:
-        """The checked pass goes on to another chunk of ``rows`` rows: every chunk of the pass is followed (what one
-        chunk cannot run, another may not even reach; each runs to its end and the verdict comes after the pass)."""
+        """The pass goes on to a chunk of ``rows`` rows: every chunk is followed to its end (what one cannot run,
+        another may not reach); the verdict comes after the pass."""
         self.rows = rows
         self.tracked, self.ids, self._sums, self._graphs_of = Followed(), Ids(), {}, None
 
     def refuse(self, message: str) -> None:
-        """A refusal found while the pass runs on this rank: raised on every rank after the pass
-        (:meth:`verdict`), so that no rank stops while another waits for it."""
+        """A refusal found in the pass on this rank: raised on every rank after it (:meth:`verdict`), none waiting."""
         if self.refusal is None:
             self.refusal = message
 
@@ -188,7 +186,7 @@ class RowCheck(TorchFunctionMode):
             try:
                 return func(*args, **kwargs)
             except Exception as exc:  # on part of the rows it cannot even run: say why, on every rank alike
-                raise UnsupportedModelError(self.message(self.found)) from exc
+                raise UnsupportedModelError(self.refusal or self.message(self.found)) from exc
         try:
             out = func(*args, **kwargs)
         except RuntimeError as exc:  # a reshape into groups of rows this chunk's row count does not divide
@@ -209,6 +207,9 @@ class RowCheck(TorchFunctionMode):
         name = op_name(func)
         if name in QUERIES and self.ids.has(args[0]):  # the number of edges (or positions): a count
             return self._count(caller(3), name, args, func(*args, **kwargs), args[0].dim() - 1)
+        if name in SPARSE:  # a graph built from the edges: refused; meanwhile kept inside its memory
+            self._refuse_edges(name, "builds a graph (a sparse tensor) from the graph's edges", text=texts.built_graph)
+            return func(*(fit := fitted(name, args, kwargs))[0], **fit[1])
         at = scatter_index(name, args, kwargs)
         if at is not None and self.ids.has(at):
             if self.ids.kind(at) == "own":
@@ -266,10 +267,9 @@ class RowCheck(TorchFunctionMode):
         if self.refusal is None:
             self.refuse(texts.counted(self._describe(caller(), name, what, None), self.cut))
 
-    def _refuse_edges(self, name: str, what: str, v: Optional[int] = None) -> None:
+    def _refuse_edges(self, name: str, what: str, v: Optional[int] = None, text=texts.at_edges) -> None:
         if self.refusal is None:
-            found = self._describe(caller(4), name, what, v)
-            self.refuse(texts.at_edges(found, self.cut))
+            self.refuse(text(self._describe(caller(4), name, what, v), self.cut))
 
     # ------------------------------------------------------------------ inside a layer
     def _in_layer(self, inv, func, args, kwargs):

@@ -12,7 +12,7 @@ from torch import nn
 from torch_geometric import nn as gnn
 from torch_geometric.nn import GAT, GCN
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
-from torch_geometric.utils import degree, to_torch_coo_tensor
+from torch_geometric.utils import degree, to_torch_coo_tensor, to_torch_csr_tensor
 
 from tests.shapes import H, _plain, graph
 
@@ -210,6 +210,19 @@ class TwoHopInForward(nn.Module):
         return self.c2(self.c1(x, (a @ a).coalesce().indices()).relu(), edge_index)
 
 
+class CSRInForward(nn.Module):
+    """PyG's ``to_torch_csr_tensor`` of the transpose in forward, sized by the vertex count, times the features (aborted
+    the process the same way until 2026-11-29)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.c1, self.c2 = nn.Linear(8, H), gnn.SAGEConv(H, H), gnn.SAGEConv(H, 3)
+
+    def forward(self, x, edge_index):
+        adj = to_torch_csr_tensor(edge_index.flip(0), size=x.size(0))
+        return self.c2(self.c1(self.lin(adj @ x).relu(), edge_index).relu(), edge_index)
+
+
 MORE = {
     "EdgeCNN": (lambda: gnn.EdgeCNN(8, H, 3, 3), _plain),
     "GATv2": (lambda: GAT(8, H, 3, 3, v2=True, heads=2), _plain),
@@ -231,4 +244,5 @@ MORE = {
     "per-vertex-in-a-layer": (PerVertexInALayer, _plain),
     "sparse-adjacency-in-forward": (SparseInForward, _plain),
     "two-hop-in-forward": (TwoHopInForward, _plain),
+    "csr-in-forward": (CSRInForward, _plain),
 }

@@ -43,10 +43,12 @@ WRITTEN = ["WritesPerVertexState.memory has one row per vertex", "changed it in 
 # a per-vertex tensor a layer holds itself: refused where the graph is cut, naming the fix (hold it in the model)
 IN_LAYER = ["Layer 'c1' (_EncodedConv) holds 'pe', a tensor with one row per vertex", "Hold it in the model instead"]
 BUILT = ["calls `sparse_coo_tensor`", "builds a graph (a sparse tensor) from the graph's edges", "data pipeline"]
-#: a two-hop graph from PyG's to_torch_coo_tensor: its coalesce numbers edges by x.size(0) first; fx cannot trace it
-TWO_HOP = {"size": ["calls `mul_`", "uses a number read from a size"],
-           "trace": ["cannot split TwoHopInForward", "to_torch_coo_tensor"],
+#: a two-hop graph from PyG's to_torch_coo_tensor, a product with its to_torch_csr_tensor: their coalesce numbers edges
+#: by x.size(0) first; fx cannot trace them
+SIZE = ["calls `mul_`", "uses a number read from a size"]
+TWO_HOP = {"size": SIZE, "trace": ["cannot split TwoHopInForward", "to_torch_coo_tensor"],
            "graph": ["Layer 'c1' (SAGEConv) receives a graph computed inside forward"]}
+CSR_TRACE = ["cannot split CSRInForward", "to_torch_csr_tensor"]
 # refused wherever the graph is cut
 CUT = {"sparse-adjacency-in-forward": BUILT,
        "degree-in-forward": DEGREE, "gcn_norm-in-forward": DEGREE, "edge-features-in-forward": ENDPOINTS,
@@ -59,20 +61,23 @@ SHALLOW = {"RECT_L": TOO_SHALLOW, "LINKX": TOO_SHALLOW, "SGConv-as-the-model": T
 # (per_chunk_statistics="auto"): exact at lr = 0; streaming still refuses them
 REFUSED = {
     "graph_parallel": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "GPSConv": ATTENTION, "FastRGCN-featureless": EDGE_IDS,
-                       "SGFormer": GLOBAL, "two-hop-in-forward": TWO_HOP["size"], **CUT},
+                       "SGFormer": GLOBAL, "two-hop-in-forward": TWO_HOP["size"],
+                       "csr-in-forward": SIZE, **CUT},
     "pipeline": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW,
                  "PMLP": NO_LAYER, "per-vertex-state-written": ["changes the values of its buffer `memory`"],
-                 "two-hop-in-forward": TWO_HOP["trace"], **SHALLOW},
+                 "two-hop-in-forward": TWO_HOP["trace"], "csr-in-forward": CSR_TRACE, **SHALLOW},
     "chunks": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "control-flow": UNSPLITTABLE, "APPNP-one-layer": TOO_SHALLOW,
                "FastRGCN-featureless": EDGE_IDS, "GPSConv": ATTENTION, "PMLP": NO_LAYER,
-               "SGFormer": GLOBAL, "two-hop-in-forward": TWO_HOP["trace"], **SHALLOW, **CUT},
+               "SGFormer": GLOBAL, "two-hop-in-forward": TWO_HOP["trace"], "csr-in-forward": CSR_TRACE, **SHALLOW,
+               **CUT},
     "graph_parallel_chunks": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "FastRGCN-featureless": EDGE_IDS,
-                              "GPSConv": ATTENTION, "SGFormer": GLOBAL, "two-hop-in-forward": TWO_HOP["size"], **CUT},
+                              "GPSConv": ATTENTION, "SGFormer": GLOBAL, "two-hop-in-forward": TWO_HOP["size"],
+                              "csr-in-forward": SIZE, **CUT},
     "streaming": {"GraphUNet": POOLING, "HypergraphConv": HYPER, "GCN-batchnorm": STATS, "GCN-graphnorm": STATS,
                   "FastRGCN-featureless": EDGE_IDS,
                   "GCN-pyg-layernorm-graph": STATS, "GPSConv": ATTENTION, "PMLP": STATS,
                   "Polynormer-local": STATS, "SGFormer": STATS, "LINKX": STATS, "two-hop-in-forward": TWO_HOP["graph"],
-                  **CUT},
+                  "csr-in-forward": SIZE, **CUT},
 }
 
 

@@ -43,9 +43,9 @@ def verdict(rt: Runtime, check: RowCheck, kind: tuple) -> None:
 
 def run_checked(rt: Runtime, check: Optional[RowCheck], runner, args, kwargs, given) -> tuple:
     """``runner.run(args, kwargs, given)``, under ``check`` where there is one (the first pass of a kind of call over
-    part of the graph, :func:`row_check`); an error raised there that is not pyg_pipe's own raises what the check had
-    found before it (what cutting the graph broke), else says what is cut (:func:`.row_messages.failed`), the
-    original error its cause."""
+    part of the graph, :func:`row_check`); an error raised there that is not pyg_pipe's own raises the refusal the check
+    recorded before it (what cutting the graph broke: a graph built from the edges, a size used as a value), else says
+    what is cut (:func:`.row_messages.failed`), the original error its cause."""
     if check is None:
         return runner.run(args, kwargs, given)
     check.returned(list(given.values()))
@@ -55,8 +55,7 @@ def run_checked(rt: Runtime, check: Optional[RowCheck], runner, args, kwargs, gi
         except Exception as exc:  # noqa: BLE001 - an error of the model's code on part of the graph
             if type(exc).__module__.startswith("pyg_pipe") or isinstance(exc, _NOT_THE_MODELS):
                 raise  # (pyg_pipe's own: refusals, a peer's failure or silence, the streamed pass's barriers)
-            known = check.refusal or (check.message(check.found) if check.found is not None else None)
-            raise UnsupportedModelError(known or texts.failed(method_name(rt), exc, check.cut)) from exc  # (its cause)
+            raise UnsupportedModelError(check.refusal or texts.failed(method_name(rt), exc, check.cut)) from exc
 
 
 #: errors a pass can meet that say nothing about the model's code on part of the graph: out of memory, and the

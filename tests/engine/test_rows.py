@@ -368,6 +368,47 @@ REFUSED.update({"mean_inside_second_layer": (lambda: InsideNet(_centre_rows, Fal
                 "float_count_inside_first_layer": (lambda: InsideNet(_float_count, True), "plain Python number")})
 
 
+class InPropagate(gnn.MessagePassing):
+    """A custom layer whose ``message`` computes ``on_edges(x_j)`` and whose ``update`` computes ``on_rows(aggr_out)``:
+    inside propagate (combining rows there was silently wrong with chunks or ways until 2026-11-29: 0.6 - 2.7 off)."""
+
+    def __init__(self, on_edges, on_rows, channels: int = H):
+        super().__init__(aggr="add")
+        self.on_edges, self.on_rows, self.lin = on_edges, on_rows, nn.Linear(channels, H)
+
+    def forward(self, x, edge_index):
+        return self.propagate(edge_index, x=self.lin(x))
+
+    def message(self, x_j, x_i, index, size_i):
+        return self.on_edges(x_j, x_i, index, size_i)
+
+    def update(self, aggr_out):
+        return self.on_rows(aggr_out)
+
+
+def _in_propagate(on_edges=lambda x_j, x_i, index, n: x_j, on_rows=lambda a: a, first: bool = False):
+    class Net(InsideNet):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.conv1 = InPropagate(on_edges, on_rows, 8) if first else gnn.GCNConv(8, H)
+            self.conv2 = gnn.GCNConv(H, H) if first else InPropagate(on_edges, on_rows)
+            self.conv3 = gnn.GCNConv(H, 3)
+    return Net
+
+
+def _attention(x_j, x_i, index, n):
+    from torch_geometric.utils import softmax
+    return softmax((x_i * x_j).sum(-1), index, num_nodes=n).unsqueeze(-1) * x_j
+
+
+REFUSED.update({"mean_in_message": (_in_propagate(lambda x_j, x_i, index, n: x_j - x_j.mean(0)), "mean"),
+                "mean_in_message_first_layer": (_in_propagate(lambda x_j, x_i, index, n: x_j - x_j.mean(0),
+                                                              first=True), "mean"),
+                "softmax_over_edges_in_message": (_in_propagate(lambda x_j, x_i, index, n: torch.softmax(x_j, 0)),
+                                                  "softmax"),
+                "columns_normalised_in_update": (_in_propagate(on_rows=lambda a: F.normalize(a, dim=0)), "normalize")})
+
+
 def _row_local(self, x, ei, batch):
     """Row-by-row work that looks like the refused cases along another dimension."""
     x = x - x.mean(1, keepdim=True) + F.normalize(x, dim=-1) + torch.softmax(x, -1)
@@ -424,6 +465,9 @@ ACCEPTED = {"row_local": lambda: Two(_row_local), "jk_lstm": JK, "torch_instance
             "row_by_row_inside_second_layer": lambda: InsideNet(_row_by_row, False),
             "sizes_inside_first_layer": lambda: InsideNet(_sizes, True),
             "sizes_inside_second_layer": lambda: InsideNet(_sizes, False),
+            "row_by_row_in_propagate": _in_propagate(lambda x_j, x_i, index, n: F.normalize(x_j, dim=-1) * x_i.relu(),
+                                                     lambda a: F.normalize(a, dim=-1) + a.relu()),
+            "attention_over_in_edges_in_message": _in_propagate(_attention, first=True),
             **{k: _with_edges(f) for k, f in EDGES_ACCEPTED.items()},
             "edge_weight_per_edge": lambda: Weighted(lambda s, x, w: (x, torch.sigmoid(w) * w.new_ones(w.size(0))))}
 

@@ -11,7 +11,7 @@ from ...model.errors import UnsupportedModelError
 from . import row_messages as texts
 from .counts import QUERIES, has_count, uses_positions
 from .id_rules import in_bounds, padded, reads_at_ids, scatter_index
-from .row_rules import by_index, caller, in_propagate, op_name, tensors, users
+from .row_rules import _arg, by_index, caller, in_propagate, op_name, tensors, users
 from .rowwise import judge
 
 
@@ -48,7 +48,7 @@ class LayerRows:
         sums = [(t, 0) for t in tens if self._partial(t)]
         ids = any(self.ids.has(t) for t in tens)
         if in_propagate():  # (message, aggregate: rows joined by the engine; only groupings at the sources judged)
-            return self._in_propagate(inv, func, args, kwargs) if ids else func(*args, **kwargs)
+            return self._in_propagate(inv, func, args, kwargs)
         if not held and not sums and not ids:
             return func(*args, **kwargs)
         name = op_name(func)
@@ -90,20 +90,43 @@ class LayerRows:
         return out
 
     def _in_propagate(self, inv, func, args, kwargs):
-        """An operation on vertex ids inside ``propagate`` (``message``, ``aggregate``, ...), where the engine has
-        joined the sources' rows: the ids are followed (PyG hands ``message`` ``edge_index_j`` and ``edge_index_i``),
-        and a sum, maximum or softmax over the edges grouped by their sources (``degree(edge_index_j)``,
-        ``softmax(a, edge_index_j)``) is refused: a chunk holds the edges into its rows only, so each source's
-        out-edges are partial everywhere (silently wrong until 2026-11-29). Grouped by the destinations (PyG's
-        aggregation, its softmax over in-edges) it is complete for the chunk's rows and runs as it is."""
-        name = op_name(func)
+        """An operation inside ``propagate`` (``message``, ``aggregate``, ``update``), where the engine has joined the
+        sources' rows. The layer's vertex ids are followed (PyG hands ``message`` ``edge_index_j`` and
+        ``edge_index_i``), and so are the rows read at them (``x_j``, ``x_i``: a row per edge) and what a scatter at
+        the destinations makes (the aggregation: a row per vertex of the chunk), through what is computed from them.
+        Refused: a sum, maximum or softmax over the edges grouped by their sources (``degree(edge_index_j)``,
+        ``softmax(a, edge_index_j)``; a chunk holds the edges into its rows only, so each source's out-edges are
+        partial everywhere), and an operation of the user's code combining those rows (``x_j.mean(0)`` in ``message``,
+        ``F.normalize(aggr_out, dim=0)`` in ``update``): the chunk's edges and rows only (both silently wrong until
+        2026-11-29). Grouped by the destinations (PyG's aggregations, its softmax over in-edges) it runs as it is;
+        PyG's own code inside ``propagate`` (its layers', its aggregations' dense batches) is followed, not judged."""
+        name, tens, frame = op_name(func), tensors(args, kwargs), caller(4)
+        if not tens or (frame is not None and frame.f_globals.get("__name__", "").startswith("pyg_pipe")):
+            return func(*args, **kwargs)  # (or the engine's own: the halo join in propagate's hook, fused kernels)
         at = scatter_index(name, args, kwargs)
+        ids = any(self.ids.has(t) for t in tens)
         if at is not None and self.ids.has(at) and self.ids.kind(at) not in ("dst", "own"):
             self._refuse_sum(inv, name, "groups the layer's edges by their sources inside propagate (a sum, maximum "
                                         "or softmax over each vertex's out-edges)" + texts.ENDS[inv.reverse], 6)
             args = in_bounds(name, args, kwargs)
+        held = [(t, d) for t in tens if not self.ids.has(t) for d in [self.vdim(t, edges=True)] if d is not None]
+        user = users(frame)  # (PyG's own code there, its layers' and aggregations', is followed, not judged)
+        if user and held and self.found is None and not ids and not by_index(name, args):
+            what = judge(name, args, kwargs, held)
+            if what is not None:
+                self.found = self._describe(frame, name, what, held[0][1], self.tracked.per_edge(held[0][0]))
         out = func(*args, **kwargs)
-        self.ids.follow(name, args, kwargs, out)
+        if ids and self.ids.follow(name, args, kwargs, out):
+            return out
+        dim = _arg(args, kwargs, 1, "dim")
+        if at is not None and self.ids.kind(at) in ("dst", "own") and isinstance(dim, int) and isinstance(out, Tensor):
+            self.tracked.add(out, dim % out.dim())           # per-vertex results of a scatter at the destinations
+        elif ids and name in ("index_select", "__getitem__") and isinstance(out, Tensor):
+            self.tracked.add(out, (dim if name == "index_select" else 0) % out.dim(), edges=True)  # rows read at ids
+        elif held and user:
+            self._follow(name, args, kwargs, held, out, 5)
+        elif held:
+            self.tracked.follow(name, args, kwargs, *held[0], out, lambda p: self.vdim(p, edges=True))
         return out
 
     def edges(self, g: Any, reverse: bool = False) -> None:

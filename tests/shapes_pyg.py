@@ -223,6 +223,34 @@ class CSRInForward(nn.Module):
         return self.c2(self.c1(self.lin(adj @ x).relu(), edge_index).relu(), edge_index)
 
 
+class RootInUpdate(gnn.MessagePassing):
+    """A hand-written layer adding its root term in ``update(aggr_out, x)`` (PyG's tutorials' pattern): refused with a
+    ``TypeError`` until 2026-11-29, its ``x`` the engine's pair ``(rows | halo, rows)`` where one device gives a
+    tensor."""
+
+    def __init__(self, i, o):
+        super().__init__(aggr="mean")
+        self.neighbours, self.root = nn.Linear(i, o), nn.Linear(i, o)
+
+    def forward(self, x, edge_index):
+        return self.propagate(edge_index, x=x)
+
+    def message(self, x_j):
+        return self.neighbours(x_j)
+
+    def update(self, aggr_out, x):
+        return aggr_out + self.root(x)
+
+
+class RootInUpdateNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2, self.c3 = RootInUpdate(8, H), RootInUpdate(H, H), RootInUpdate(H, 3)
+
+    def forward(self, x, edge_index):
+        return self.c3(self.c2(self.c1(x, edge_index).relu(), edge_index).relu(), edge_index)
+
+
 MORE = {
     "EdgeCNN": (lambda: gnn.EdgeCNN(8, H, 3, 3), _plain),
     "GATv2": (lambda: GAT(8, H, 3, 3, v2=True, heads=2), _plain),
@@ -245,4 +273,5 @@ MORE = {
     "sparse-adjacency-in-forward": (SparseInForward, _plain),
     "two-hop-in-forward": (TwoHopInForward, _plain),
     "csr-in-forward": (CSRInForward, _plain),
+    "root-in-update": (RootInUpdateNet, _plain),
 }

@@ -134,6 +134,7 @@ class Invocation:
     reverse: bool = False     # the layer aggregates at edge_index[0] (flow="target_to_source")
     extended: tuple = ()      # a clean whole-local-graph call: its node arguments as extended (..step.direct)
     restore: Dict[str, Any] = field(default_factory=dict)
+    pairs: Dict[int, tuple] = field(default_factory=dict)   # pairs made for propagate -> (pair, rows) (..step.update)
 
     @property
     def several(self) -> bool:

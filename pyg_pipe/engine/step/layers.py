@@ -52,7 +52,7 @@ from torch_geometric.nn import MessagePassing
 from ...model.errors import UnsupportedModelError
 from ...model.norms import needs_statistics
 from ..context import ChunkContext, Invocation, Site, current
-from . import aggregations, degrees
+from . import aggregations, degrees, update
 from .arguments import (argument_kind, clean_input, each, edge_chunking, extend, is_sparse, narrow, parameter_names,
                         reads_edge_ids, relocalise_edges, resolve_graphs, reversed_graphs, reversed_pairs, row_graph,
                         source_names, vertex_dim, vertex_ids)
@@ -92,7 +92,7 @@ class LayerHooks:
             if hasattr(type(m), "get_attention_loss") and _whole_local_graph(type(m)):
                 m.get_attention_loss = _attention_loss(name, m, self.plan)
                 self.patched.append(m)
-            self.patched += aggregations.install(name, m)
+            self.patched += aggregations.install(name, m) + update.install(m)
             stats = any(needs_statistics(s) for s in m.modules())
             self.handles += [
                 m.register_forward_pre_hook(_entry(name, self.outside), with_kwargs=True),
@@ -110,7 +110,8 @@ class LayerHooks:
         for h in self.handles:
             h.remove()
         for m in self.patched:  # (layers' edge_updater and get_attention_loss; aggregations' own)
-            for attr in ("edge_updater", "get_attention_loss") if isinstance(m, MessagePassing) else aggregations.ATTRS:
+            for attr in ("edge_updater", "get_attention_loss", "update") if isinstance(m, MessagePassing) \
+                    else aggregations.ATTRS:
                 m.__dict__.pop(attr, None)
         self.handles, self.patched = [], []
 
@@ -366,7 +367,8 @@ def _sources(name: str, args_attr: str, stats: bool):
                 kwargs[arg] = type(value)((*value[:j], joined, *value[j + 1:]))
             elif inv.rows_only and not fused and module.decomposed_layers == 1:  # sources [rows | halo], dest. [rows]
                 #                                          (decomposed layers split x, not a pair: x_j read only)
-                kwargs[arg] = (joined, t)
+                kwargs[arg] = pair = (joined, t)
+                inv.pairs[id(pair)] = (pair, t)  # (what update() reads of it: the chunk's rows, .update)
             else:
                 kwargs[arg] = joined
         if inv.rows_only and not fused and lg.rows != lg.num_local:

@@ -406,7 +406,9 @@ REFUSED.update({"mean_in_message": (_in_propagate(lambda x_j, x_i, index, n: x_j
                                                               first=True), "mean"),
                 "softmax_over_edges_in_message": (_in_propagate(lambda x_j, x_i, index, n: torch.softmax(x_j, 0)),
                                                   "softmax"),
-                "columns_normalised_in_update": (_in_propagate(on_rows=lambda a: F.normalize(a, dim=0)), "normalize")})
+                "columns_normalised_in_update": (_in_propagate(on_rows=lambda a: F.normalize(a, dim=0)), "normalize"),
+                "edge_count_in_message": (_in_propagate(lambda x_j, x_i, index, n: x_j * (100.0 / x_j.size(0))),
+                                          "plain Python number")})
 
 
 def _row_local(self, x, ei, batch):

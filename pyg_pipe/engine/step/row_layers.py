@@ -98,7 +98,8 @@ class LayerRows:
         ``softmax(a, edge_index_j)``; a chunk holds the edges into its rows only, so each source's out-edges are
         partial everywhere), and an operation of the user's code combining those rows (``x_j.mean(0)`` in ``message``,
         ``F.normalize(aggr_out, dim=0)`` in ``update``): the chunk's edges and rows only (both silently wrong until
-        2026-11-29). Grouped by the destinations (PyG's aggregations, its softmax over in-edges) it runs as it is;
+        2026-11-29), or a count of them used as a value (``inputs.size(0)`` in ``aggregate``; :mod:`.counts`).
+        Grouped by the destinations (PyG's aggregations, its softmax over in-edges) it runs as it is;
         PyG's own code inside ``propagate`` (its layers', its aggregations' dense batches) is followed, not judged."""
         name, tens, frame = op_name(func), tensors(args, kwargs), caller(4)
         if not tens or (frame is not None and frame.f_globals.get("__name__", "").startswith("pyg_pipe")):
@@ -111,6 +112,12 @@ class LayerRows:
             args = in_bounds(name, args, kwargs)
         held = [(t, d) for t in tens if not self.ids.has(t) for d in [self.vdim(t, edges=True)] if d is not None]
         user = users(frame)  # (PyG's own code there, its layers' and aggregations', is followed, not judged)
+        if user and has_count(args, kwargs):  # a count of those rows (inputs.size(0)): the chunk's, as in forward
+            made = self._counted(name, func, args, kwargs)
+            if made is not None:
+                return made
+        if user and name in QUERIES and held and held[0][0] is args[0]:
+            return self._count(frame, name, args, func(*args, **kwargs), held[0][1])
         if user and held and self.found is None and not ids and not by_index(name, args):
             what = judge(name, args, kwargs, held)
             if what is not None:

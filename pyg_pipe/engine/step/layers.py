@@ -109,7 +109,7 @@ class LayerHooks:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-        for m in self.patched:  # (layers' edge_updater and get_attention_loss; aggregations' own)
+        for m in self.patched:  # (layers' edge_updater, get_attention_loss, update; aggregations' own)
             for attr in ("edge_updater", "get_attention_loss", "update") if isinstance(m, MessagePassing) \
                     else aggregations.ATTRS:
                 m.__dict__.pop(attr, None)
@@ -368,7 +368,7 @@ def _sources(name: str, args_attr: str, stats: bool):
             elif inv.rows_only and not fused and module.decomposed_layers == 1:  # sources [rows | halo], dest. [rows]
                 #                                          (decomposed layers split x, not a pair: x_j read only)
                 kwargs[arg] = pair = (joined, t)
-                inv.pairs[id(pair)] = (pair, t)  # (what update() reads of it: the chunk's rows, .update)
+                update.keep(inv, module, pair, t)  # (what an update() reading it gets: the chunk's rows)
             else:
                 kwargs[arg] = joined
         if inv.rows_only and not fused and lg.rows != lg.num_local:

@@ -46,6 +46,13 @@ def install(module: MessagePassing) -> List[MessagePassing]:
     return [module]
 
 
+def keep(inv, module: MessagePassing, pair: tuple, rows) -> None:
+    """Notes a pair the engine made for ``module``'s propagate, ``(rows | halo, rows)``, where its ``update`` reads
+    arguments (for the wrapper to hand over ``rows``); nothing for the other layers."""
+    if reads_arguments(type(module)):
+        inv.pairs[id(pair)] = (pair, rows)
+
+
 def _rows(pairs: dict, value):
     hit = pairs.get(id(value))
     return hit[1] if hit is not None and hit[0] is value else value
